@@ -1,0 +1,1 @@
+"""Ops of lightning_jax, one folder per op."""

@@ -1,0 +1,25 @@
+"""Lightning Attention: chunked causal linear attention with per-head decay."""
+
+from lightning_jax.ops.lightning_attention.api import lightning_attention
+from lightning_jax.ops.lightning_attention.config import (
+    ChunkLoopConfig,
+    ChunkOutputConfig,
+    ChunkStatesConfig,
+    LightningConfig,
+)
+from lightning_jax.ops.lightning_attention.reference import (
+    lightning_attention_quadratic,
+    lightning_attention_recurrent,
+)
+from lightning_jax.ops.lightning_attention.xla import lightning_attention_chunked
+
+__all__ = [
+    "ChunkLoopConfig",
+    "ChunkOutputConfig",
+    "ChunkStatesConfig",
+    "LightningConfig",
+    "lightning_attention",
+    "lightning_attention_chunked",
+    "lightning_attention_quadratic",
+    "lightning_attention_recurrent",
+]

@@ -1,0 +1,243 @@
+"""Block configurations of the Pallas kernels, chosen per device.
+
+One frozen, keyword-only dataclass per kernel; `LightningConfig` bundles them
+for the `config=` argument. Every field left `None` is filled by the heuristics
+of this module, which pick blocks by compute capability so that each kernel's
+shared-memory estimate stays within the device's per-block budget.
+
+Kernel "dims" below are those of one sweep: `dim_k` is the feature dim of the
+query/key-like operands (the state's rows), `dim_v` the value-like dim (its
+columns). The backward pass runs sweeps with the roles of D and E swapped, so
+block sizes are clipped to the dims of each sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# Opt-in shared memory per thread block, in bytes, by compute capability.
+_KIB = 1024
+SHARED_MEMORY_BUDGET = {
+    (8, 0): 163 * _KIB,  # A100
+    (8, 6): 99 * _KIB,  # RTX 30xx, A10, A40
+    (8, 9): 99 * _KIB,  # RTX 40xx, L4, L40
+    (9, 0): 227 * _KIB,  # H100, H200
+    (10, 0): 227 * _KIB,  # B200
+    (12, 0): 99 * _KIB,  # RTX 50xx: the 101,376-byte opt-in limit
+}
+# Unknown (newer or rarer) devices get the smallest budget above.
+SAFE_SHARED_MEMORY_BUDGET = min(SHARED_MEMORY_BUDGET.values())
+MIN_COMPUTE_CAPABILITY = (8, 0)
+# Triton's matrix instructions need every dot dimension >= 16.
+MIN_BLOCK = 16
+
+
+def shared_memory_budget(compute_capability: tuple[int, int] | None) -> int:
+  if compute_capability is None:
+    return SAFE_SHARED_MEMORY_BUDGET
+  return SHARED_MEMORY_BUDGET.get(tuple(compute_capability), SAFE_SHARED_MEMORY_BUDGET)
+
+
+def _check_pow2(name: str, value: int, lo: int, hi: int):
+  if not isinstance(value, int) or isinstance(value, bool) or value < lo or value > hi or value & (value - 1):
+    raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunkLoopConfig:
+  """`variant="chunk_loop"`: one program per (batch, head, value block) walks all chunks.
+
+  Attributes:
+    chunk_size: tokens per chunk (the intra-chunk attention is chunk_size^2).
+    block_e: value columns per program; the state tile is [dim_k, block_e].
+    num_warps, num_stages: Triton launch parameters.
+  """
+  chunk_size: int
+  block_e: int
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    _check_pow2("chunk_size", self.chunk_size, MIN_BLOCK, 256)
+    _check_pow2("block_e", self.block_e, MIN_BLOCK, 256)
+    _check_pow2("num_warps", self.num_warps, 1, 16)
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+  def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int) -> int:
+    c, be = self.chunk_size, min(self.block_e, dim_v)
+    # Pipelined loads (q, k, v and the optional row-dot operand), then the
+    # operands that are produced in registers and re-laid out for the dots.
+    staged = self.num_stages * (2 * c * dim_k + 2 * c * be)
+    return itemsize * (staged + c * c + dim_k * be + c * dim_k)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunkStatesConfig:
+  """`variant="parallel"`, pass 1: materialise the state before every chunk.
+
+  One program per (batch, head, key block, value block) sweeps the chunks; the
+  chunk size is `ChunkOutputConfig.chunk_size`.
+  """
+  block_d: int
+  block_e: int
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    _check_pow2("block_d", self.block_d, MIN_BLOCK, 256)
+    _check_pow2("block_e", self.block_e, MIN_BLOCK, 256)
+    _check_pow2("num_warps", self.num_warps, 1, 16)
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+  def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int, chunk_size: int) -> int:
+    bd, be = min(self.block_d, dim_k), min(self.block_e, dim_v)
+    return itemsize * (self.num_stages * chunk_size * (bd + be) + chunk_size * bd)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunkOutputConfig:
+  """`variant="parallel"`, pass 2: every (batch, head, chunk, value block) in parallel."""
+  chunk_size: int
+  block_e: int
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    _check_pow2("chunk_size", self.chunk_size, MIN_BLOCK, 256)
+    _check_pow2("block_e", self.block_e, MIN_BLOCK, 256)
+    _check_pow2("num_warps", self.num_warps, 1, 16)
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+  def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int) -> int:
+    c, be = self.chunk_size, min(self.block_e, dim_v)
+    return itemsize * (2 * c * dim_k + 2 * c * be + c * c + dim_k * be)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LightningConfig:
+  """Explicit kernel configuration for `lightning_attention(config=...)`.
+
+  Fields left None are chosen by the per-device heuristics.
+  """
+  chunk_loop: ChunkLoopConfig | None = None
+  chunk_states: ChunkStatesConfig | None = None
+  chunk_output: ChunkOutputConfig | None = None
+
+  def __post_init__(self):
+    for name, cls in (("chunk_loop", ChunkLoopConfig), ("chunk_states", ChunkStatesConfig),
+                      ("chunk_output", ChunkOutputConfig)):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, cls):
+        raise TypeError(f"LightningConfig.{name} must be a {cls.__name__} or None, got {type(value).__name__}")
+
+
+def padded_dim(dim: int) -> int:
+  """Feature dims are padded to a power of two >= 16 for Triton's dots."""
+  return max(MIN_BLOCK, 1 << (dim - 1).bit_length())
+
+
+def _fits(cost: int, budget: int) -> bool:
+  return cost <= budget
+
+
+def _warps(dim_k: int, block_e: int, chunk_size: int) -> int:
+  return 4 if dim_k * block_e <= 64 * 64 and chunk_size <= 64 else 8
+
+
+def default_chunk_loop(dim_k: int, dim_v: int, itemsize: int, budget: int) -> ChunkLoopConfig:
+  for chunk_size in (64, 32, 16):
+    for block_e in (64, 32, 16):
+      be = min(block_e, dim_v)
+      if dim_k >= 256 and be > 32:
+        continue  # a [256, 64] float32 state tile does not fit in registers
+      for stages in (2, 1):
+        cfg = ChunkLoopConfig(chunk_size=chunk_size, block_e=be, num_warps=_warps(dim_k, be, chunk_size),
+                              num_stages=stages)
+        if _fits(cfg.shared_memory_bytes(dim_k, dim_v, itemsize), budget):
+          return cfg
+  raise AssertionError("unreachable: the smallest chunk_loop config fits every budget")
+
+
+def default_chunk_output(dim_k: int, dim_v: int, itemsize: int, budget: int) -> ChunkOutputConfig:
+  for chunk_size in (64, 32, 16):
+    for block_e in (64, 32, 16):
+      be = min(block_e, dim_v)
+      cfg = ChunkOutputConfig(chunk_size=chunk_size, block_e=be, num_warps=_warps(dim_k, be, chunk_size),
+                              num_stages=1)
+      if _fits(cfg.shared_memory_bytes(dim_k, dim_v, itemsize), budget):
+        return cfg
+  raise AssertionError("unreachable: the smallest chunk_output config fits every budget")
+
+
+def default_chunk_states(dim_k: int, dim_v: int, itemsize: int, budget: int, chunk_size: int) -> ChunkStatesConfig:
+  for block in (64, 32, 16):
+    bd, be = min(block, dim_k), min(block, dim_v)
+    for stages in (3, 2, 1):
+      cfg = ChunkStatesConfig(block_d=bd, block_e=be, num_warps=4, num_stages=stages)
+      if _fits(cfg.shared_memory_bytes(dim_k, dim_v, itemsize, chunk_size), budget):
+        return cfg
+  raise AssertionError("unreachable: the smallest chunk_states config fits every budget")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SweepConfigs:
+  """The resolved configs of one sweep (dims already padded and clipped)."""
+  chunk_loop: ChunkLoopConfig
+  chunk_states: ChunkStatesConfig
+  chunk_output: ChunkOutputConfig
+
+
+def _clip(cfg, **maxima):
+  changes = {f: min(getattr(cfg, f), m) for f, m in maxima.items()}
+  return dataclasses.replace(cfg, **changes)
+
+
+def resolve(config: LightningConfig | None, *, dim_k: int, dim_v: int, itemsize: int,
+            compute_capability: tuple[int, int] | None) -> SweepConfigs:
+  """Fills the unset fields of `config` for one sweep and checks the budget.
+
+  `dim_k`, `dim_v` are padded dims (powers of two >= 16).
+  """
+  config = config or LightningConfig()
+  budget = shared_memory_budget(compute_capability)
+  where = (f"compute capability {compute_capability[0]}.{compute_capability[1]}"
+           if compute_capability else "an unknown device")
+
+  def check(name, cfg, cost):
+    if cost > budget:
+      raise ValueError(
+          f"config.{name}={cfg} needs about {cost} bytes of shared memory for dims "
+          f"(dim_k={dim_k}, dim_v={dim_v}, itemsize={itemsize}), over the {budget}-byte "
+          f"per-block budget of {where}; use a smaller chunk_size, block or num_stages")
+    return cfg
+
+  loop = config.chunk_loop
+  loop = (default_chunk_loop(dim_k, dim_v, itemsize, budget) if loop is None
+          else check("chunk_loop", _clip(loop, block_e=dim_v),
+                     _clip(loop, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize)))
+  out = config.chunk_output
+  out = (default_chunk_output(dim_k, dim_v, itemsize, budget) if out is None
+         else check("chunk_output", _clip(out, block_e=dim_v),
+                    _clip(out, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize)))
+  states = config.chunk_states
+  if states is None:
+    states = default_chunk_states(dim_k, dim_v, itemsize, budget, out.chunk_size)
+  else:
+    states = _clip(states, block_d=dim_k, block_e=dim_v)
+    check("chunk_states", states, states.shared_memory_bytes(dim_k, dim_v, itemsize, out.chunk_size))
+  return SweepConfigs(chunk_loop=loop, chunk_states=states, chunk_output=out)
+
+
+def choose_variant(*, batch: int, heads: int, seq_len: int, dim_v: int, block_e: int, num_sms: int) -> str:
+  """`variant="auto"`: the parallel variant when the chunk_loop grid cannot fill the device.
+
+  chunk_loop runs batch*heads*ceil(dim_v/block_e) programs, each walking
+  seq_len/chunk_size chunks in order; with fewer programs than SMs, most of the
+  chip idles while they walk, and materialising chunk states buys parallelism.
+  """
+  programs = batch * heads * math.ceil(dim_v / block_e)
+  return "parallel" if programs < num_sms and seq_len >= 1024 else "chunk_loop"
