@@ -10,6 +10,8 @@ from lightning_jax.ops.lightning_attention import (
     lightning_attention_quadratic,
     lightning_attention_recurrent,
 )
+from lightning_jax.attention_fn import attention_fn
+from lightning_jax.slopes import alibi_slopes, minimax_slopes
 
 __version__ = "0.1.0"
 
@@ -18,8 +20,20 @@ __all__ = [
     "ChunkOutputConfig",
     "ChunkStatesConfig",
     "LightningConfig",
+    "alibi_slopes",
+    "attention_fn",
     "lightning_attention",
     "lightning_attention_chunked",
     "lightning_attention_quadratic",
     "lightning_attention_recurrent",
+    "minimax_slopes",
 ]
+
+
+def __getattr__(name):
+  # The Flax layers live in lightning_jax.nnx and lightning_jax.linen, imported
+  # (with flax) on first use rather than with the package.
+  if name in ("nnx", "linen"):
+    import importlib
+    return importlib.import_module(f"lightning_jax.{name}")
+  raise AttributeError(f"module 'lightning_jax' has no attribute {name!r}")

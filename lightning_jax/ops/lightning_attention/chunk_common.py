@@ -15,13 +15,22 @@ where row/key/state are powers of exp(-lambda) given by the chunk's position.
 that padding can neither overflow an exponent nor reach the state.
 
 The backward pass is three such sweeps (dq forward, dk and dv reverse), which
-is why one parameterised kernel serves both directions.
+is why one parameterised kernel serves both directions. The decay gradient is
+the forward-mode tangent of a sweep with respect to lambda: with
+U = -dS/dlambda (a distance-weighted state),
+
+    U_next  = state * U + end * state * S + sum_j key_exp_j key_j k_j^T v_j
+    out'_i  = row_i q_i U + row_exp_i row_i q_i S + sum_j gap_ij intra_ij (q_i . k_j) v_j
+
+Every term has a non-negative weight, so nothing large cancels.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 LOG2_E = math.log2(math.e)
@@ -32,6 +41,18 @@ def valid_rows(chunk_idx, *, chunk_size, seq_len):
   return jnp.minimum(chunk_size, seq_len - chunk_idx * chunk_size)
 
 
+class ChunkFactors(NamedTuple):
+  """Decay factors of one chunk (float32); the exponents feed the decay tangent."""
+  row: jax.Array  # [C] exp(-lambda * row_exp)
+  key: jax.Array  # [C] exp(-lambda * key_exp)
+  state: jax.Array  # () exp(-lambda * end)
+  intra: jax.Array  # [C, C] exp(-lambda * gap), zero outside the (anti-)causal mask
+  row_exp: jax.Array  # [C]
+  key_exp: jax.Array  # [C]
+  end: jax.Array  # () real rows in the chunk
+  gap: jax.Array  # [C, C] |i - j| inside the mask, else 0
+
+
 def chunk_decay_factors(lam2, chunk_idx, *, chunk_size, seq_len, reverse):
   """Decay factors of one chunk.
 
@@ -40,10 +61,6 @@ def chunk_decay_factors(lam2, chunk_idx, *, chunk_size, seq_len, reverse):
     chunk_idx: index of the chunk in the sequence (not in sweep order).
     chunk_size, seq_len: static ints.
     reverse: static bool, the anti-causal sweep of the backward pass.
-
-  Returns:
-    row [C], key [C], state (), intra [C, C] (float32): as in the module doc;
-    `intra` includes the causal (or anti-causal) mask.
   """
   c = chunk_size
   end = valid_rows(chunk_idx, chunk_size=c, seq_len=seq_len)
@@ -56,13 +73,12 @@ def chunk_decay_factors(lam2, chunk_idx, *, chunk_size, seq_len, reverse):
   row_exp, key_exp = (to_end, from_start) if reverse else (from_start, to_end)
   row = jnp.where(valid, jnp.exp2(-lam2 * row_exp), 0.0)
   key = jnp.where(valid, jnp.exp2(-lam2 * key_exp), 0.0)
-  state = jnp.exp2(-lam2 * end.astype(jnp.float32))
-  gap = i[:, None] - i[None, :]
-  if reverse:
-    gap = -gap
-  mask = gap >= 0
-  intra = jnp.where(mask, jnp.exp2(-lam2 * jnp.where(mask, gap, 0).astype(jnp.float32)), 0.0)
-  return row, key, state, intra
+  end = end.astype(jnp.float32)
+  state = jnp.exp2(-lam2 * end)
+  mask = causal_mask(c, reverse=reverse)
+  gap = jnp.where(mask, jnp.abs(i[:, None] - i[None, :]), 0).astype(jnp.float32)
+  intra = jnp.where(mask, jnp.exp2(-lam2 * gap), 0.0)
+  return ChunkFactors(row, key, state, intra, row_exp, key_exp, end, gap)
 
 
 def causal_mask(chunk_size, *, reverse):

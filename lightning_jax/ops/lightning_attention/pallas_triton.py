@@ -10,9 +10,9 @@ the chunk size, feature dims to powers of two >= 16),
     out_t = scale * x_t G_t,   G_t = a G_{t+1} + y_t^T z_t     (reverse),
 
 with x, y: [B, T, H, K], z: [B, T, H, V], a = exp(-decay_h), the carried state
-in float32, and optionally the per-token row dot `sum_v out_t * w_t` of the
-float32 output with a tensor w shaped like `out` (the decay gradient needs
-these). The forward pass is one forward sweep; the backward pass is three.
+in float32, and optionally the decay tangent (see `chunk_common`), reduced to
+per-token row dots `sum_v out'_t * w_t` in float32 (the decay gradient). The
+forward pass is one forward sweep; the backward pass is three.
 
 Two variants:
   chunk_loop: grid (B*H, V/block_e); each program walks every chunk in order,
@@ -40,7 +40,7 @@ _F32 = jnp.float32
 
 def _dot(a, b, *, exact, trans_a=False, trans_b=False):
   # float32 inputs get IEEE float32 products (Triton would otherwise use tf32).
-  return pl.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if exact else None)
+  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if exact else None)
 
 
 def _chunk_factors(decay_ref, chunk_idx, *, chunk_size, seq_len, reverse):
@@ -51,26 +51,39 @@ def _chunk_factors(decay_ref, chunk_idx, *, chunk_size, seq_len, reverse):
                                           reverse=reverse)
 
 
-def _chunk_out(x, y, z, state, factors, *, scale, reverse, exact):
-  """Output of one chunk: intra-chunk (masked, decayed x y^T z) plus inter-chunk (x S)."""
+def _chunk_out(x, y, z, state, tangent, f, *, scale, reverse, exact):
+  """One chunk's output, intra-chunk (masked, decayed x y^T z) plus inter-chunk (x S).
+
+  With `tangent` (the state's decay tangent U), also the output's tangent.
+  """
   scores = _dot(x, y, trans_b=True, exact=exact)  # [C, C]
-  if factors is None:
+  if f is None:
     scores = jnp.where(chunk_common.causal_mask(x.shape[0], reverse=reverse), scores, 0.0)
   else:
-    scores = scores * factors[3]
-  out = _dot(scores.astype(z.dtype), z, exact=exact)
+    scores = scores * f.intra
   inter = _dot(x, state.astype(x.dtype), exact=exact)
-  if factors is not None:
-    inter = inter * factors[0][:, None]
-  return scale * (out + inter)
+  if f is not None:
+    inter = inter * f.row[:, None]
+  out = scale * (_dot(scores.astype(z.dtype), z, exact=exact) + inter)
+  if tangent is None:
+    return out, None
+  out_tangent = (_dot((scores * f.gap).astype(z.dtype), z, exact=exact)
+                 + _dot(x, tangent.astype(x.dtype), exact=exact) * f.row[:, None]
+                 + f.row_exp[:, None] * inter)
+  return out, scale * out_tangent
 
 
-def _chunk_state(y, z, state, factors, *, exact):
-  """State after one chunk: decayed state plus decayed y^T z."""
-  if factors is not None:
-    y = (y * factors[1][:, None]).astype(y.dtype)
-    state = factors[2] * state
-  return state + _dot(y, z, trans_a=True, exact=exact)
+def _chunk_state(y, z, state, tangent, f, *, exact):
+  """State (and decay tangent) after one chunk."""
+  if f is None:
+    return state + _dot(y, z, trans_a=True, exact=exact), None
+  y_decayed = y * f.key[:, None]
+  new_state = f.state * state + _dot(y_decayed.astype(y.dtype), z, trans_a=True, exact=exact)
+  if tangent is None:
+    return new_state, None
+  new_tangent = (f.state * tangent + (f.end * f.state) * state
+                 + _dot((y_decayed * f.key_exp[:, None]).astype(y.dtype), z, trans_a=True, exact=exact))
+  return new_state, new_tangent
 
 
 def _unpack(refs, flags):
@@ -80,56 +93,68 @@ def _unpack(refs, flags):
 
 
 def _chunk_loop_kernel(*refs, scale, chunk_size, seq_len, num_chunks, reverse, has_decay,
-                       has_initial_state, has_row_dot, exact):
-  (decay_ref, x_ref, y_ref, z_ref, s0_ref, w_ref, out_ref, state_ref, row_dot_ref) = _unpack(
-      refs, (has_decay, True, True, True, has_initial_state, has_row_dot, True, True, has_row_dot))
+                       has_initial_state, has_tangent, exact):
+  (decay_ref, x_ref, y_ref, z_ref, s0_ref, w_ref, out_ref, state_ref, row_dot_ref, tangent_ref) = _unpack(
+      refs, (has_decay, True, True, True, has_initial_state, has_tangent, True, True, has_tangent, has_tangent))
   state_shape = (x_ref.shape[-1], z_ref.shape[-1])
   state = s0_ref[...] if has_initial_state else jnp.zeros(state_shape, _F32)
+  tangent = jnp.zeros(state_shape, _F32) if has_tangent else None
 
-  def body(step, state):
+  def body(step, carry):
+    state, tangent = carry
     n = num_chunks - 1 - step if reverse else step
     rows = pl.ds(pl.multiple_of(n * chunk_size, chunk_size), chunk_size)
     x, y, z = x_ref[rows, :], y_ref[rows, :], z_ref[rows, :]
-    factors = _chunk_factors(decay_ref, n, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
-    out = _chunk_out(x, y, z, state, factors, scale=scale, reverse=reverse, exact=exact)
+    f = _chunk_factors(decay_ref, n, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
+    out, out_tangent = _chunk_out(x, y, z, state, tangent, f, scale=scale, reverse=reverse, exact=exact)
     out_ref[rows, :] = out.astype(out_ref.dtype)
-    if has_row_dot:
-      row_dot_ref[rows] = jnp.sum(out * w_ref[rows, :].astype(_F32), axis=1)
-    return _chunk_state(y, z, state, factors, exact=exact)
+    if has_tangent:
+      row_dot_ref[rows] = jnp.sum(out_tangent * w_ref[rows, :].astype(_F32), axis=1)
+    return _chunk_state(y, z, state, tangent, f, exact=exact)
 
-  state_ref[...] = jax.lax.fori_loop(0, num_chunks, body, state)
+  state, tangent = jax.lax.fori_loop(0, num_chunks, body, (state, tangent))
+  state_ref[...] = state
+  if has_tangent:
+    tangent_ref[...] = tangent
 
 
 def _chunk_states_kernel(*refs, chunk_size, seq_len, num_chunks, reverse, has_decay, has_initial_state,
-                         exact):
-  decay_ref, y_ref, z_ref, s0_ref, states_ref, state_ref = _unpack(
-      refs, (has_decay, True, True, has_initial_state, True, True))
+                         has_tangent, exact):
+  decay_ref, y_ref, z_ref, s0_ref, states_ref, tangents_ref, state_ref, tangent_ref = _unpack(
+      refs, (has_decay, True, True, has_initial_state, True, has_tangent, True, has_tangent))
   state_shape = (y_ref.shape[-1], z_ref.shape[-1])
   state = s0_ref[...] if has_initial_state else jnp.zeros(state_shape, _F32)
+  tangent = jnp.zeros(state_shape, _F32) if has_tangent else None
 
-  def body(step, state):
+  def body(step, carry):
+    state, tangent = carry
     n = num_chunks - 1 - step if reverse else step
     rows = pl.ds(pl.multiple_of(n * chunk_size, chunk_size), chunk_size)
     states_ref[n, :, :] = state
-    factors = _chunk_factors(decay_ref, n, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
-    return _chunk_state(y_ref[rows, :], z_ref[rows, :], state, factors, exact=exact)
+    if has_tangent:
+      tangents_ref[n, :, :] = tangent
+    f = _chunk_factors(decay_ref, n, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
+    return _chunk_state(y_ref[rows, :], z_ref[rows, :], state, tangent, f, exact=exact)
 
-  state_ref[...] = jax.lax.fori_loop(0, num_chunks, body, state)
+  state, tangent = jax.lax.fori_loop(0, num_chunks, body, (state, tangent))
+  state_ref[...] = state
+  if has_tangent:
+    tangent_ref[...] = tangent
 
 
-def _chunk_output_kernel(*refs, scale, chunk_size, seq_len, reverse, has_decay, has_row_dot, exact):
-  decay_ref, x_ref, y_ref, z_ref, states_ref, w_ref, out_ref, row_dot_ref = _unpack(
-      refs, (has_decay, True, True, True, True, has_row_dot, True, has_row_dot))
-  factors = _chunk_factors(decay_ref, pl.program_id(1), chunk_size=chunk_size, seq_len=seq_len,
-                           reverse=reverse)
-  out = _chunk_out(x_ref[...], y_ref[...], z_ref[...], states_ref[...], factors, scale=scale,
-                   reverse=reverse, exact=exact)
+def _chunk_output_kernel(*refs, scale, chunk_size, seq_len, reverse, has_decay, has_tangent, exact):
+  decay_ref, x_ref, y_ref, z_ref, states_ref, tangents_ref, w_ref, out_ref, row_dot_ref = _unpack(
+      refs, (has_decay, True, True, True, True, has_tangent, has_tangent, True, has_tangent))
+  f = _chunk_factors(decay_ref, pl.program_id(1), chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
+  out, out_tangent = _chunk_out(x_ref[...], y_ref[...], z_ref[...], states_ref[...],
+                                tangents_ref[...] if has_tangent else None, f, scale=scale, reverse=reverse,
+                                exact=exact)
   out_ref[...] = out.astype(out_ref.dtype)
-  if has_row_dot:
-    row_dot_ref[...] = jnp.sum(out * w_ref[...].astype(_F32), axis=1)
+  if has_tangent:
+    row_dot_ref[...] = jnp.sum(out_tangent * w_ref[...].astype(_F32), axis=1)
 
 
-def sweep(x, y, z, decay, initial_state, row_dot_with, *, scale: float, seq_len: int, reverse: bool,
+def sweep(x, y, z, decay, initial_state, tangent_with, *, scale: float, seq_len: int, reverse: bool,
           variant: str, configs: SweepConfigs, out_dtype, interpret: bool):
   """One sweep over padded inputs.
 
@@ -137,95 +162,105 @@ def sweep(x, y, z, decay, initial_state, row_dot_with, *, scale: float, seq_len:
     x, y: [B, Tp, H, K]; z: [B, Tp, H, V]; Tp a multiple of the chunk size,
       K and V powers of two >= 16 (see `config.padded_dim`).
     decay: [H] float32 rates or None. initial_state: [B, H, K, V] float32 or None.
-    row_dot_with: [B, Tp, H, V] or None.
+    tangent_with: [B, Tp, H, V] or None (needs decay): also compute the decay
+      tangent, as row dots sum_v out'_t * w_t and the final tangent state.
     seq_len: the number of real tokens (<= Tp).
 
   Returns:
-    out [B, Tp, H, V] (out_dtype), final state [B, H, K, V] float32 (the state
-    after the last real token of the sweep), and row dots [B, H, Tp] float32
-    (None without `row_dot_with`).
+    out [B, Tp, H, V] (out_dtype); final state [B, H, K, V] float32 (the state
+    after the last real token of the sweep); with `tangent_with`, row dots
+    [B, H, Tp] and the final tangent state [B, H, K, V], float32 (else None).
   """
   b, tp, h, dim_k = x.shape
   dim_v = z.shape[-1]
-  exact = x.dtype == jnp.float32
-  has_decay, has_s0, has_w = decay is not None, initial_state is not None, row_dot_with is not None
-  flags = dict(reverse=reverse, has_decay=has_decay, exact=exact)
+  has_decay, has_s0, has_tangent = decay is not None, initial_state is not None, tangent_with is not None
+  if has_tangent and not has_decay:
+    raise ValueError("the decay tangent needs a decay")
+  flags = dict(reverse=reverse, has_decay=has_decay, has_tangent=has_tangent, exact=x.dtype == _F32)
+  state_struct = jax.ShapeDtypeStruct((b, h, dim_k, dim_v), _F32)
 
   def keep(*pairs):
     return [item for item, present in pairs if present]
+
+  def call(kernel, grid, in_specs, out_specs, out_shape, cfg, name, *args):
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret, name=name)(*args)
 
   if variant == "chunk_loop":
     cfg = configs.chunk_loop
     c, be = cfg.chunk_size, cfg.block_e
     n_e = dim_v // be
-    grid = (b * h, n_e)
-    seq = lambda width, col=False: pl.BlockSpec(  # noqa: E731
-        (None, tp, None, width), (lambda i, e: (i // h, 0, i % h, e)) if col else (lambda i, e: (i // h, 0, i % h, 0)))
+
+    def seq(width, by_column):
+      return pl.BlockSpec((None, tp, None, width),
+                          lambda i, e: (i // h, 0, i % h, e if by_column else 0))
+
+    state_spec = pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i // h, i % h, 0, e))
     in_specs = keep((pl.BlockSpec((None,), lambda i, e: (i % h,)), has_decay),
-                    (seq(dim_k), True), (seq(dim_k), True), (seq(be, True), True),
-                    (pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i // h, i % h, 0, e)), has_s0),
-                    (seq(be, True), has_w))
-    out_specs = keep((seq(be, True), True),
-                     (pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i // h, i % h, 0, e)), True),
-                     (pl.BlockSpec((None, None, None, tp), lambda i, e: (i // h, i % h, e, 0)), has_w))
-    out_shape = keep((jax.ShapeDtypeStruct((b, tp, h, dim_v), out_dtype), True),
-                     (jax.ShapeDtypeStruct((b, h, dim_k, dim_v), _F32), True),
-                     (jax.ShapeDtypeStruct((b, h, n_e, tp), _F32), has_w))
+                    (seq(dim_k, False), True), (seq(dim_k, False), True), (seq(be, True), True),
+                    (state_spec, has_s0), (seq(be, True), has_tangent))
+    out_specs = keep((seq(be, True), True), (state_spec, True),
+                     (pl.BlockSpec((None, None, None, tp), lambda i, e: (i // h, i % h, e, 0)), has_tangent),
+                     (state_spec, has_tangent))
+    out_shape = keep((jax.ShapeDtypeStruct((b, tp, h, dim_v), out_dtype), True), (state_struct, True),
+                     (jax.ShapeDtypeStruct((b, h, n_e, tp), _F32), has_tangent), (state_struct, has_tangent))
     kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len,
-                               num_chunks=tp // c, has_initial_state=has_s0, has_row_dot=has_w, **flags)
-    results = pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret, name="lightning_chunk_loop",
-    )(*keep((decay, has_decay), (x, True), (y, True), (z, True), (initial_state, has_s0),
-            (row_dot_with, has_w)))
+                               num_chunks=tp // c, has_initial_state=has_s0, **flags)
+    results = call(kernel, (b * h, n_e), in_specs, out_specs, out_shape, cfg, "lightning_chunk_loop",
+                   *keep((decay, has_decay), (x, True), (y, True), (z, True), (initial_state, has_s0),
+                         (tangent_with, has_tangent)))
+    out, final_state = results[:2]
+    row_dots, final_tangent = results[2:] if has_tangent else (None, None)
   elif variant == "parallel":
     st, oc = configs.chunk_states, configs.chunk_output
     c = oc.chunk_size
     n = tp // c
     bd, bes = st.block_d, st.block_e
-    grid = (b * h, dim_k // bd, dim_v // bes)
+    block_state = pl.BlockSpec((None, None, bd, bes), lambda i, d, e: (i // h, i % h, d, e))
+    block_states = pl.BlockSpec((None, None, n, bd, bes), lambda i, d, e: (i // h, i % h, 0, d, e))
+    states_struct = jax.ShapeDtypeStruct((b, h, n, dim_k, dim_v), _F32)
     in_specs = keep((pl.BlockSpec((None,), lambda i, d, e: (i % h,)), has_decay),
                     (pl.BlockSpec((None, tp, None, bd), lambda i, d, e: (i // h, 0, i % h, d)), True),
                     (pl.BlockSpec((None, tp, None, bes), lambda i, d, e: (i // h, 0, i % h, e)), True),
-                    (pl.BlockSpec((None, None, bd, bes), lambda i, d, e: (i // h, i % h, d, e)), has_s0))
-    out_specs = [pl.BlockSpec((None, None, n, bd, bes), lambda i, d, e: (i // h, i % h, 0, d, e)),
-                 pl.BlockSpec((None, None, bd, bes), lambda i, d, e: (i // h, i % h, d, e))]
-    out_shape = [jax.ShapeDtypeStruct((b, h, n, dim_k, dim_v), _F32),
-                 jax.ShapeDtypeStruct((b, h, dim_k, dim_v), _F32)]
+                    (block_state, has_s0))
+    out_specs = keep((block_states, True), (block_states, has_tangent), (block_state, True),
+                     (block_state, has_tangent))
+    out_shape = keep((states_struct, True), (states_struct, has_tangent), (state_struct, True),
+                     (state_struct, has_tangent))
     kernel = functools.partial(_chunk_states_kernel, chunk_size=c, seq_len=seq_len, num_chunks=n,
                                has_initial_state=has_s0, **flags)
-    states, final_state = pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=st.num_warps, num_stages=st.num_stages),
-        interpret=interpret, name="lightning_chunk_states",
-    )(*keep((decay, has_decay), (y, True), (z, True), (initial_state, has_s0)))
+    results = call(kernel, (b * h, dim_k // bd, dim_v // bes), in_specs, out_specs, out_shape, st,
+                   "lightning_chunk_states",
+                   *keep((decay, has_decay), (y, True), (z, True), (initial_state, has_s0)))
+    states, tangents, final_state, final_tangent = (
+        results if has_tangent else (results[0], None, results[1], None))
 
     be = oc.block_e
     n_e = dim_v // be
-    grid = (b * h, n, n_e)
-    chunk = lambda width, col=False: pl.BlockSpec(  # noqa: E731
-        (None, c, None, width),
-        (lambda i, j, e: (i // h, j, i % h, e)) if col else (lambda i, j, e: (i // h, j, i % h, 0)))
+
+    def chunk(width, by_column):
+      return pl.BlockSpec((None, c, None, width),
+                          lambda i, j, e: (i // h, j, i % h, e if by_column else 0))
+
+    chunk_state = pl.BlockSpec((None, None, None, dim_k, be), lambda i, j, e: (i // h, i % h, j, 0, e))
     in_specs = keep((pl.BlockSpec((None,), lambda i, j, e: (i % h,)), has_decay),
-                    (chunk(dim_k), True), (chunk(dim_k), True), (chunk(be, True), True),
-                    (pl.BlockSpec((None, None, None, dim_k, be), lambda i, j, e: (i // h, i % h, j, 0, e)), True),
-                    (chunk(be, True), has_w))
+                    (chunk(dim_k, False), True), (chunk(dim_k, False), True), (chunk(be, True), True),
+                    (chunk_state, True), (chunk_state, has_tangent), (chunk(be, True), has_tangent))
     out_specs = keep((chunk(be, True), True),
-                     (pl.BlockSpec((None, None, None, c), lambda i, j, e: (i // h, i % h, e, j)), has_w))
+                     (pl.BlockSpec((None, None, None, c), lambda i, j, e: (i // h, i % h, e, j)), has_tangent))
     out_shape = keep((jax.ShapeDtypeStruct((b, tp, h, dim_v), out_dtype), True),
-                     (jax.ShapeDtypeStruct((b, h, n_e, tp), _F32), has_w))
-    kernel = functools.partial(_chunk_output_kernel, scale=scale, chunk_size=c, seq_len=seq_len,
-                               has_row_dot=has_w, **flags)
-    outputs = pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=oc.num_warps, num_stages=oc.num_stages),
-        interpret=interpret, name="lightning_chunk_output",
-    )(*keep((decay, has_decay), (x, True), (y, True), (z, True), (states, True), (row_dot_with, has_w)))
-    results = (outputs[0], final_state, *outputs[1:])
+                     (jax.ShapeDtypeStruct((b, h, n_e, tp), _F32), has_tangent))
+    kernel = functools.partial(_chunk_output_kernel, scale=scale, chunk_size=c, seq_len=seq_len, **flags)
+    results = call(kernel, (b * h, n, n_e), in_specs, out_specs, out_shape, oc, "lightning_chunk_output",
+                   *keep((decay, has_decay), (x, True), (y, True), (z, True), (states, True),
+                         (tangents, has_tangent), (tangent_with, has_tangent)))
+    out = results[0]
+    row_dots = results[1] if has_tangent else None
   else:
     raise ValueError(f"unknown variant {variant!r}")
 
-  out, final_state = results[0], results[1]
-  row_dots = results[2].sum(axis=2) if has_w else None
-  return out, final_state, row_dots
+  if row_dots is not None:
+    row_dots = row_dots.sum(axis=2)  # partial sums of the value blocks
+  return out, final_state, row_dots, final_tangent

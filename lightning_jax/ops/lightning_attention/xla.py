@@ -30,7 +30,8 @@ def lightning_attention_chunked(q, k, v, decay=None, *, scale, initial_state=Non
       jax.vmap(lambda l, i: chunk_common.chunk_decay_factors(l, i, chunk_size=c, seq_len=t, reverse=False),
                in_axes=(None, 0)),  # over chunks
       in_axes=(0, None))
-  row, key, state_decay, intra = factors(lam2, jnp.arange(n, dtype=jnp.int32))  # [H,N,C] [H,N,C] [H,N] [H,N,C,C]
+  f = factors(lam2, jnp.arange(n, dtype=jnp.int32))
+  row, key, state_decay, intra = f.row, f.key, f.state, f.intra  # [H,N,C] [H,N,C] [H,N] [H,N,C,C]
 
   chunk_kv = jnp.einsum("bnchd,hnc,bnche->nbhde", k, key, v, precision=_HI)
   s0 = (jnp.zeros((b, h, d, e), jnp.float32) if initial_state is None

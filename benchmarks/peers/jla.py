@@ -1,0 +1,54 @@
+"""jax-linear-attention (PyPI jax-linear-attention, package `jla`): `simple_gla` on Mosaic GPU.
+
+    jla.ops.linear_attention("simple_gla", q, k, v, g=g, impl="mosaic_gpu", scale=...) -> (o, final_state)
+
+q, k: [B, T, H, K], v: [B, T, H, V] (our layout), bf16/fp16 with K, V in
+{64, 128}, on an sm_90 GPU. `g` is the [B, T, H] natural-log decay of every
+token, so `g = -decay` broadcast over B and T (zeros without decay); it is an
+argument of the compiled functions, not differentiated. `impl="mosaic_gpu"`
+selects the Pallas Mosaic GPU kernels (registered when `jla.ops.mosaic_gpu`
+imports); other impls are "chunked" (plain JAX) and "reference".
+Measured with the JAX worker of `benchmarks.jax_impls`.
+"""
+
+from __future__ import annotations
+
+from benchmarks import cases, worker
+
+
+def make_attention(job: dict):
+  """(attn(q, k, v, g) -> o, (g,)) for one jla job."""
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jla import ops  # noqa: PLC0415 -- the package is optional
+
+  b, t, h, d, _ = cases.job_shape(job)
+  rates = jnp.asarray(cases.decay_rates(h), jnp.float32) if job["decay"] else jnp.zeros((h,), jnp.float32)
+  g = jnp.broadcast_to(-rates, (b, t, h))
+  attn = lambda q, k, v, g: ops.linear_attention("simple_gla", q, k, v, g=g, impl="mosaic_gpu",  # noqa: E731
+                                                 scale=d ** -0.5)[0]
+  return attn, (g,)
+
+
+def unavailable(job: dict) -> str | None:
+  import jax  # noqa: PLC0415
+  from jla import ops  # noqa: PLC0415
+
+  del job
+  if jax.devices()[0].platform != "gpu":
+    return "the jla Mosaic GPU kernels need an NVIDIA Hopper GPU"
+  if "mosaic_gpu" not in ops.available("simple_gla"):
+    return "jla registered no mosaic_gpu simple_gla kernel (Mosaic GPU missing from this jaxlib)"
+  return None
+
+
+def make_backend() -> worker.Backend:
+  reason = worker.missing_module({"jla": "jax-linear-attention"})
+  if reason is not None:
+    return worker.Unavailable(reason)
+  from benchmarks import jax_impls  # noqa: PLC0415 -- imports JAX
+
+  return jax_impls.JaxBackend(make_attention, unavailable)
+
+
+if __name__ == "__main__":
+  worker.main(make_backend)

@@ -1,0 +1,386 @@
+"""Markdown report and PNG plots from a results JSON of `benchmarks.run`.
+
+    python -m benchmarks.report benchmarks/results/nvidia-h100-80gb-hbm3.json [--plot] [--report]
+
+writes, next to the JSON (or into --out-dir), `<stem>.md` and
+`<stem>-{time,speedup,memory,split}.png`. `benchmarks.run --plot --report`
+calls the same functions; `summary_table(data)` is the headline table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+
+from benchmarks import cases
+
+MIB = 2**20
+STATUS_TEXT = {"oom": "OOM", "skipped": "skip", "error": "error"}
+
+
+# ----------------------------------------------------------------------------- indexing
+
+class Index:
+  """The results of a run, looked up by (impl, mode, shape, decay)."""
+
+  def __init__(self, data: dict):
+    self.results = data["results"]
+    self.rows = {self._key(r["impl"], r["mode"], cases.job_shape(r), r["dtype"], r["decay"]): r
+                 for r in self.results}
+    present = {r["impl"] for r in self.results}
+    self.impls = [impl.name for impl in cases.IMPLS if impl.name in present]
+    self.modes = [m for m in cases.MODES if any(r["mode"] == m for r in self.results)]
+    self.dtypes = list(dict.fromkeys(r["dtype"] for r in self.results))
+    self.panels = list(dict.fromkeys((cases.job_shape(r)._replace(seq_len=0), r["dtype"], r["decay"])
+                                     for r in self.results if r["decay"] is not None))
+    if not self.panels:  # only decay-agnostic implementations were run
+      self.panels = list(dict.fromkeys((cases.job_shape(r)._replace(seq_len=0), r["dtype"], None)
+                                       for r in self.results))
+
+  @staticmethod
+  def _key(impl, mode, shape, dtype, decay):
+    return impl, mode, tuple(shape), dtype, decay if cases.IMPL_BY_NAME[impl].decay_aware else None
+
+  def get(self, impl: str, mode: str, shape: cases.Shape, dtype: str, decay) -> dict | None:
+    return self.rows.get(self._key(impl, mode, shape, dtype, decay))
+
+  def seq_lens(self, family: cases.Shape, dtype: str) -> list[int]:
+    return sorted({r["seq_len"] for r in self.results
+                   if cases.job_shape(r)._replace(seq_len=0) == family and r["dtype"] == dtype})
+
+  def ours(self) -> list[str]:
+    return [i for i in self.impls if cases.IMPL_BY_NAME[i].kind == "ours"]
+
+  def headline(self) -> str | None:
+    """lj-pallas-auto (what impl="auto" runs on a GPU) if measured, else our first implementation."""
+    ours = self.ours()
+    return cases.HEADLINE_IMPL if cases.HEADLINE_IMPL in ours else (ours[0] if ours else None)
+
+
+def ok(r: dict | None) -> bool:
+  return r is not None and r["status"] == "ok"
+
+
+def panel_title(family: cases.Shape, dtype: str, decay) -> str:
+  setting = {True: "decay", False: "no decay", None: ""}[decay]
+  return ", ".join(x for x in (family.family(), dtype, setting) if x)
+
+
+def fmt_t(t: int) -> str:
+  return f"{t // 1024}K" if t % 1024 == 0 else str(t)
+
+
+def fmt_cell(r: dict | None, field: str = "time_ms", fmt: str = "{:.3f}") -> str:
+  """A result's `field` formatted, its status if not ok, "" if absent, "–" if the field is."""
+  if r is None:
+    return ""
+  if r["status"] != "ok":
+    return STATUS_TEXT[r["status"]]
+  value = r.get(field)
+  return "–" if value is None else fmt.format(value)
+
+
+def fmt_bytes(n: float) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", MIB), ("KiB", 1024)):
+    if n >= size:
+      return f"{n / size:,.1f} {unit}"
+  return f"{n:.0f} B"
+
+
+def memory_cell(r: dict | None, key: str) -> str:
+  if not ok(r):
+    return fmt_cell(r)
+  value = r.get("memory", {}).get(key)
+  return "–" if value is None else f"{value / MIB:,.{1 if value < 100 * MIB else 0}f}"
+
+
+def field_of(r: dict, field: str):
+  """A result's field; "memory.x" reads r["memory"]["x"]."""
+  if field.startswith("memory."):
+    return r.get("memory", {}).get(field.removeprefix("memory."))
+  return r.get(field)
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+  lines += ["| " + " | ".join(row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- markdown sections
+
+def _fastest(index: Index, impls, mode, shape, dtype, decay) -> dict | None:
+  rows = [r for r in (index.get(i, mode, shape, dtype, decay) for i in impls) if ok(r)]
+  return min(rows, key=lambda r: r["time_ms"], default=None)
+
+
+def summary_table(data: dict) -> str:
+  """Headline table: our default implementation against cuDNN and the fastest peer, per shape."""
+  index = Index(data)
+  ours = index.headline()
+  peers = [i for i in index.impls if cases.IMPL_BY_NAME[i].kind == "peer"]
+  header = ["shape", "T", f"{ours} fwd ms", f"{ours} fwd+bwd ms", "cuDNN fwd ms", "cuDNN fwd+bwd ms",
+            "fastest peer fwd+bwd (ms)", "speedup vs cuDNN fwd / fwd+bwd", "x HBM floor fwd+bwd"]
+  rows = []
+  for family, dtype, decay in index.panels:
+    for t in index.seq_lens(family, dtype):
+      shape = family._replace(seq_len=t)
+      mine = {m: index.get(ours, m, shape, dtype, decay) for m in ("fwd", "fwdbwd")}
+      cudnn = {m: index.get(cases.BASELINE_IMPL, m, shape, dtype, decay) for m in ("fwd", "fwdbwd")}
+      peer = _fastest(index, peers, "fwdbwd", shape, dtype, decay)
+      speedups = " / ".join(fmt_cell(mine[m], "speedup_vs_cudnn", "{:.2f}x") or "–" for m in ("fwd", "fwdbwd"))
+      rows.append([panel_title(family, dtype, decay), fmt_t(t), fmt_cell(mine["fwd"]), fmt_cell(mine["fwdbwd"]),
+                   fmt_cell(cudnn["fwd"]), fmt_cell(cudnn["fwdbwd"]),
+                   f"{peer['impl']} ({peer['time_ms']:.3f})" if peer else "–", speedups,
+                   fmt_cell(mine["fwdbwd"], "floor_ratio", "{:.2f}")])
+  return md_table(header, rows)
+
+
+def _metadata_section(data: dict) -> str:
+  md = data["metadata"]
+  versions = ", ".join(f"{k} {v}" for k, v in md.get("versions", {}).items() if v)
+  bw = md.get("copy_bandwidth") or {}
+  lines = [
+      f"- Device: **{md.get('device_kind')}** ({md.get('platform')}, compute capability "
+      f"{md.get('compute_capability') or 'n/a'}), {md.get('device_count')} device(s) visible, one used",
+      f"- Date (UTC): {md.get('date_utc')}; git commit `{md.get('git_commit')}`"
+      f"{' (with uncommitted changes)' if md.get('git_dirty') else ''}",
+      f"- Command: `{md.get('command')}` ({md.get('wall_seconds', 0):.0f} s)",
+      f"- Versions: {versions}",
+      f"- Copy bandwidth (y = x + 1 in float32, {fmt_bytes(bw.get('bytes_moved', 0))} read + written): "
+      f"{bw.get('bandwidth_gbps', float('nan')):.0f} GB/s",
+      f"- Timing: {md.get('settings', {}).get('warmup')} warm-up calls, then the median of up to "
+      f"{md.get('settings', {}).get('iters')} device-synchronised samples (compilation and autotuning "
+      "excluded; input sets rotated to span several L2 sizes). See benchmarks/README.md.",
+  ]
+  return "\n".join(lines)
+
+
+def by_shape_tables(data: dict) -> str:
+  """One table per shape: implementations x modes, median ms (or the status)."""
+  index = Index(data)
+  parts = []
+  for family, dtype, decay in index.panels:
+    for t in index.seq_lens(family, dtype):
+      shape = family._replace(seq_len=t)
+      found = {impl: [index.get(impl, m, shape, dtype, decay) for m in index.modes] for impl in index.impls}
+      rows = [[impl, *map(fmt_cell, rs)] for impl, rs in found.items()
+              if any(r is not None and r["status"] != "skipped" for r in rs)]
+      parts.append(f"### {panel_title(family, dtype, decay)}, T = {t}\n\n"
+                   + md_table(["implementation", *(f"{m} ms" for m in index.modes)], rows))
+  return "\n\n".join(parts)
+
+
+def _per_t_tables(index: Index, title, field: str, cell, impls=None) -> str:
+  """One table per panel and mode: rows implementations (those with a `field` value), columns T."""
+  parts = []
+  for family, dtype, decay in index.panels:
+    ts = index.seq_lens(family, dtype)
+    for mode in index.modes:
+      found = {impl: [index.get(impl, mode, family._replace(seq_len=t), dtype, decay) for t in ts]
+               for impl in impls or index.impls}
+      rows = [[impl, *map(cell, rs)] for impl, rs in found.items() if any(ok(r) and field_of(r, field) for r in rs)]
+      if rows:
+        parts.append(f"**{title}, {panel_title(family, dtype, decay)}, {mode}**\n\n"
+                     + md_table(["implementation", *(f"T={fmt_t(t)}" for t in ts)], rows))
+  return "\n\n".join(parts) or "Not measured in this run."
+
+
+def where_we_lose(data: dict) -> str:
+  """The cases where another implementation beat the fastest lightning_jax one."""
+  index = Index(data)
+  ours = index.ours()
+  others = [i for i in index.impls if i not in ours]
+  rows = []
+  for family, dtype, decay in index.panels:
+    for t in index.seq_lens(family, dtype):
+      shape = family._replace(seq_len=t)
+      for mode in index.modes:
+        best = _fastest(index, ours, mode, shape, dtype, decay)
+        for impl in others:
+          r = index.get(impl, mode, shape, dtype, decay)
+          if best and ok(r) and r["time_ms"] < best["time_ms"]:
+            rows.append([panel_title(family, dtype, decay), fmt_t(t), mode, f"{best['impl']} {best['time_ms']:.3f}",
+                         f"{impl} {r['time_ms']:.3f}", f"{best['time_ms'] / r['time_ms']:.2f}x"])
+  if not rows:
+    return "No measured implementation beat the fastest lightning_jax implementation on any case."
+  return md_table(["shape", "T", "mode", "fastest lightning_jax (ms)", "faster (ms)", "their speedup"], rows)
+
+
+def _not_measured_section(index: Index) -> str:
+  counts = collections.Counter((r["impl"], r["status"], r.get("reason", "")) for r in index.results
+                               if r["status"] != "ok")
+  if not counts:
+    return "Every case ran."
+  rows = [[impl, status, str(n), reason.replace("|", "/").replace("\n", " ")[:300]]
+          for (impl, status, reason), n in sorted(counts.items())]
+  return md_table(["implementation", "status", "cases", "reason"], rows)
+
+
+def markdown(data: dict, plots: dict | None = None) -> str:
+  """The full report; `plots` maps plot names to paths relative to the report."""
+  index = Index(data)
+  ours = index.ours()
+  md = data["metadata"]
+  sections = [
+      f"# Lightning Attention benchmark: {md.get('device_kind')}",
+      _metadata_section(data),
+      "## Summary\n\n" + summary_table(data),
+      "## Plots\n\n" + "".join(f"![{name}]({path})\n" for name, path in (plots or {}).items()),
+      "## Results by shape (median ms)\n\n" + by_shape_tables(data),
+      "## Speedup against cuDNN FlashAttention\n\ncuDNN time / time (above 1: faster than cuDNN).\n\n"
+      + _per_t_tables(index, "speedup vs cuDNN", "speedup_vs_cudnn",
+                      lambda r: fmt_cell(r, "speedup_vs_cudnn", "{:.2f}"),
+                      impls=[i for i in index.impls if i != cases.BASELINE_IMPL]),
+      "## Memory\n\nFootprint in MiB: for JAX, XLA's compiled memory analysis of the timed function "
+      "(argument + output + temp - alias bytes); for torch, the call's peak allocation above what was "
+      "live plus its explicit inputs. JSON has the components and the device's peak bytes in use.\n\n"
+      + _per_t_tables(index, "footprint MiB", "memory.footprint_bytes",
+                      lambda r: memory_cell(r, "footprint_bytes")),
+      "## Scaling with T\n\nTime at T / time at T/2: 2 is linear, 4 quadratic.\n\n"
+      + _per_t_tables(index, "scaling ratio", "scaling_ratio", lambda r: fmt_cell(r, "scaling_ratio", "{:.2f}")),
+      "## Distance to the HBM floor\n\nTime / (bytes that must move at the measured copy bandwidth): "
+      "fwd moves q, k, v, o; bwd q, k, v, do, dq, dk, dv; fwd+bwd both.\n\n"
+      + _per_t_tables(index, "x HBM floor", "floor_ratio", lambda r: fmt_cell(r, "floor_ratio", "{:.2f}"),
+                      impls=ours),
+      "## Where we lose\n\nCases where another implementation beat the fastest lightning_jax one.\n\n"
+      + where_we_lose(data),
+      "## Not measured\n\n" + _not_measured_section(index),
+  ]
+  return "\n\n".join(sections) + "\n"
+
+
+# ----------------------------------------------------------------------------- plots
+
+def _color(impl: str):
+  import matplotlib  # noqa: PLC0415
+
+  return matplotlib.colormaps["tab10"](list(cases.IMPL_BY_NAME).index(impl) % 10)
+
+
+def _grid(plt, index: Index, rows: int):
+  cols = max(1, len(index.panels))
+  fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows + 0.8), squeeze=False)
+  return fig, axes
+
+
+def _series(index: Index, impl, mode, family, dtype, decay, value):
+  points = [(t, value(r)) for t in index.seq_lens(family, dtype)
+            if ok(r := index.get(impl, mode, family._replace(seq_len=t), dtype, decay))]
+  return [p for p in points if p[1] is not None]
+
+
+def _line_plot(plt, index: Index, value, ylabel: str):
+  """Log-log lines of value(result) against T: rows modes, columns panels, one line per implementation."""
+  fig, axes = _grid(plt, index, len(index.modes))
+  handles = {}
+  for row, mode in enumerate(index.modes):
+    for col, (family, dtype, decay) in enumerate(index.panels):
+      ax = axes[row][col]
+      for impl in index.impls:
+        points = _series(index, impl, mode, family, dtype, decay, value)
+        if points:
+          handles[impl], = ax.plot(*zip(*points), marker="o", ms=3, color=_color(impl), label=impl)
+      ts = index.seq_lens(family, dtype)
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      ax.set_xticks(ts, [fmt_t(t) for t in ts], fontsize=7)
+      ax.minorticks_off()
+      ax.set_title(f"{panel_title(family, dtype, decay)}: {mode}", fontsize=9)
+      ax.set_xlabel("T")
+      ax.set_ylabel(ylabel)
+      ax.grid(True, alpha=0.3)
+  fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(5, max(1, len(handles))),
+             fontsize=8)
+  fig.tight_layout(rect=(0, 0.6 / fig.get_figheight(), 1, 1))
+  return fig
+
+
+def _split_plot(plt, index: Index):
+  """Stacked fwd / bwd bars per implementation at the largest T of each panel that has both."""
+  fig, axes = _grid(plt, index, 1)
+  for col, (family, dtype, decay) in enumerate(index.panels):
+    ax = axes[0][col]
+    bars = []
+    for t in reversed(index.seq_lens(family, dtype)):
+      shape = family._replace(seq_len=t)
+      pairs = [(i, index.get(i, "fwd", shape, dtype, decay), index.get(i, "bwd", shape, dtype, decay))
+               for i in index.impls]
+      bars = [(i, f["time_ms"], b["time_ms"]) for i, f, b in pairs if ok(f) and ok(b)]
+      if bars:
+        break
+    if not bars:
+      ax.set_visible(False)
+      continue
+    names, fwd, bwd = zip(*bars)
+    ax.barh(names, fwd, label="fwd")
+    ax.barh(names, bwd, left=fwd, label="bwd")
+    ax.set_title(f"{panel_title(family, dtype, decay)}, T={fmt_t(t)}", fontsize=9)
+    ax.set_xlabel("ms")
+    ax.legend(fontsize=8)
+    ax.tick_params(axis="y", labelsize=8)
+  fig.tight_layout()
+  return fig
+
+
+def _footprint_mib(r: dict) -> float | None:
+  footprint = r.get("memory", {}).get("footprint_bytes")
+  return footprint / MIB if footprint else None
+
+
+def write_plots(data: dict, out_dir, stem: str) -> dict:
+  """Writes the PNG plots (the speedup plot only when cuDNN was measured); returns {name: path}."""
+  import matplotlib  # noqa: PLC0415 -- only for plots
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  index = Index(data)
+  makers = {
+      "time": lambda: _line_plot(plt, index, lambda r: r["time_ms"], "ms"),
+      "speedup": lambda: _line_plot(plt, index, lambda r: r.get("speedup_vs_cudnn"), "speedup vs cuDNN"),
+      "memory": lambda: _line_plot(plt, index, _footprint_mib, "footprint MiB"),
+      "split": lambda: _split_plot(plt, index),
+  }
+  if not any("speedup_vs_cudnn" in r for r in index.results):
+    del makers["speedup"]
+  paths = {}
+  for name, make in makers.items():
+    fig = make()
+    paths[name] = pathlib.Path(out_dir) / f"{stem}-{name}.png"
+    fig.savefig(paths[name], dpi=110)
+    plt.close(fig)
+  return paths
+
+
+def write_report(data: dict, path, plots: dict | None = None) -> pathlib.Path:
+  """Writes the markdown report; plot paths are made relative to it."""
+  path = pathlib.Path(path)
+  rel = {name: pathlib.Path(p).resolve().relative_to(path.parent.resolve()).as_posix()
+         for name, p in (plots or {}).items()}
+  path.write_text(markdown(data, rel))
+  return path
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description="Plots and report from a benchmarks.run JSON.")
+  parser.add_argument("json")
+  parser.add_argument("--out-dir", help="default: the JSON's folder")
+  parser.add_argument("--plot", action="store_true")
+  parser.add_argument("--report", action="store_true")
+  args = parser.parse_args(argv)
+  src = pathlib.Path(args.json)
+  data = json.loads(src.read_text())
+  out = pathlib.Path(args.out_dir or src.parent)
+  out.mkdir(parents=True, exist_ok=True)
+  plots = write_plots(data, out, src.stem) if args.plot else None
+  if args.report:
+    print(write_report(data, out / f"{src.stem}.md", plots))
+  for p in (plots or {}).values():
+    print(p)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,286 @@
+"""Benchmark CLI: lightning_jax against cuDNN FlashAttention, XLA softmax attention and the peers.
+
+    python -m benchmarks.run --smoke --save --plot --report --out-dir /tmp/bench   # CPU, seconds
+    python -m benchmarks.run --profile full --save --plot --report                  # the H100 run
+
+Every implementation group runs in its own subprocess (`benchmarks.jax_impls`,
+`benchmarks.peers.*`), one after the other; this process imports neither JAX
+nor torch. A probe subprocess first records the device and measures the copy
+bandwidth of the HBM floor. The groups first run every case with T up to
+16K (the Lightning Attention-3 shapes), then, in a second round of workers,
+the longer ones. `--max-seconds` bounds the whole run: each worker gets a share
+of the time left in proportion to its number of cases (time it does not use
+passes to the next), stops starting cases at the end of its share and is
+killed `GRACE_SECONDS` after it; the cases not run are reported as skipped. A worker that crashes loses the case it was running
+(reported as an error with its log), and a new worker goes on with the rest.
+
+Outputs (`--out-dir`, default benchmarks/results/; file stem `--name`, default
+the device kind, e.g. nvidia-h100-80gb-hbm3):
+`--save` <stem>.json (every measurement with metadata), `--plot`
+<stem>-{time,speedup,memory,split}.png, `--report` <stem>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks import cases, metrics, report, worker
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_OUT_DIR = REPO_ROOT / "benchmarks" / "results"
+GRACE_SECONDS = 60.0
+PROBE_SECONDS = 180.0
+LOG_TAIL_CHARS = 1500
+VERSIONED_PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "numpy", "torch", "triton",
+                      "fla-core", "lightning-attn", "jax-linear-attention")
+SETTINGS = ("warmup", "iters", "case_seconds", "compile_threads", "rotate_bytes")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  """Command-line options; those left unset take the values of the profile."""
+  p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--profile", choices=sorted(cases.PROFILES), default="full",
+                 help="defaults for the options below (default: full)")
+  p.add_argument("--smoke", action="store_true", help="tiny shapes that run on a CPU in seconds (= --profile smoke)")
+  p.add_argument("--shapes", help=f"shape sets {sorted(cases.SHAPE_SETS)} or BxTxHxD[xE], comma-separated")
+  p.add_argument("--impls", help=f"implementations or sets {list(cases.IMPL_SETS)}, comma-separated; "
+                                 f"names: {', '.join(cases.IMPL_BY_NAME)}")
+  p.add_argument("--modes", help="comma-separated from fwd,bwd,fwdbwd")
+  p.add_argument("--decay", help="comma-separated from on,off")
+  p.add_argument("--dtype", choices=sorted(cases.DTYPE_ITEMSIZE))
+  p.add_argument("--warmup", type=int, help="warm-up calls per case (after compilation)")
+  p.add_argument("--iters", type=int, help="most timed samples per case")
+  p.add_argument("--case-seconds", type=float, help="most seconds of timed samples per case (at least 3 samples)")
+  p.add_argument("--max-seconds", type=float, help="time budget of the whole run")
+  p.add_argument("--compile-threads", type=int, help="threads compiling the functions of a job")
+  p.add_argument("--rotate-bytes", type=int, help="rotate input sets until they span this many bytes")
+  p.add_argument("--save", action="store_true", help="write <out-dir>/<name>.json")
+  p.add_argument("--plot", action="store_true", help="write the PNG plots")
+  p.add_argument("--report", action="store_true", help="write the Markdown report")
+  p.add_argument("--out-dir", type=pathlib.Path, default=DEFAULT_OUT_DIR)
+  p.add_argument("--name", help="file stem of the outputs (default: the device kind)")
+  args = p.parse_args(argv)
+  if args.smoke:
+    args.profile = "smoke"
+  for key, value in cases.PROFILES[args.profile].items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
+  return args
+
+
+@dataclasses.dataclass
+class Plan:
+  jobs: list
+  settings: dict
+  description: dict
+
+
+def make_plan(args) -> Plan:
+  impls = cases.parse_impls(args.impls)
+  shapes = cases.parse_shapes(args.shapes)
+  modes = cases.parse_choices(args.modes, cases.MODES, "--modes")
+  decays = [cases.DECAYS[d] for d in cases.parse_choices(args.decay, cases.DECAYS, "--decay")]
+  jobs = cases.make_jobs(impls, shapes, decays, modes, args.dtype)
+  settings = {key: getattr(args, key) for key in SETTINGS}
+  description = dict(profile=args.profile, impls=impls, shapes=[list(s) for s in shapes], modes=modes,
+                     decays=decays, dtype=args.dtype, max_seconds=args.max_seconds)
+  return Plan(jobs, settings, description)
+
+
+def worker_env() -> dict:
+  """The workers' environment: the repository on PYTHONPATH; JAX may take 90% of the GPU."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
+  return env
+
+
+def _tail(path: pathlib.Path) -> str:
+  return path.read_text(errors="replace")[-LOG_TAIL_CHARS:] if path.exists() else ""
+
+
+def _read_lines(path: pathlib.Path, skip: int) -> list[dict]:
+  if not path.exists():
+    return []
+  lines = path.read_text().split("\n")[:-1]  # complete lines only
+  return [json.loads(line) for line in lines[skip:]]
+
+
+def _progress(r: dict, start: float):
+  shape = f"B{r['batch']} T{r['seq_len']} H{r['heads']} D{r['dim_k']}"
+  decay = {True: "decay", False: "no-decay", None: ""}[r["decay"]]
+  what = f"{r['time_ms']:10.3f} ms" if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')[:80]}"
+  print(f"[{time.time() - start:6.1f}s] {r['impl']:<21} {shape:<24} {decay:<8} {r['mode']:<6} {what}", flush=True)
+
+
+def run_worker(module: str, args: list[str], workdir: pathlib.Path, name: str, kill_at: float,
+               on_line=None) -> tuple[list[dict], int | None, str]:
+  """Runs `python -m module args`; returns (output lines, return code or None if killed, log tail).
+
+  The worker's JSON-lines output (`--json-out`, the last of `args`) is read as it
+  grows, and each new line passed to `on_line`.
+  """
+  out, log = pathlib.Path(args[-1]), workdir / f"{name}.log"
+  with open(log, "w") as log_file:
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=worker_env(),
+                            stdout=log_file, stderr=subprocess.STDOUT)
+    lines = []
+    while True:
+      finished = proc.poll() is not None
+      new = _read_lines(out, len(lines))
+      for line in new:
+        if on_line:
+          on_line(line)
+      lines += new
+      if finished:
+        break
+      if time.time() > kill_at:
+        proc.kill()
+        proc.wait()
+        lines += _read_lines(out, len(lines))
+        return lines, None, _tail(log)
+      time.sleep(0.2)
+  return lines, proc.returncode, _tail(log)
+
+
+def run_group(group: str, jobs: list[dict], settings: dict, deadline: float, workdir: pathlib.Path,
+              start: float, label: str) -> tuple[list[dict], dict]:
+  """Runs the jobs of one group until done or out of time; returns (results in job order, worker info)."""
+  results, info, pending, attempt = {}, {}, list(jobs), 0
+  while pending:
+    attempt += 1
+    name = f"{label}-{attempt}"
+    spec_path, out_path = workdir / f"{name}.json", workdir / f"{name}.jsonl"
+    spec_path.write_text(json.dumps({"jobs": pending, "settings": settings, "deadline": deadline}))
+    lines, rc, log = run_worker(cases.GROUP_MODULES[group], ["--json-in", str(spec_path), "--json-out",
+                                                             str(out_path)], workdir, name,
+                                deadline + GRACE_SECONDS,
+                                lambda r: _progress(r, start) if r["type"] == "result" else None)
+    for line in lines:
+      if line["type"] == "info":
+        info = {k: v for k, v in line.items() if k != "type"}
+      else:
+        results[line["job_id"], line["mode"]] = line
+    pending = [j for j in pending if any((j["id"], m) not in results for m in j["modes"])]
+    if not pending:
+      break
+    if rc is None:
+      status, reason, blamed = "skipped", "time budget: the worker was stopped past its share", pending
+    else:
+      status, reason = "error", f"worker exited with code {rc} before finishing; log tail:\n{log}"
+      blamed = pending if not lines else pending[:1]  # died before starting: every job; else the one running
+    for job in blamed:
+      for mode in job["modes"]:
+        results.setdefault((job["id"], mode), worker.result(job, mode, status, reason=reason))
+    pending = [j for j in pending if j not in blamed]
+  return [results[j["id"], m] for j in jobs for m in j["modes"]], info
+
+
+def run_probe(workdir: pathlib.Path, kill_at: float) -> dict:
+  """Device information and copy bandwidth from `benchmarks.jax_impls --probe`."""
+  path = workdir / "probe.json"
+  _, rc, log = run_worker("benchmarks.jax_impls", ["--probe", str(path)], workdir, "probe", kill_at)
+  if rc == 0 and path.exists():
+    return json.loads(path.read_text())
+  return {"error": f"probe failed (code {rc}): {log}"}
+
+
+def run_all(plan: Plan, max_seconds: float, workdir: pathlib.Path) -> tuple[list[dict], dict, dict]:
+  """Probe, then every (tier, group) in order, sharing the time budget; returns (results, probe, worker infos)."""
+  start = time.time()
+  end = start + max_seconds
+  probe = run_probe(workdir, min(end, start + PROBE_SECONDS))
+  order = list(cases.GROUP_MODULES)
+  steps = sorted({(j["tier"], j["group"]) for j in plan.jobs}, key=lambda s: (s[0], order.index(s[1])))
+  units = {step: sum(len(j["modes"]) for j in plan.jobs if (j["tier"], j["group"]) == step) for step in steps}
+  results, infos = [], {}
+  for i, (tier, group) in enumerate(steps):
+    now = time.time()
+    share = max(0.0, end - now) * units[tier, group] / sum(units[s] for s in steps[i:])
+    jobs = [j for j in plan.jobs if (j["tier"], j["group"]) == (tier, group)]
+    if group in cases.GPU_ONLY_GROUPS and probe.get("platform") != "gpu":
+      reason = f"needs an NVIDIA GPU (the probe found {probe.get('platform')})"
+      results += [worker.result(j, m, "skipped", reason=reason) for j in jobs for m in j["modes"]]
+      continue
+    group_results, info = run_group(group, jobs, plan.settings, now + share, workdir, start, f"{group}-t{tier}")
+    results += group_results
+    infos.setdefault(group, info)
+  position = {j["id"]: n for n, j in enumerate(plan.jobs)}
+  return sorted(results, key=lambda r: position[r["job_id"]]), probe, infos
+
+
+def git(*args) -> str | None:
+  try:
+    out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, check=True)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip()
+
+
+def metadata(argv, plan: Plan, probe: dict, infos: dict, wall_seconds: float) -> dict:
+  """Device, versions, date, git commit and the exact command of the run."""
+  versions = {"python": platform.python_version(), **worker.package_versions(VERSIONED_PACKAGES)}
+  for info in (probe, *infos.values()):
+    versions.update({k: v for k, v in info.get("versions", {}).items() if v})
+  device_kind = probe.get("device_kind", "unknown")
+  return dict(
+      device_kind=device_kind, device_slug=cases.device_slug(device_kind), platform=probe.get("platform"),
+      compute_capability=probe.get("compute_capability"), device_count=probe.get("device_count"),
+      core_count=probe.get("core_count"), bytes_limit=probe.get("bytes_limit"),
+      copy_bandwidth=probe.get("copy_bandwidth"), probe_error=probe.get("error"), versions=versions,
+      date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      git_commit=git("rev-parse", "HEAD") or "unknown", git_dirty=bool(git("status", "--porcelain",
+                                                                              "--untracked-files=no")),
+      command=shlex.join(["python", "-m", "benchmarks.run", *argv]), python_executable=sys.executable,
+      host=platform.node(), wall_seconds=wall_seconds, plan=plan.description, settings=plan.settings,
+      workers=infos)
+
+
+def write_outputs(data: dict, args) -> list[pathlib.Path]:
+  """Writes the JSON, plots and report asked for; returns their paths."""
+  if not (args.save or args.plot or args.report):
+    return []
+  out_dir = args.out_dir
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stem = args.name or data["metadata"]["device_slug"]
+  paths = []
+  if args.save:
+    paths.append(out_dir / f"{stem}.json")
+    paths[-1].write_text(json.dumps(data, indent=1) + "\n")
+  plots = report.write_plots(data, out_dir, stem) if args.plot else {}
+  paths += plots.values()
+  if args.report:
+    paths.append(report.write_report(data, out_dir / f"{stem}.md", plots))
+  return paths
+
+
+def main(argv=None) -> dict:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  plan = make_plan(args)
+  start = time.time()
+  with tempfile.TemporaryDirectory(prefix="lightning-jax-bench-") as workdir:
+    results, probe, infos = run_all(plan, args.max_seconds, pathlib.Path(workdir))
+  bandwidth = (probe.get("copy_bandwidth") or {}).get("bandwidth_gbps")
+  data = {"metadata": metadata(argv, plan, probe, infos, time.time() - start),
+          "results": metrics.derive(results, bandwidth)}
+  print("\n" + report.summary_table(data) + "\n")
+  for path in write_outputs(data, args):
+    print(f"wrote {path}")
+  return data
+
+
+if __name__ == "__main__":
+  main()

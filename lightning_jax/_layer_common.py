@@ -1,0 +1,296 @@
+"""Framework-free pieces shared by the NNX and Linen `LightningAttention` layers
+and by `attention_fn`: argument validation, decay rules, feature maps and the
+attention core (feature map -> linear attention -> norm -> gate).
+
+Shapes: B batch, T tokens, H heads, D key/query head dim, E value head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lightning_jax import slopes
+from lightning_jax.ops.lightning_attention import api as op_api
+from lightning_jax.ops.lightning_attention.config import LightningConfig
+
+FEATURE_MAPS = {
+    "identity": lambda x: x,
+    # TransNormerLLM and MiniMax-01 apply SiLU to q and k (MiniMax-01 to v as well).
+    "silu": jax.nn.silu,
+    # Katharopoulos et al. (2020), "Transformers are RNNs".
+    "elu_plus_one": lambda x: jax.nn.elu(x) + 1,
+    "relu": jax.nn.relu,
+}
+DECAY_NAMES = ("alibi", "minimax")
+# "rms": one RMS norm over all heads' outputs (H*E features), as MiniMax-01 and
+# TransNormerLLM normalise the concatenated head outputs; "head_rms": one per head.
+OUTPUT_NORMS = (None, "rms", "head_rms")
+NORM_EPSILON = 1e-6
+# softplus never reaches 0: a learnable rate of 0 starts here instead.
+MIN_LEARNABLE_RATE = 1e-6
+
+
+def _is_int(value, minimum):
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
+def check_decay(decay, layer_idx, num_layers) -> None:
+  """Validates a decay spec (None, "alibi", "minimax" or an [H] array) up to its length."""
+  if decay is None:
+    return
+  if isinstance(decay, str):
+    if decay not in DECAY_NAMES:
+      raise ValueError(f"decay must be None, one of {DECAY_NAMES} or an [H] array of rates, got {decay!r}")
+    if decay == "minimax" and (layer_idx is None or num_layers is None):
+      raise ValueError("decay='minimax' scales the slopes by depth and needs layer_idx and num_layers, got "
+                       f"layer_idx={layer_idx!r}, num_layers={num_layers!r}")
+    return
+  if isinstance(decay, jax.core.Tracer):
+    raise TypeError("decay must be a concrete [H] array (it configures the layer), not a traced value; "
+                    "use learnable_decay=True to train it")
+  try:
+    rates = np.asarray(decay, np.float64)
+  except (TypeError, ValueError):
+    raise TypeError(f"decay must be None, one of {DECAY_NAMES} or an [H] array of rates, "
+                    f"got {type(decay).__name__}") from None
+  if rates.ndim != 1 or not np.all(np.isfinite(rates)) or np.any(rates < 0):
+    raise ValueError(f"decay as an array must be [H] finite rates >= 0 (a = exp(-rate)), got {rates!r}")
+
+
+def decay_rates(decay, num_heads, layer_idx=None, num_layers=None) -> np.ndarray | None:
+  """Resolves a (checked) decay spec to float32 [H] rates, or None for no decay."""
+  check_decay(decay, layer_idx, num_layers)
+  if decay is None:
+    return None
+  if isinstance(decay, str):
+    if decay == "alibi":
+      return slopes.alibi_slopes(num_heads)
+    return slopes.minimax_slopes(num_heads, layer_idx, num_layers)
+  rates = np.asarray(decay, np.float32)
+  if rates.shape != (num_heads,):
+    raise ValueError(f"decay must have one rate per head, shape [{num_heads}], got shape {rates.shape}")
+  return rates
+
+
+def decay_param_init(rates) -> jax.Array:
+  """Unconstrained value u with softplus(u) = rates (inverse softplus), float32 [H]."""
+  r = jnp.maximum(jnp.asarray(rates, jnp.float32), MIN_LEARNABLE_RATE)
+  return r + jnp.log(-jnp.expm1(-r))  # log(exp(r) - 1) without overflow
+
+
+def layer_decay(spec: "LayerSpec", param) -> jax.Array | None:
+  """The layer's float32 [H] rates: softplus of the unconstrained `decay` param when
+  learnable (so they stay >= 0), else the fixed rates of the spec (or None)."""
+  if spec.learnable_decay:
+    return jax.nn.softplus(param.astype(jnp.float32))
+  return None if spec.decay is None else jnp.asarray(spec.decay, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+  """Checked, resolved constructor arguments of a LightningAttention layer (hashable)."""
+  num_heads: int
+  in_features: int
+  qkv_features: int
+  out_features: int
+  head_dim: int
+  decay: tuple[float, ...] | None  # fixed rates, or the initial rates when learnable
+  learnable_decay: bool
+  feature_map: str
+  output_gate: bool
+  output_norm: str | None
+  scale: float
+  impl: str
+  variant: str
+  config: LightningConfig | None
+
+
+def make_spec(*, num_heads, in_features, qkv_features, out_features, decay, layer_idx, num_layers,
+              learnable_decay, feature_map, output_gate, output_norm, scale, impl, variant, config) -> LayerSpec:
+  """Validates the layer arguments (clear errors naming each one) and resolves defaults."""
+  for name, value, optional in (("num_heads", num_heads, False), ("in_features", in_features, False),
+                                ("qkv_features", qkv_features, True), ("out_features", out_features, True)):
+    if not (optional and value is None) and not _is_int(value, 1):
+      raise ValueError(f"{name} must be {'None or ' if optional else ''}an int >= 1, got {value!r}")
+  qkv_features = in_features if qkv_features is None else qkv_features
+  if qkv_features % num_heads:
+    raise ValueError(f"qkv_features ({qkv_features}; in_features when None) must be divisible by "
+                     f"num_heads ({num_heads})")
+  head_dim = qkv_features // num_heads
+  if head_dim > op_api.MAX_HEAD_DIM:
+    raise ValueError(f"head dim qkv_features / num_heads = {head_dim} exceeds the op's limit {op_api.MAX_HEAD_DIM}")
+  if not isinstance(learnable_decay, bool):
+    raise TypeError(f"learnable_decay must be a bool, got {learnable_decay!r}")
+  if learnable_decay and decay is None:
+    raise ValueError("learnable_decay=True needs initial rates: decay='alibi', 'minimax' or an [H] array, got None")
+  rates = decay_rates(decay, num_heads, layer_idx, num_layers)
+  if feature_map not in FEATURE_MAPS:
+    raise ValueError(f"feature_map must be one of {tuple(FEATURE_MAPS)}, got {feature_map!r}")
+  if not isinstance(output_gate, bool):
+    raise TypeError(f"output_gate must be a bool, got {output_gate!r}")
+  if output_norm not in OUTPUT_NORMS:
+    raise ValueError(f"output_norm must be one of {OUTPUT_NORMS}, got {output_norm!r}")
+  if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not np.isfinite(scale)):
+    raise TypeError(f"scale must be None or a finite float, got {scale!r}")
+  if impl not in op_api.IMPLS:
+    raise ValueError(f"impl must be one of {op_api.IMPLS}, got {impl!r}")
+  if variant not in op_api.VARIANTS:
+    raise ValueError(f"variant must be one of {op_api.VARIANTS}, got {variant!r}")
+  if config is not None and not isinstance(config, LightningConfig):
+    raise TypeError(f"config must be a LightningConfig or None, got {type(config).__name__}")
+  return LayerSpec(
+      num_heads=num_heads, in_features=in_features, qkv_features=qkv_features,
+      out_features=in_features if out_features is None else out_features, head_dim=head_dim,
+      decay=None if rates is None else tuple(float(r) for r in rates), learnable_decay=learnable_decay,
+      feature_map=feature_map, output_gate=output_gate, output_norm=output_norm,
+      scale=float(head_dim ** -0.5 if scale is None else scale), impl=impl, variant=variant, config=config)
+
+
+def check_inputs(inputs, spec: LayerSpec) -> None:
+  if inputs.ndim != 3 or inputs.shape[-1] != spec.in_features:
+    raise ValueError(f"inputs must be [B, T, in_features={spec.in_features}], got shape {inputs.shape}")
+
+
+def state_shape(batch_size, spec: LayerSpec) -> tuple[int, int, int, int]:
+  """Shape [B, H, D, E] of the decode cache (D = E = head_dim)."""
+  if not _is_int(batch_size, 1):
+    raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+  return (int(batch_size), spec.num_heads, spec.head_dim, spec.head_dim)
+
+
+def check_state(state, batch_size, spec: LayerSpec) -> None:
+  if state is None:
+    raise ValueError("decode=True needs the recurrent state: call init_cache(batch_size) first")
+  if tuple(state.shape) != state_shape(batch_size, spec):
+    raise ValueError(f"decode cache holds a state of shape {tuple(state.shape)} but the inputs need "
+                     f"{state_shape(batch_size, spec)}: call init_cache with batch_size={batch_size}")
+
+
+def rms_norm(x, scale, axes) -> jax.Array:
+  """RMS norm of x over `axes` (in float32), times `scale`; returns x.dtype."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=axes, keepdims=True) + NORM_EPSILON)
+  return (xf * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def recurrent_step(q, k, v, decay, *, scale, state):
+  """One token of the recurrence in jnp (no kernel): S' = a S + k^T v, o = scale q S'.
+
+  q, k: [B, 1, H, D]; v: [B, 1, H, E]; decay: [H] or None; state: [B, H, D, E].
+  Returns (o [B, 1, H, E] in q.dtype, S' float32).
+  """
+  hi = jax.lax.Precision.HIGHEST
+  dtype = q.dtype
+  s = state.astype(jnp.float32)
+  if decay is not None:
+    s = jnp.exp(-decay.astype(jnp.float32))[None, :, None, None] * s
+  q, k, v = (x[:, 0].astype(jnp.float32) for x in (q, k, v))
+  s = s + jnp.einsum("bhd,bhe->bhde", k, v, precision=hi)
+  o = scale * jnp.einsum("bhd,bhde->bhe", q, s, precision=hi)
+  return o[:, None].astype(dtype), s
+
+
+# Jitted so that eager calls (e.g. a decode loop without jit) compile once per
+# shape instead of dispatching every jnp op; inlined under an outer jit.
+@functools.partial(jax.jit, static_argnames=("scale", "impl", "variant", "config", "interpret"))
+def linear_attention(q, k, v, decay, *, scale, impl, variant, config, interpret=None, state=None):
+  """Causal linear attention; with `state` also returns the state after these tokens.
+
+  q, k: [B, T, H, D]; v: [B, T, H, E]; decay: float32 [H] or None; state: [B, H, D, E]
+  or None. Returns o [B, T, H, E] (q.dtype), or (o, new float32 state) given `state`.
+  """
+  if state is None:
+    return op_api.lightning_attention(q, k, v, decay, scale=scale, impl=impl, variant=variant,
+                                      config=config, interpret=interpret)
+  if q.shape[1] == 1:  # a decode step: a few flops, not worth a kernel launch
+    return recurrent_step(q, k, v, decay, scale=scale, state=state)
+  # Chunked prefill: the kernel resumes from and returns the state.
+  return op_api.lightning_attention(q, k, v, decay, scale=scale, initial_state=state, return_final_state=True,
+                                    impl=impl, variant=variant, config=config, interpret=interpret)
+
+
+def attend(spec: LayerSpec, q, k, v, *, decay, gate=None, norm_scale=None, state=None):
+  """The layer between its projections: feature map, linear attention, output norm and gate.
+
+  q, k, v: [B, T, H, head_dim] projections; decay: float32 [H] or None; gate:
+  [B, T, H, head_dim] pre-sigmoid gate (or None); norm_scale: [H, head_dim] (or
+  None); state: the decode cache [B, H, D, E] or None.
+  Returns (o [B, T, H, head_dim], new state or None).
+  """
+  fmap = FEATURE_MAPS[spec.feature_map]
+  q, k = fmap(q), fmap(k)
+  kwargs: dict[str, Any] = dict(scale=spec.scale, impl=spec.impl, variant=spec.variant, config=spec.config)
+  if state is None:
+    o, new_state = linear_attention(q, k, v, decay, **kwargs), None
+  else:
+    o, new_state = linear_attention(q, k, v, decay, state=state, **kwargs)
+  if spec.output_norm is not None:
+    o = rms_norm(o, norm_scale, (-2, -1) if spec.output_norm == "rms" else -1)
+  if gate is not None:
+    # MiniMax-01's output gate: norm(attn) * sigmoid(x W_gate). (TransNormerLLM
+    # multiplies by the un-activated projection instead.)
+    o = o * jax.nn.sigmoid(gate).astype(o.dtype)
+  return o, new_state
+
+
+LAYER_DOC = """Lightning Attention layer: causal linear attention with per-head decay.
+
+  For inputs x [B, T, in_features], with H = num_heads and head dim
+  Dh = qkv_features // H:
+
+      q, k = phi(x W_query), phi(x W_key);  v = x W_value        [B, T, H, Dh]
+      S_t = exp(-rate_h) S_{t-1} + k_t^T v_t;  o_t = scale * q_t S_t  (the op)
+      o = norm(o) * sigmoid(x W_gate)                   (when enabled)
+      y = o W_out                                        [B, T, out_features]
+
+  With the defaults (silu feature map, RMS output norm, sigmoid output gate)
+  this is the MiniMax-01 lightning-attention block (Li et al., 2025), itself the
+  TransNormerLLM block (Qin et al., 2023) with a sigmoid gate; with decay
+  "minimax" its slopes too.
+
+  Parameters (the same names and shapes in the NNX and Linen layers, so a
+  parameter dict moves between them): `query`, `key`, `value` and `gate`
+  {kernel [in_features, H, Dh], bias [H, Dh]}, `out` {kernel [H, Dh,
+  out_features], bias [out_features]}, `norm` [H, Dh] (RMS-norm scale) and
+  `decay` [H]: the unconstrained value u with rate = softplus(u) >= 0,
+  initialised so that the initial rates equal the chosen slopes.
+
+  Args:
+    num_heads: H; must divide qkv_features.
+    in_features: features of the inputs.
+    qkv_features: H * Dh, default in_features.
+    out_features: output features, default in_features.
+    decay: per-head decay rates (a = exp(-rate)): "alibi" (default;
+      `alibi_slopes`), "minimax" (`minimax_slopes`: ALiBi scaled by depth as in
+      TransNormerLLM / MiniMax-01; needs layer_idx and num_layers), None (no
+      decay: plain causal linear attention) or an explicit [H] array of rates
+      >= 0. flash-linear-attention's `chunk_lightning_attn` uses another rule;
+      pass its rates as an array to reproduce it.
+    layer_idx, num_layers: the depth used by decay="minimax".
+    learnable_decay: train the rates as the `decay` parameter (softplus
+      parametrisation, starting at the rates above; a rate of 0 starts at 1e-6).
+    feature_map: applied to q and k: "silu" (default; TransNormerLLM /
+      MiniMax-01), "identity", "elu_plus_one" (Katharopoulos et al., 2020) or
+      "relu".
+    output_gate: multiply the attention output by sigmoid(x W_gate) (MiniMax-01;
+      TransNormerLLM gates with the un-activated projection) before `out`.
+    output_norm: "rms" (default): RMS norm over all heads' outputs (H * Dh
+      features) as in MiniMax-01 / TransNormerLLM; "head_rms": over each head's
+      Dh features; None: no norm. Learnable scale `norm`, epsilon 1e-6.
+    scale: multiplies q in the op; default Dh ** -0.5 (MiniMax-01 uses 1.0).
+    dtype: computation dtype (default: inferred from inputs and params).
+    param_dtype: parameter dtype (default float32).
+    precision: precision of the projections (the op accumulates in float32).
+    kernel_init, bias_init, use_bias: of the projections.
+    decode: consume tokens against the recurrent state of the decode cache
+      (`init_cache`) and update it; overridable per call.
+    impl, variant, config: passed to `lightning_attention` ("auto": the Pallas
+      kernels on supported GPUs, the chunked XLA path elsewhere).
+  """

@@ -1,0 +1,37 @@
+"""Shared test fixtures: kernel execution modes (interpret on any backend, compiled on a GPU)."""
+
+import os
+
+# XLA may otherwise drop f32 -> bf16 -> f32 round trips, so that interpret mode
+# on the CPU computes more precisely than the GPU does and hides rounding bugs.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from lightning_jax.ops.lightning_attention import api  # noqa: E402
+
+
+def gpu_available() -> bool:
+  try:
+    cc = api.gpu_compute_capability(jax.devices()[0])
+  except RuntimeError:
+    return False
+  return cc is not None and cc >= (8, 0)
+
+
+# Every kernel case runs twice: through Pallas interpret mode (CPU CI) and
+# compiled through Triton when an NVIDIA GPU (sm80+) is present.
+KERNEL_MODES = [
+    pytest.param("interpret", id="interpret"),
+    pytest.param("gpu", id="gpu", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not gpu_available(), reason="needs an NVIDIA GPU with compute capability >= 8.0"),
+    ]),
+]
+
+
+@pytest.fixture(params=KERNEL_MODES)
+def kernel_mode(request):
+  """Returns the `interpret=` argument of the mode."""
+  return request.param == "interpret"

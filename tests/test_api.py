@@ -1,0 +1,186 @@
+"""Composition with JAX transforms, per-device configs and input validation."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lightning_jax as lj
+from lightning_jax.ops.lightning_attention import config as config_lib
+from lightning_jax.ops.lightning_attention import reference
+
+B, T, H, D, E = 2, 37, 3, 16, 24
+
+
+def inputs(seed=0, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
+  k = jax.random.normal(ks[1], (B, T, H, D), dtype)
+  v = jax.random.normal(ks[2], (B, T, H, E), dtype)
+  decay = jax.random.uniform(ks[3], (H,), minval=0.01, maxval=0.8)
+  s0 = jax.random.normal(ks[4], (B, H, D, E))
+  return q, k, v, decay, s0
+
+
+def ref_o(q, k, v, decay, s0=None):
+  return reference.lightning_attention_recurrent(q, k, v, decay, scale=D ** -0.5, initial_state=s0)[0]
+
+
+def close(x, y, tol=1e-4):
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  return np.linalg.norm(x - y) / np.linalg.norm(y) < tol
+
+
+IMPLS = [dict(impl="pallas", variant="chunk_loop"), dict(impl="pallas", variant="parallel"), dict(impl="xla")]
+
+
+@pytest.mark.parametrize("kw", IMPLS, ids=lambda kw: "-".join(kw.values()))
+def test_vmap_over_extra_batch_axis(kw, kernel_mode):
+  if kw["impl"] == "pallas":
+    kw = dict(kw, interpret=kernel_mode)
+  q, k, v, decay, _ = inputs(1)
+  stack = lambda x: jnp.stack([x, 0.5 * x + 1.0])  # noqa: E731
+  out = jax.jit(jax.vmap(lambda q, k, v: lj.lightning_attention(q, k, v, decay, **kw)))(
+      stack(q), stack(k), stack(v))
+  chex.assert_shape(out, (2, B, T, H, E))
+  for i in range(2):
+    assert close(out[i], ref_o(stack(q)[i], stack(k)[i], stack(v)[i], decay))
+
+
+@pytest.mark.parametrize("kw", IMPLS, ids=lambda kw: "-".join(kw.values()))
+def test_grad_under_jit_with_checkpoint(kw, kernel_mode):
+  if kw["impl"] == "pallas":
+    kw = dict(kw, interpret=kernel_mode)
+  q, k, v, decay, s0 = inputs(2)
+
+  def loss(fn):
+    def f(q, k, v, decay, s0):
+      o = jax.checkpoint(fn)(q, k, v, decay, s0)
+      return jnp.sum(jnp.sin(o))
+    return f
+
+  ours = lambda q, k, v, d, s: lj.lightning_attention(q, k, v, d, initial_state=s, **kw)  # noqa: E731
+  g = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3, 4)))(q, k, v, decay, s0)
+  g_ref = jax.grad(loss(ref_o), argnums=(0, 1, 2, 3, 4))(q, k, v, decay, s0)
+  chex.assert_trees_all_equal_shapes_and_dtypes(g, (q, k, v, decay, s0))
+  for a, b in zip(g, g_ref):
+    assert close(a, b, 1e-3)
+
+
+def test_chunked_prefill_equals_full_sequence(kernel_mode):
+  """Splitting the sequence and passing the state on gives the same output."""
+  q, k, v, decay, s0 = inputs(3)
+  kw = dict(impl="pallas", variant="chunk_loop", interpret=kernel_mode)
+  full, full_state = lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, **kw)
+  a, state = lj.lightning_attention(q[:, :20], k[:, :20], v[:, :20], decay, initial_state=s0,
+                                    return_final_state=True, **kw)
+  b, state = lj.lightning_attention(q[:, 20:], k[:, 20:], v[:, 20:], decay, initial_state=state,
+                                    return_final_state=True, **kw)
+  assert close(jnp.concatenate([a, b], axis=1), full) and close(state, full_state)
+
+
+def test_auto_impl_on_this_backend():
+  q, k, v, decay, _ = inputs(4)
+  assert close(lj.lightning_attention(q, k, v, decay), ref_o(q, k, v, decay))
+
+
+def test_initial_state_dtype_and_scale():
+  q, k, v, decay, s0 = inputs(5, jnp.bfloat16)
+  o = lj.lightning_attention(q, k, v, decay, initial_state=s0.astype(jnp.bfloat16), scale=1.0, impl="xla")
+  chex.assert_type(o, jnp.bfloat16)
+  want = reference.lightning_attention_recurrent(q, k, v, decay, scale=1.0,
+                                                 initial_state=s0.astype(jnp.bfloat16))[0]
+  assert close(o, want, 2e-2)
+
+
+# --- per-device configs -------------------------------------------------------
+
+CAPABILITIES = [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (13, 0), None]
+
+
+@pytest.mark.parametrize("cc", CAPABILITIES, ids=str)
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_default_configs_fit_budget(cc, itemsize):
+  budget = config_lib.shared_memory_budget(cc)
+  for dim_k in (16, 32, 64, 128, 256):
+    for dim_v in (16, 32, 64, 128, 256):
+      cfgs = config_lib.resolve(None, dim_k=dim_k, dim_v=dim_v, itemsize=itemsize, compute_capability=cc)
+      assert cfgs.chunk_loop.shared_memory_bytes(dim_k, dim_v, itemsize) <= budget
+      assert cfgs.chunk_output.shared_memory_bytes(dim_k, dim_v, itemsize) <= budget
+      assert cfgs.chunk_states.shared_memory_bytes(dim_k, dim_v, itemsize, cfgs.chunk_output.chunk_size) <= budget
+      assert cfgs.chunk_loop.block_e <= dim_v and cfgs.chunk_states.block_d <= dim_k
+
+
+def test_budgets_by_device():
+  assert config_lib.shared_memory_budget((9, 0)) == 232448
+  assert config_lib.shared_memory_budget((12, 0)) == 101376
+  assert config_lib.shared_memory_budget((8, 0)) == 166912
+  assert config_lib.shared_memory_budget((99, 0)) == config_lib.SAFE_SHARED_MEMORY_BUDGET == 101376
+
+
+def test_user_config_over_budget_names_the_budget():
+  big = lj.LightningConfig(chunk_loop=lj.ChunkLoopConfig(chunk_size=256, block_e=256, num_warps=8, num_stages=4))
+  with pytest.raises(ValueError, match="101376-byte per-block budget of compute capability 12.0"):
+    config_lib.resolve(big, dim_k=256, dim_v=256, itemsize=4, compute_capability=(12, 0))
+
+
+def test_config_dataclasses_are_frozen_and_validated():
+  cfg = lj.ChunkLoopConfig(chunk_size=64, block_e=64, num_warps=4, num_stages=2)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.chunk_size = 32
+  with pytest.raises(TypeError):
+    lj.ChunkLoopConfig(64, 64, 4, 2)  # keyword-only
+  with pytest.raises(ValueError, match="chunk_size must be a power of two"):
+    lj.ChunkLoopConfig(chunk_size=48, block_e=64, num_warps=4, num_stages=2)
+  with pytest.raises(TypeError, match="chunk_loop must be a ChunkLoopConfig"):
+    lj.LightningConfig(chunk_loop=lj.ChunkOutputConfig(chunk_size=64, block_e=64, num_warps=4, num_stages=1))
+
+
+def test_auto_variant_heuristic():
+  choose = config_lib.choose_variant
+  assert choose(batch=1, heads=8, seq_len=16384, dim_v=64, block_e=64, num_sms=132) == "parallel"
+  assert choose(batch=4, heads=32, seq_len=8192, dim_v=64, block_e=64, num_sms=132) == "chunk_loop"
+  assert choose(batch=1, heads=8, seq_len=256, dim_v=64, block_e=64, num_sms=132) == "chunk_loop"
+
+
+# --- bad input ----------------------------------------------------------------
+
+def bad_calls():
+  q, k, v, decay, s0 = inputs(6)
+  f = lj.lightning_attention
+  return [
+      ("q must be \\[B, T, H, D\\]", ValueError, lambda: f(q[0], k, v)),
+      ("k must be \\[B, T, H, D\\]", ValueError, lambda: f(q, k[:, :5], v)),
+      ("v must be \\[B, T, H, E\\]", ValueError, lambda: f(q, k, v[:, :, :2])),
+      ("head dim D", ValueError, lambda: f(jnp.ones((1, 4, 1, 300)), jnp.ones((1, 4, 1, 300)), jnp.ones((1, 4, 1, 8)))),
+      ("head dim E", ValueError, lambda: f(jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 257)))),
+      ("q must be float32, bfloat16 or float16", TypeError,
+       lambda: f(q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32))),
+      ("share one dtype", TypeError, lambda: f(q, k.astype(jnp.bfloat16), v)),
+      ("decay must be None or a \\[H\\]", ValueError, lambda: f(q, k, v, jnp.ones((H + 1,)))),
+      ("decay must be a floating array", TypeError, lambda: f(q, k, v, jnp.ones((H,), jnp.int32))),
+      ("decay rates must be >= 0", ValueError, lambda: f(q, k, v, -decay)),
+      ("initial_state must be \\[B, H, D, E\\]", ValueError, lambda: f(q, k, v, initial_state=s0[:, :, :, :3])),
+      ("impl must be one of", ValueError, lambda: f(q, k, v, impl="cuda")),
+      ("variant must be one of", ValueError, lambda: f(q, k, v, impl="pallas", variant="fast")),
+      ("config must be a LightningConfig", TypeError, lambda: f(q, k, v, config={"chunk_size": 64})),
+      ("scale must be None or a finite Python float", TypeError, lambda: f(q, k, v, scale=jnp.float32(0.5))),
+      ("return_final_state must be a bool", TypeError, lambda: f(q, k, v, return_final_state=1)),
+      ("need B, T, H >= 1", ValueError, lambda: f(q[:, :0], k[:, :0], v[:, :0])),
+  ]
+
+
+@pytest.mark.parametrize("index", range(len(bad_calls())))
+def test_bad_input_raises_clearly(index):
+  match, error, call = bad_calls()[index]
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_bad_input_raises_under_jit_before_tracing_kernels():
+  q, k, v, decay, _ = inputs(7)
+  with pytest.raises(ValueError, match="decay must be None or a \\[H\\]"):
+    jax.jit(lambda q, k, v: lj.lightning_attention(q, k, v, jnp.ones((H, 2)), impl="pallas"))(q, k, v)

@@ -1,0 +1,162 @@
+"""The benchmark suite: `python -m benchmarks.run --smoke` end to end on the CPU, and its pure parts."""
+
+import contextlib
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import cases, metrics, report, timing, worker
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STATUSES = {"ok", "oom", "skipped", "error"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+  """(output folder, results JSON, stdout) of one smoke run with every output."""
+  out = tmp_path_factory.mktemp("bench")
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--save", "--plot", "--report",
+                         "--out-dir", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  (path,) = out.glob("*.json")
+  return out, json.loads(path.read_text()), proc.stdout
+
+
+def test_smoke_writes_json_plots_and_report(smoke):
+  out, data, stdout = smoke
+  stem = data["metadata"]["device_slug"]
+  assert (out / f"{stem}.json").exists()
+  for name in ("time", "memory", "split"):
+    assert (out / f"{stem}-{name}.png").stat().st_size > 1000
+  md = (out / f"{stem}.md").read_text()
+  for heading in ("## Summary", "## Results by shape", "## Memory", "## Scaling with T", "## Where we lose",
+                  "## Not measured"):
+    assert heading in md
+  assert f"![time]({stem}-time.png)" in md
+  assert "| shape | T |" in stdout  # the summary table
+
+
+def test_smoke_metadata(smoke):
+  _, data, _ = smoke
+  md = data["metadata"]
+  for key in ("device_kind", "compute_capability", "date_utc", "git_commit", "command", "copy_bandwidth",
+              "settings", "plan"):
+    assert key in md
+  assert md["versions"]["jax"] and md["versions"]["jaxlib"]
+  assert md["command"].startswith("python -m benchmarks.run --smoke")
+  assert md["copy_bandwidth"]["bandwidth_gbps"] > 0
+  assert md["device_slug"] == cases.device_slug(md["device_kind"])
+
+
+def test_smoke_results_are_complete_and_consistent(smoke):
+  _, data, _ = smoke
+  plan = data["metadata"]["plan"]
+  jobs = cases.make_jobs(plan["impls"], [cases.Shape(*s) for s in plan["shapes"]], plan["decays"], plan["modes"],
+                         plan["dtype"])
+  results = data["results"]
+  assert [(r["impl"], r["seq_len"], r["mode"]) for r in results] == [
+      (j["impl"], j["seq_len"], m) for j in jobs for m in j["modes"]]
+  assert {r["status"] for r in results} <= STATUSES
+  for r in results:
+    if r["status"] != "ok":
+      assert r["reason"]
+      continue
+    assert r["time_ms"] > 0 and r["time_ms_min"] <= r["time_ms"] <= r["time_ms_p90"] + 1e-9
+    assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq_len"] / (r["time_ms"] / 1e3))
+    assert r["floor_ratio"] == pytest.approx(r["time_ms"] / r["floor_ms"])
+    assert r["memory"]["footprint_bytes"] > 0
+  ok_impls = {r["impl"] for r in results if r["status"] == "ok"}
+  assert {"lj-xla", "lj-pallas-auto", "xla-softmax"} <= ok_impls
+  if importlib.util.find_spec("torch") is None:
+    assert all(r["status"] == "skipped" for r in results if r["impl"].startswith(("fla", "lightning-attn")))
+
+
+def test_parse_shapes_and_impls():
+  assert cases.parse_shapes("2x1024x4x64,1x8x2x16x32") == [cases.Shape(2, 1024, 4, 64, 64),
+                                                          cases.Shape(1, 8, 2, 16, 32)]
+  assert len(cases.parse_shapes("la3-long")) == 16
+  assert cases.parse_impls("pallas,lj-xla,lj-pallas-auto") == [
+      "lj-pallas-chunk_loop", "lj-pallas-parallel", "lj-pallas-auto", "lj-xla"]
+  for bad in ("4x1024x32", "la4"):
+    with pytest.raises(ValueError):
+      cases.parse_shapes(bad)
+  with pytest.raises(ValueError):
+    cases.parse_impls("flash")
+
+
+def test_make_jobs_orders_by_t_and_runs_softmax_once_per_shape():
+  shapes = [cases.Shape(1, 64, 2, 16, 16), cases.Shape(1, 32768, 2, 16, 16)]
+  jobs = cases.make_jobs(["lj-xla", "xla-softmax"], shapes[::-1], [True, False], ["fwd"], "bf16")
+  assert [(j["impl"], j["seq_len"], j["decay"], j["tier"]) for j in jobs] == [
+      ("lj-xla", 64, True, 0), ("xla-softmax", 64, None, 0), ("lj-xla", 64, False, 0),
+      ("lj-xla", 32768, True, 1), ("xla-softmax", 32768, None, 1), ("lj-xla", 32768, False, 1)]
+
+
+def test_device_slug():
+  assert cases.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+  assert cases.device_slug("cpu") == "cpu"
+
+
+def _result(impl, t, ms, mode="fwdbwd", decay=True):
+  return dict(impl=impl, mode=mode, batch=2, seq_len=t, heads=4, dim_k=64, dim_v=32, dtype="bf16",
+              decay=decay if cases.IMPL_BY_NAME[impl].decay_aware else None, status="ok", time_ms=ms)
+
+
+def test_derived_metrics():
+  results = [_result("lj-xla", 1024, 2.0), _result("lj-xla", 2048, 3.0), _result("cudnn-flash", 2048, 6.0),
+             _result("lj-xla", 2048, 9.0, decay=False)]
+  metrics.derive(results, copy_bandwidth_gbps=1000.0)
+  fwd = 2 * 64 + 2 * 32
+  bwd = (2 * 64 + 2 * 32) + (2 * 64 + 32)
+  assert results[0]["floor_bytes"] == 2 * 2 * 1024 * 4 * (fwd + bwd)
+  assert results[0]["floor_ms"] == pytest.approx(results[0]["floor_bytes"] / 1e12 * 1e3)
+  assert "scaling_ratio" not in results[0]
+  assert results[1]["scaling_ratio"] == pytest.approx(1.5)
+  assert results[1]["speedup_vs_cudnn"] == pytest.approx(2.0)
+  assert results[3]["speedup_vs_cudnn"] == pytest.approx(6.0 / 9.0)  # cuDNN has no decay setting
+  assert "scaling_ratio" not in results[3]
+
+
+def test_report_where_we_lose_and_summary():
+  results = [_result("lj-pallas-auto", 1024, 2.0), _result("fla-chunk", 1024, 1.0),
+             _result("cudnn-flash", 1024, 4.0)]
+  data = {"metadata": {"device_kind": "test"}, "results": metrics.derive(results, None)}
+  md = report.markdown(data)
+  assert "| B2 H4 D64 E32, bf16, decay | 1K | fwdbwd | lj-pallas-auto 2.000 | fla-chunk 1.000 | 2.00x |" in md
+  assert "| B2 H4 D64 E32, bf16, decay | 1K |  | 2.000 |  | 4.000 | fla-chunk (1.000) | – / 2.00x |" in md
+
+
+def test_measure_rotates_inputs_and_counts_samples():
+  seen = []
+  stats = timing.measure(seen.append, lambda _: None, n_sets=3, warmup=2, min_iters=4, max_iters=4,
+                         max_seconds=0.0, min_sample_seconds=0.0)
+  assert stats["samples"] == 4 and stats["calls_per_sample"] == 1
+  assert seen == [0, 1, 0, 1, 2, 0]
+  assert timing.rotation_sets(100, 250) == 3 and timing.rotation_sets(10**9, 250) == 1
+
+
+class _Backend(worker.Backend):
+  @contextlib.contextmanager
+  def open_job(self, job, settings):
+    yield None
+
+  def measure(self, ctx, mode):
+    if mode == "bwd":
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+    if mode == "fwdbwd":
+      raise ValueError("unsupported")
+    return {"time_ms": 1.0}
+
+
+def test_worker_reports_each_mode_and_the_time_budget():
+  job = cases.make_jobs(["lj-xla"], [cases.Shape(1, 8, 1, 16, 16)], [True], list(cases.MODES), "bf16")[0]
+  statuses = [(r["mode"], r["status"]) for r in worker.run_job(_Backend(), job, {}, deadline=float("inf"))]
+  assert statuses == [("fwd", "ok"), ("bwd", "oom"), ("fwdbwd", "error")]
+  late = list(worker.run_job(_Backend(), job, {}, deadline=0.0))
+  assert {r["status"] for r in late} == {"skipped"} and "time budget" in late[0]["reason"]
