@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +64,7 @@ def check_decay(decay, layer_idx, num_layers) -> None:
 
 
 def decay_rates(decay, num_heads, layer_idx=None, num_layers=None) -> np.ndarray | None:
-  """Resolves a (checked) decay spec to float32 [H] rates, or None for no decay."""
+  """Checks a decay spec and resolves it to float32 [H] rates (numpy), or None for no decay."""
   check_decay(decay, layer_idx, num_layers)
   if decay is None:
     return None
@@ -197,8 +196,9 @@ def recurrent_step(q, k, v, decay, *, scale, state):
   return o[:, None].astype(dtype), s
 
 
-# Jitted so that eager calls (e.g. a decode loop without jit) compile once per
-# shape instead of dispatching every jnp op; inlined under an outer jit.
+# `linear_attention` and `attend` are jitted so that eager calls (e.g. a decode
+# loop outside jit) compile once per shape instead of dispatching op by op;
+# under an outer jit they are inlined.
 @functools.partial(jax.jit, static_argnames=("scale", "impl", "variant", "config", "interpret"))
 def linear_attention(q, k, v, decay, *, scale, impl, variant, config, interpret=None, state=None):
   """Causal linear attention; with `state` also returns the state after these tokens.
@@ -216,6 +216,7 @@ def linear_attention(q, k, v, decay, *, scale, impl, variant, config, interpret=
                                     impl=impl, variant=variant, config=config, interpret=interpret)
 
 
+@functools.partial(jax.jit, static_argnames="spec")
 def attend(spec: LayerSpec, q, k, v, *, decay, gate=None, norm_scale=None, state=None):
   """The layer between its projections: feature map, linear attention, output norm and gate.
 
@@ -226,11 +227,9 @@ def attend(spec: LayerSpec, q, k, v, *, decay, gate=None, norm_scale=None, state
   """
   fmap = FEATURE_MAPS[spec.feature_map]
   q, k = fmap(q), fmap(k)
-  kwargs: dict[str, Any] = dict(scale=spec.scale, impl=spec.impl, variant=spec.variant, config=spec.config)
-  if state is None:
-    o, new_state = linear_attention(q, k, v, decay, **kwargs), None
-  else:
-    o, new_state = linear_attention(q, k, v, decay, state=state, **kwargs)
+  out = linear_attention(q, k, v, decay, scale=spec.scale, impl=spec.impl, variant=spec.variant,
+                         config=spec.config, state=state)
+  o, new_state = (out, None) if state is None else out
   if spec.output_norm is not None:
     o = rms_norm(o, norm_scale, (-2, -1) if spec.output_norm == "rms" else -1)
   if gate is not None:

@@ -43,15 +43,16 @@ CONFIGS = {
 }
 
 
-def _normal(seed, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+# Inputs and parameters come from numpy: every eager jnp op on a new shape is an
+# XLA compile, and compiles dominate the run time of these small tests.
+def _normal(seed, shape, scale=1.0):
+  return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
 
 
 def _randomize(params, seed):
   """Every parameter random (so zero biases or unit norm scales cannot hide a bug)."""
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(treedef, [0.5 * jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves)])
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda p: jnp.asarray(0.5 * rng.standard_normal(p.shape), p.dtype), params)
 
 
 def reference_layer(params, x, *, decay="alibi", layer_idx=None, num_layers=None, learnable_decay=False,
@@ -79,6 +80,11 @@ def reference_layer(params, x, *, decay="alibi", layer_idx=None, num_layers=None
     o = o / (1 + jnp.exp(-proj("gate")))
   out = params["out"]
   return jnp.einsum("bthd,hdo->bto", o, out["kernel"], precision=HI) + out.get("bias", 0.0)
+
+
+@functools.partial(jax.jit, static_argnames="name")
+def jit_reference(params, x, name):
+  return reference_layer(params, x, **CONFIGS[name])
 
 
 # --- NNX / Linen behind one interface: build, read params, apply with params -------------------
@@ -127,7 +133,7 @@ def test_layer_matches_reference(framework, name):
   x = _normal(2, (B, T, F))
   y = apply(params, x)
   assert y.shape == (B, T, OUT) and y.dtype == jnp.float32
-  _close(y, reference_layer(params, x, **config))
+  _close(y, jit_reference(params, x, name))
 
 
 def test_param_names_and_shapes():
@@ -163,7 +169,7 @@ def test_impl_passthrough(impl):
   apply, params = build("nnx", impl=impl)
   params = _randomize(params, seed=6)
   x = _normal(7, (B, T, F))
-  _close(apply(params, x), reference_layer(params, x))
+  _close(apply(params, x), jit_reference(params, x, "defaults"))
 
 
 def test_pallas_passthrough():
@@ -174,11 +180,11 @@ def test_pallas_passthrough():
   layer = lj_nnx.LightningAttention(**sizes, impl="pallas", rngs=nnx.Rngs(0))
   set_nnx_params(layer, _randomize(nnx_params(layer), seed=8))
   x = _normal(9, (1, 17, 8))
-  want = reference_layer(nnx_params(layer), x)
+  want = jit_reference(nnx_params(layer), x, "defaults")
   _close(layer(x), want, rtol=1e-4, atol=1e-4)
   layer.init_cache(1)
-  got = jnp.concatenate([layer(x[:, :8], decode=True), layer(x[:, 8:9], decode=True),
-                         layer(x[:, 9:], decode=True)], axis=1)
+  got = np.concatenate([layer(x[:, :8], decode=True), layer(x[:, 8:9], decode=True),
+                        layer(x[:, 9:], decode=True)], axis=1)
   _close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -259,7 +265,7 @@ def test_nnx_remat():
 def _shift_task(seed, steps=30):
   """Synthetic causal task: predict the previous token's features (needs attention)."""
   x = _normal(seed, (B, T, F))
-  target = jnp.pad(x[:, :-1, :OUT], ((0, 0), (1, 0), (0, 0)))
+  target = np.pad(x[:, :-1, :OUT], ((0, 0), (1, 0), (0, 0)))
   return x, target, steps
 
 
@@ -270,7 +276,7 @@ def test_nnx_jit_train_step_reduces_loss():
 
   @nnx.jit
   def train_step(model, optimizer, x, target):
-    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - target) ** 2))(model)
+    loss, grads = nnx.value_and_grad(lambda m: _mse(m(x), target))(model)
     optimizer.update(model, grads)
     return loss
 
@@ -289,7 +295,7 @@ def test_linen_jax_jit_train_step_reduces_loss():
 
   @jax.jit
   def train_step(params, opt_state):
-    loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply({"params": p}, x) - target) ** 2))(params)
+    loss, grads = jax.value_and_grad(lambda p: _mse(model.apply({"params": p}, x), target))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -338,7 +344,7 @@ def test_nnx_decode_matches_full_forward(decay, dtype):
   assert layer.cached_state[...].shape == (B, H, DH, DH) and layer.cached_state[...].dtype == jnp.float32
   steps = [layer(piece, decode=True) for piece in _pieces(x)]
   tol = 2e-5 if dtype == jnp.float32 else 3e-2
-  _close(jnp.concatenate(steps, axis=1), full, rtol=tol, atol=tol * float(jnp.max(jnp.abs(full))))
+  _close(np.concatenate(steps, axis=1), full, rtol=tol, atol=tol * float(jnp.max(jnp.abs(full))))
 
 
 @pytest.mark.parametrize("decay", [None, "minimax"])
@@ -358,7 +364,7 @@ def test_linen_decode_matches_full_forward(decay):
     y, updated = step(cache, piece)
     cache = updated["cache"]
     outs.append(y)
-  _close(jnp.concatenate(outs, axis=1), full)
+  _close(np.concatenate(outs, axis=1), full)
   # init_cache resets the state.
   _, reset = model.apply({"params": params, "cache": cache}, B, method="init_cache", mutable=["cache"])
   np.testing.assert_array_equal(reset["cache"]["cached_state"], jnp.zeros((B, H, DH, DH)))
@@ -399,7 +405,7 @@ def test_decode_in_jit_with_nnx():
   layer.init_cache(B)
   step = nnx.jit(lambda m, piece: m(piece))
   outs = [step(layer, piece) for piece in _pieces(x)]
-  _close(jnp.concatenate(outs, axis=1), full)
+  _close(np.concatenate(outs, axis=1), full)
 
 
 def test_decode_errors():

@@ -53,6 +53,7 @@ CASES = [
     Case(1, 2048, 2, 16, 256, F16, decay=None, initial_state=False),
     Case(3, 17, 8, 256, 256, BF16),
     Case(2, 1, 3, 64, 48, F16, final_state=False),
+    Case(2, 33, 2, 1, 3, F32, scale=0.5),
 ]
 
 
