@@ -97,10 +97,10 @@ SHAPE_SETS = {
     "smoke": [Shape(1, t, 2, 16, 16) for t in (32, 64)],
 }
 
-_GPU_SETTINGS = dict(dtype="bf16", warmup=2, iters=20, case_seconds=0.4, compile_threads=4, rotate_bytes=256 << 20)
+_GPU_SETTINGS = dict(dtype="bf16", warmup=2, iters=20, case_seconds=0.3, compile_threads=4, rotate_bytes=256 << 20)
 PROFILES = {
     # Everything, bounded by --max-seconds (cases past the budget are reported as skipped).
-    "full": dict(shapes="la3-long", impls="all", modes="fwd,bwd,fwdbwd", decay="on,off", max_seconds=400.0,
+    "full": dict(shapes="la3-long", impls="all", modes="fwd,bwd,fwdbwd", decay="on,off", max_seconds=420.0,
                  **_GPU_SETTINGS),
     "quick": dict(shapes="quick", impls="all", modes="fwd,bwd,fwdbwd", decay="on", max_seconds=180.0,
                   **_GPU_SETTINGS),
@@ -170,8 +170,19 @@ def make_jobs(impls: list[str], shapes: list[Shape], decays: list[bool], modes: 
   return jobs
 
 
+def case_key(case: dict, mode: str) -> tuple:
+  """Identifies a measurement: a job (or result) and a mode."""
+  return (case["impl"], mode, *(case[f] for f in Shape._fields), case["dtype"], case["decay"])
+
+
 def job_shape(job: dict) -> Shape:
   return Shape(*(job[field] for field in Shape._fields))
+
+
+def input_set_bytes(job: dict) -> int:
+  """Bytes of one input set of a job: q, k, v and the output's cotangent."""
+  b, t, h, d, e = job_shape(job)
+  return DTYPE_ITEMSIZE[job["dtype"]] * b * t * h * (2 * d + 2 * e)
 
 
 def decay_rates(heads: int) -> list[float]:

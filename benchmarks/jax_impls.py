@@ -191,7 +191,6 @@ def make_inputs(job: dict, n_sets: int, seed: int = 0) -> list[tuple]:
 @dataclasses.dataclass
 class JaxCase:
   """An open job: its compiled functions, input sets and shared extra arguments."""
-  job: dict
   settings: dict
   compiled: dict
   inputs: list
@@ -256,10 +255,8 @@ class JaxBackend(worker.Backend):
   def open_job(self, job: dict, settings: dict):
     attn, extras = self.make_attention(job)
     compiled = compile_modes(attn, extras, job, settings["compile_threads"])
-    itemsize = cases.DTYPE_ITEMSIZE[job["dtype"]]
-    b, t, h, d, e = cases.job_shape(job)
-    n_sets = timing.rotation_sets(itemsize * b * t * h * (2 * d + 2 * e), settings["rotate_bytes"])
-    yield JaxCase(job, settings, compiled, make_inputs(job, n_sets), extras)
+    n_sets = timing.rotation_sets(cases.input_set_bytes(job), settings["rotate_bytes"])
+    yield JaxCase(settings, compiled, make_inputs(job, n_sets), extras)
 
   def measure(self, ctx: JaxCase, mode: str) -> dict:
     return measure_mode(ctx, mode)

@@ -1,10 +1,11 @@
 """Markdown report and PNG plots from a results JSON of `benchmarks.run`.
 
-    python -m benchmarks.report benchmarks/results/nvidia-h100-80gb-hbm3.json [--plot] [--report]
+    python -m benchmarks.report benchmarks/results/nvidia-h100-80gb-hbm3.json [--plot] [--report] [--summary]
 
 writes, next to the JSON (or into --out-dir), `<stem>.md` and
-`<stem>-{time,speedup,memory,split}.png`. `benchmarks.run --plot --report`
-calls the same functions; `summary_table(data)` is the headline table.
+`<stem>-{time,speedup,memory,split}.png`; `--summary` prints the headline
+table (with the date and versions of the run) in Markdown, as for README.md.
+`benchmarks.run --plot --report` calls the same functions.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ class Index:
     present = {r["impl"] for r in self.results}
     self.impls = [impl.name for impl in cases.IMPLS if impl.name in present]
     self.modes = [m for m in cases.MODES if any(r["mode"] == m for r in self.results)]
-    self.dtypes = list(dict.fromkeys(r["dtype"] for r in self.results))
     self.panels = list(dict.fromkeys((cases.job_shape(r)._replace(seq_len=0), r["dtype"], r["decay"])
                                      for r in self.results if r["decay"] is not None))
     if not self.panels:  # only decay-agnostic implementations were run
@@ -120,6 +120,8 @@ def summary_table(data: dict) -> str:
   """Headline table: our default implementation against cuDNN and the fastest peer, per shape."""
   index = Index(data)
   ours = index.headline()
+  if ours is None:
+    return "No lightning_jax implementation was measured."
   peers = [i for i in index.impls if cases.IMPL_BY_NAME[i].kind == "peer"]
   header = ["shape", "T", f"{ours} fwd ms", f"{ours} fwd+bwd ms", "cuDNN fwd ms", "cuDNN fwd+bwd ms",
             "fastest peer fwd+bwd (ms)", "speedup vs cuDNN fwd / fwd+bwd", "x HBM floor fwd+bwd"]
@@ -138,10 +140,21 @@ def summary_table(data: dict) -> str:
   return md_table(header, rows)
 
 
+def summary_with_provenance(data: dict) -> str:
+  """The headline table under one line saying where, when and with what it was measured."""
+  md = data["metadata"]
+  versions = md.get("versions", {})
+  used = ", ".join(f"{k} {versions[k]}" for k in ("jax", "jaxlib", "torch", "triton", "fla-core", "lightning-attn",
+                                                   "jax-linear-attention") if versions.get(k))
+  return (f"{md.get('device_kind')}, {md.get('date_utc', '')[:10]}, commit {str(md.get('git_commit'))[:10]}; "
+          f"{used}; median ms.\n\n" + summary_table(data))
+
+
 def _metadata_section(data: dict) -> str:
   md = data["metadata"]
   versions = ", ".join(f"{k} {v}" for k, v in md.get("versions", {}).items() if v)
   bw = md.get("copy_bandwidth") or {}
+  settings = md.get("settings", {})
   lines = [
       f"- Device: **{md.get('device_kind')}** ({md.get('platform')}, compute capability "
       f"{md.get('compute_capability') or 'n/a'}), {md.get('device_count')} device(s) visible, one used",
@@ -151,9 +164,10 @@ def _metadata_section(data: dict) -> str:
       f"- Versions: {versions}",
       f"- Copy bandwidth (y = x + 1 in float32, {fmt_bytes(bw.get('bytes_moved', 0))} read + written): "
       f"{bw.get('bandwidth_gbps', float('nan')):.0f} GB/s",
-      f"- Timing: {md.get('settings', {}).get('warmup')} warm-up calls, then the median of up to "
-      f"{md.get('settings', {}).get('iters')} device-synchronised samples (compilation and autotuning "
-      "excluded; input sets rotated to span several L2 sizes). See benchmarks/README.md.",
+      f"- Timing: up to {settings.get('warmup')} warm-up calls, then the median of up to "
+      f"{settings.get('iters')} device-synchronised samples in {settings.get('case_seconds')} s (at least 3; "
+      f"compilation and autotuning excluded; input sets rotated over {fmt_bytes(settings.get('rotate_bytes', 0))}). "
+      "See benchmarks/README.md.",
   ]
   return "\n".join(lines)
 
@@ -168,9 +182,10 @@ def by_shape_tables(data: dict) -> str:
       found = {impl: [index.get(impl, m, shape, dtype, decay) for m in index.modes] for impl in index.impls}
       rows = [[impl, *map(fmt_cell, rs)] for impl, rs in found.items()
               if any(r is not None and r["status"] != "skipped" for r in rs)]
-      parts.append(f"### {panel_title(family, dtype, decay)}, T = {t}\n\n"
-                   + md_table(["implementation", *(f"{m} ms" for m in index.modes)], rows))
-  return "\n\n".join(parts)
+      if rows:
+        parts.append(f"### {panel_title(family, dtype, decay)}, T = {t}\n\n"
+                     + md_table(["implementation", *(f"{m} ms" for m in index.modes)], rows))
+  return "\n\n".join(parts) or "Nothing was measured."
 
 
 def _per_t_tables(index: Index, title, field: str, cell, impls=None) -> str:
@@ -227,6 +242,7 @@ def markdown(data: dict, plots: dict | None = None) -> str:
   sections = [
       f"# Lightning Attention benchmark: {md.get('device_kind')}",
       _metadata_section(data),
+      "## Implementations\n\n" + "\n".join(f"- `{i}`: {cases.IMPL_BY_NAME[i].label}" for i in index.impls),
       "## Summary\n\n" + summary_table(data),
       "## Plots\n\n" + "".join(f"![{name}]({path})\n" for name, path in (plots or {}).items()),
       "## Results by shape (median ms)\n\n" + by_shape_tables(data),
@@ -287,7 +303,7 @@ def _line_plot(plt, index: Index, value, ylabel: str):
       ax.set_xscale("log", base=2)
       ax.set_yscale("log")
       ax.set_xticks(ts, [fmt_t(t) for t in ts], fontsize=7)
-      ax.minorticks_off()
+      ax.set_xticks([], minor=True)
       ax.set_title(f"{panel_title(family, dtype, decay)}: {mode}", fontsize=9)
       ax.set_xlabel("T")
       ax.set_ylabel(ylabel)
@@ -370,6 +386,7 @@ def main(argv=None):
   parser.add_argument("--out-dir", help="default: the JSON's folder")
   parser.add_argument("--plot", action="store_true")
   parser.add_argument("--report", action="store_true")
+  parser.add_argument("--summary", action="store_true", help="print the headline table")
   args = parser.parse_args(argv)
   src = pathlib.Path(args.json)
   data = json.loads(src.read_text())
@@ -380,6 +397,8 @@ def main(argv=None):
     print(write_report(data, out / f"{src.stem}.md", plots))
   for p in (plots or {}).values():
     print(p)
+  if args.summary:
+    print(summary_with_provenance(data))
 
 
 if __name__ == "__main__":

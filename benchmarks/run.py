@@ -6,13 +6,17 @@
 Every implementation group runs in its own subprocess (`benchmarks.jax_impls`,
 `benchmarks.peers.*`), one after the other; this process imports neither JAX
 nor torch. A probe subprocess first records the device and measures the copy
-bandwidth of the HBM floor. The groups first run every case with T up to
-16K (the Lightning Attention-3 shapes), then, in a second round of workers,
-the longer ones. `--max-seconds` bounds the whole run: each worker gets a share
-of the time left in proportion to its number of cases (time it does not use
-passes to the next), stops starting cases at the end of its share and is
-killed `GRACE_SECONDS` after it; the cases not run are reported as skipped. A worker that crashes loses the case it was running
-(reported as an error with its log), and a new worker goes on with the rest.
+bandwidth of the HBM floor. The groups first run every case with T up to 16K
+(the Lightning Attention-3 shapes), then, in a second round of workers, the
+longer ones; within a round the peers and baselines go first and ours last.
+
+`--max-seconds` bounds the whole run: each worker gets a share of the time
+left in proportion to its number of cases (time it does not use passes to the
+next), stops starting cases at the end of its share and is killed
+`GRACE_SECONDS` after it; the cases not run are reported as skipped ("time
+budget"), and `--resume` runs them later into the same JSON. A worker that
+crashes loses the case it was running (an error, with its log) and a new
+worker goes on with the rest.
 
 Outputs (`--out-dir`, default benchmarks/results/; file stem `--name`, default
 the device kind, e.g. nvidia-h100-80gb-hbm3):
@@ -39,7 +43,7 @@ from benchmarks import cases, metrics, report, worker
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_OUT_DIR = REPO_ROOT / "benchmarks" / "results"
-GRACE_SECONDS = 60.0
+GRACE_SECONDS = 45.0
 PROBE_SECONDS = 180.0
 LOG_TAIL_CHARS = 1500
 VERSIONED_PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "numpy", "torch", "triton",
@@ -71,6 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--report", action="store_true", help="write the Markdown report")
   p.add_argument("--out-dir", type=pathlib.Path, default=DEFAULT_OUT_DIR)
   p.add_argument("--name", help="file stem of the outputs (default: the device kind)")
+  p.add_argument("--git-commit", help="commit to record, for a copy of the repository without .git "
+                                     "(default: git rev-parse HEAD, else 'unknown')")
+  p.add_argument("--resume", action="store_true",
+                 help="keep the results of <out-dir>/<name>.json and run only the cases it lacks or skipped "
+                      "for time (complete a budget-limited run with a second one)")
   args = p.parse_args(argv)
   if args.smoke:
     args.profile = "smoke"
@@ -126,32 +135,34 @@ def _progress(r: dict, start: float):
 
 
 def run_worker(module: str, args: list[str], workdir: pathlib.Path, name: str, kill_at: float,
-               on_line=None) -> tuple[list[dict], int | None, str]:
+               lines_path: pathlib.Path | None = None, on_line=None) -> tuple[list[dict], int | None, str]:
   """Runs `python -m module args`; returns (output lines, return code or None if killed, log tail).
 
-  The worker's JSON-lines output (`--json-out`, the last of `args`) is read as it
-  grows, and each new line passed to `on_line`.
+  The worker's JSON-lines output `lines_path` is read as it grows, and each new
+  line passed to `on_line`. The worker is killed at time `kill_at`.
   """
-  out, log = pathlib.Path(args[-1]), workdir / f"{name}.log"
+  log = workdir / f"{name}.log"
+  lines = []
+
+  def read_new():
+    new = _read_lines(lines_path, len(lines)) if lines_path else []
+    for line in new:
+      if on_line:
+        on_line(line)
+    lines.extend(new)
+
   with open(log, "w") as log_file:
     proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=worker_env(),
                             stdout=log_file, stderr=subprocess.STDOUT)
-    lines = []
-    while True:
-      finished = proc.poll() is not None
-      new = _read_lines(out, len(lines))
-      for line in new:
-        if on_line:
-          on_line(line)
-      lines += new
-      if finished:
-        break
-      if time.time() > kill_at:
-        proc.kill()
-        proc.wait()
-        lines += _read_lines(out, len(lines))
-        return lines, None, _tail(log)
+    while proc.poll() is None and time.time() < kill_at:
+      read_new()
       time.sleep(0.2)
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+      read_new()
+      return lines, None, _tail(log)
+  read_new()
   return lines, proc.returncode, _tail(log)
 
 
@@ -166,13 +177,14 @@ def run_group(group: str, jobs: list[dict], settings: dict, deadline: float, wor
     spec_path.write_text(json.dumps({"jobs": pending, "settings": settings, "deadline": deadline}))
     lines, rc, log = run_worker(cases.GROUP_MODULES[group], ["--json-in", str(spec_path), "--json-out",
                                                              str(out_path)], workdir, name,
-                                deadline + GRACE_SECONDS,
+                                deadline + GRACE_SECONDS, out_path,
                                 lambda r: _progress(r, start) if r["type"] == "result" else None)
     for line in lines:
       if line["type"] == "info":
         info = {k: v for k, v in line.items() if k != "type"}
       else:
-        results[line["job_id"], line["mode"]] = line
+        results[line.pop("job_id"), line["mode"]] = line
+        del line["type"]
     pending = [j for j in pending if any((j["id"], m) not in results for m in j["modes"])]
     if not pending:
       break
@@ -197,28 +209,50 @@ def run_probe(workdir: pathlib.Path, kill_at: float) -> dict:
   return {"error": f"probe failed (code {rc}): {log}"}
 
 
-def run_all(plan: Plan, max_seconds: float, workdir: pathlib.Path) -> tuple[list[dict], dict, dict]:
-  """Probe, then every (tier, group) in order, sharing the time budget; returns (results, probe, worker infos)."""
-  start = time.time()
-  end = start + max_seconds
-  probe = run_probe(workdir, min(end, start + PROBE_SECONDS))
+def run_groups(jobs: list[dict], settings: dict, probe: dict, end: float, workdir: pathlib.Path,
+               start: float) -> tuple[list[dict], dict]:
+  """Every (tier, group) in order, sharing the time left until `end`; returns (results, worker infos)."""
   order = list(cases.GROUP_MODULES)
-  steps = sorted({(j["tier"], j["group"]) for j in plan.jobs}, key=lambda s: (s[0], order.index(s[1])))
-  units = {step: sum(len(j["modes"]) for j in plan.jobs if (j["tier"], j["group"]) == step) for step in steps}
+  steps = sorted({(j["tier"], j["group"]) for j in jobs}, key=lambda s: (s[0], order.index(s[1])))
+  units = {step: sum(len(j["modes"]) for j in jobs if (j["tier"], j["group"]) == step) for step in steps}
   results, infos = [], {}
   for i, (tier, group) in enumerate(steps):
     now = time.time()
     share = max(0.0, end - now) * units[tier, group] / sum(units[s] for s in steps[i:])
-    jobs = [j for j in plan.jobs if (j["tier"], j["group"]) == (tier, group)]
+    step_jobs = [j for j in jobs if (j["tier"], j["group"]) == (tier, group)]
     if group in cases.GPU_ONLY_GROUPS and probe.get("platform") != "gpu":
       reason = f"needs an NVIDIA GPU (the probe found {probe.get('platform')})"
-      results += [worker.result(j, m, "skipped", reason=reason) for j in jobs for m in j["modes"]]
+      results += [worker.result(j, m, "skipped", reason=reason) for j in step_jobs for m in j["modes"]]
       continue
-    group_results, info = run_group(group, jobs, plan.settings, now + share, workdir, start, f"{group}-t{tier}")
-    results += group_results
+    step_results, info = run_group(group, step_jobs, settings, now + share, workdir, start, f"{group}-t{tier}")
+    results += step_results
     infos.setdefault(group, info)
-  position = {j["id"]: n for n, j in enumerate(plan.jobs)}
-  return sorted(results, key=lambda r: position[r["job_id"]]), probe, infos
+  return results, infos
+
+
+def previous_run(path: pathlib.Path) -> tuple[list[dict], list[str]]:
+  """(results worth keeping, commands) of an earlier run: all but the cases it skipped for time."""
+  if not path.exists():
+    return [], []
+  data = json.loads(path.read_text())
+  keep = [r for r in data["results"]
+          if not (r["status"] == "skipped" and r.get("reason", "").startswith("time budget"))]
+  meta = data["metadata"]
+  return keep, [*meta.get("previous_commands", []), meta["command"]]
+
+
+def still_to_run(jobs: list[dict], done: list[dict]) -> list[dict]:
+  """The jobs, less the modes that `done` already holds."""
+  keys = {cases.case_key(r, r["mode"]) for r in done}
+  jobs = [{**j, "modes": [m for m in j["modes"] if cases.case_key(j, m) not in keys]} for j in jobs]
+  return [j for j in jobs if j["modes"]]
+
+
+def merge(jobs: list[dict], earlier: list[dict], new: list[dict]) -> list[dict]:
+  """Earlier and new results (the new one where both have a case), in the order of the plan."""
+  by_key = {cases.case_key(r, r["mode"]): r for r in [*earlier, *new]}
+  ordered = [by_key.pop(key) for key in (cases.case_key(j, m) for j in jobs for m in j["modes"]) if key in by_key]
+  return ordered + list(by_key.values())
 
 
 def git(*args) -> str | None:
@@ -229,8 +263,10 @@ def git(*args) -> str | None:
   return out.stdout.strip()
 
 
-def metadata(argv, plan: Plan, probe: dict, infos: dict, wall_seconds: float) -> dict:
+def metadata(argv, args, plan: Plan, probe: dict, infos: dict, wall_seconds: float, previous_commands) -> dict:
   """Device, versions, date, git commit and the exact command of the run."""
+  commit = args.git_commit or git("rev-parse", "HEAD") or "unknown"
+  status = None if args.git_commit else git("status", "--porcelain", "--untracked-files=no")
   versions = {"python": platform.python_version(), **worker.package_versions(VERSIONED_PACKAGES)}
   for info in (probe, *infos.values()):
     versions.update({k: v for k, v in info.get("versions", {}).items() if v})
@@ -241,28 +277,26 @@ def metadata(argv, plan: Plan, probe: dict, infos: dict, wall_seconds: float) ->
       core_count=probe.get("core_count"), bytes_limit=probe.get("bytes_limit"),
       copy_bandwidth=probe.get("copy_bandwidth"), probe_error=probe.get("error"), versions=versions,
       date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      git_commit=git("rev-parse", "HEAD") or "unknown", git_dirty=bool(git("status", "--porcelain",
-                                                                              "--untracked-files=no")),
-      command=shlex.join(["python", "-m", "benchmarks.run", *argv]), python_executable=sys.executable,
+      git_commit=commit, git_dirty=None if status is None else bool(status),
+      command=shlex.join(["python", "-m", "benchmarks.run", *argv]), previous_commands=previous_commands,
+      python_executable=sys.executable,
       host=platform.node(), wall_seconds=wall_seconds, plan=plan.description, settings=plan.settings,
       workers=infos)
 
 
-def write_outputs(data: dict, args) -> list[pathlib.Path]:
+def write_outputs(data: dict, args, stem: str) -> list[pathlib.Path]:
   """Writes the JSON, plots and report asked for; returns their paths."""
   if not (args.save or args.plot or args.report):
     return []
-  out_dir = args.out_dir
-  out_dir.mkdir(parents=True, exist_ok=True)
-  stem = args.name or data["metadata"]["device_slug"]
+  args.out_dir.mkdir(parents=True, exist_ok=True)
   paths = []
   if args.save:
-    paths.append(out_dir / f"{stem}.json")
+    paths.append(args.out_dir / f"{stem}.json")
     paths[-1].write_text(json.dumps(data, indent=1) + "\n")
-  plots = report.write_plots(data, out_dir, stem) if args.plot else {}
+  plots = report.write_plots(data, args.out_dir, stem) if args.plot else {}
   paths += plots.values()
   if args.report:
-    paths.append(report.write_report(data, out_dir / f"{stem}.md", plots))
+    paths.append(report.write_report(data, args.out_dir / f"{stem}.md", plots))
   return paths
 
 
@@ -271,13 +305,18 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   plan = make_plan(args)
   start = time.time()
-  with tempfile.TemporaryDirectory(prefix="lightning-jax-bench-") as workdir:
-    results, probe, infos = run_all(plan, args.max_seconds, pathlib.Path(workdir))
+  with tempfile.TemporaryDirectory(prefix="lightning-jax-bench-") as tmp:
+    workdir = pathlib.Path(tmp)
+    probe = run_probe(workdir, start + min(PROBE_SECONDS, args.max_seconds))
+    stem = args.name or cases.device_slug(probe.get("device_kind", "unknown"))
+    earlier, commands = previous_run(args.out_dir / f"{stem}.json") if args.resume else ([], [])
+    jobs = still_to_run(plan.jobs, earlier)
+    new, infos = run_groups(jobs, plan.settings, probe, start + args.max_seconds, workdir, start)
   bandwidth = (probe.get("copy_bandwidth") or {}).get("bandwidth_gbps")
-  data = {"metadata": metadata(argv, plan, probe, infos, time.time() - start),
-          "results": metrics.derive(results, bandwidth)}
+  data = {"metadata": metadata(argv, args, plan, probe, infos, time.time() - start, commands),
+          "results": metrics.derive(merge(plan.jobs, earlier, new), bandwidth)}
   print("\n" + report.summary_table(data) + "\n")
-  for path in write_outputs(data, args):
+  for path in write_outputs(data, args, stem):
     print(f"wrote {path}")
   return data
 

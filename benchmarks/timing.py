@@ -5,7 +5,8 @@ implementation is timed the same way:
 
 * compilation (and autotuning) happens before: the caller passes compiled
   functions, and `warmup` calls run first (torch/Triton peers JIT-compile and
-  autotune in their first call, which is a warm-up call);
+  autotune in their first call, which is a warm-up call); calls longer than
+  `max_seconds` get a single warm-up call;
 * `call(i)` runs on input set `i % n_sets`: the sets are rotated so that
   successive calls do not find their inputs in the L2 cache;
 * a sample is `calls_per_sample` back-to-back calls followed by one
@@ -40,9 +41,12 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 def measure(call, sync, *, n_sets: int = 1, warmup: int = 2, min_iters: int = 3, max_iters: int = 20,
             max_seconds: float = 0.5, min_sample_seconds: float = 1e-3) -> dict:
   """Times `call`; returns milliseconds (median, min, p10, p90) and the sample counts."""
-  one_call = 0.0
+  one_call = spent = 0.0
   for i in range(max(1, warmup)):  # the last warm-up call calibrates the sample size
+    if i and spent > max_seconds:
+      break
     one_call = _sample(call, sync, i, 1, n_sets)
+    spent += one_call
   per_sample = max(1, min(100, math.ceil(min_sample_seconds / max(one_call, 1e-7))))
   samples, start = [], time.perf_counter()
   while len(samples) < max(1, min_iters) or (len(samples) < max_iters and time.perf_counter() - start < max_seconds):

@@ -7,7 +7,7 @@ RESULTS.jsonl gets one JSON object a line, flushed as soon as it is known, so
 that a crash loses only the case that was running:
 
     {"type": "info", ...}     first: the worker's versions and device
-    {"type": "result", ...}   then one per (job, mode)
+    {"type": "result", "job_id": ..., ...}   then one per (job, mode)
 
 A result's status is "ok", "oom" (out of device memory, from XLA's
 RESOURCE_EXHAUSTED, torch's OutOfMemoryError, or the compiled memory analysis
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -42,10 +43,15 @@ def package_versions(names) -> dict:
 
 
 def missing_module(modules: dict) -> str | None:
-  """The reason to skip when a module of {module: pip name} cannot be found (nothing is imported)."""
+  """Why {module: pip name} cannot be used: a package not installed, or a module failing to import."""
   for module, pip_name in modules.items():
-    if importlib.util.find_spec(module) is None:
-      return f"{module} is not installed (pip install {pip_name}; see benchmarks/README.md)"
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+      return f"{module.split('.')[0]} is not installed (pip install {pip_name}; see benchmarks/README.md)"
+  for module in modules:
+    try:
+      importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 -- a broken install is a reason to skip
+      return f"{module} does not import: {type(exc).__name__}: {exc}"[:600]
   return None
 
 
@@ -97,41 +103,40 @@ def classify(exc: BaseException) -> tuple[str, str]:
 
 
 def result(job: dict, mode: str, status: str, **fields) -> dict:
-  return {"type": "result", "job_id": job["id"], **{f: job[f] for f in RESULT_FIELDS}, "mode": mode,
-          "status": status, **fields}
+  """One measurement: the job's fields, the mode, the status and `fields`."""
+  return {**{f: job[f] for f in RESULT_FIELDS}, "mode": mode, "status": status, **fields}
+
+
+TIME_BUDGET = "time budget (--max-seconds) spent"
 
 
 def run_job(backend: Backend, job: dict, settings: dict, deadline: float):
   """Yields one result per mode of `job`; never raises."""
-  reason = backend.unavailable_reason(job)
-  if reason is None and time.time() > deadline:
-    reason = "time budget (--max-seconds) spent"
-  if reason is not None:
-    for mode in job["modes"]:
-      yield result(job, mode, "skipped", reason=reason)
-    return
   pending = list(job["modes"])
   try:
+    reason = backend.unavailable_reason(job)
+    if reason is None and time.time() > deadline:
+      reason = TIME_BUDGET
+    if reason is not None:
+      for mode in pending:
+        yield result(job, mode, "skipped", reason=reason)
+      return
     with backend.open_job(job, settings) as ctx:
-      while pending:
-        mode = pending[0]
-        if time.time() > deadline:
-          break
+      while pending and time.time() <= deadline:
         try:
-          fields = backend.measure(ctx, mode)
-          yield result(job, mode, "ok", **fields)
+          yield result(job, pending[0], "ok", **backend.measure(ctx, pending[0]))
         except Exception as exc:  # noqa: BLE001 -- a failed case is a result
           status, message = classify(exc)
-          yield result(job, mode, status, reason=message)
+          yield result(job, pending[0], status, reason=message)
         pending.pop(0)
-  except Exception as exc:  # noqa: BLE001 -- inputs or compilation failed: every pending mode
+  except Exception as exc:  # noqa: BLE001 -- no inputs or no compiled functions: every pending mode
     status, message = classify(exc)
     traceback.print_exc(file=sys.stderr)
     for mode in pending:
       yield result(job, mode, status, reason=message)
     return
   for mode in pending:
-    yield result(job, mode, "skipped", reason="time budget (--max-seconds) spent")
+    yield result(job, mode, "skipped", reason=TIME_BUDGET)
 
 
 def main(make_backend, argv=None):
@@ -151,4 +156,4 @@ def main(make_backend, argv=None):
     emit({"type": "info", **backend.info()})
     for job in spec["jobs"]:
       for res in run_job(backend, job, spec["settings"], spec["deadline"]):
-        emit(res)
+        emit({"type": "result", "job_id": job["id"], **res})

@@ -135,9 +135,13 @@ def test_report_where_we_lose_and_summary():
 def test_measure_rotates_inputs_and_counts_samples():
   seen = []
   stats = timing.measure(seen.append, lambda _: None, n_sets=3, warmup=2, min_iters=4, max_iters=4,
-                         max_seconds=0.0, min_sample_seconds=0.0)
+                         max_seconds=10.0, min_sample_seconds=0.0)
   assert stats["samples"] == 4 and stats["calls_per_sample"] == 1
   assert seen == [0, 1, 0, 1, 2, 0]
+  seen.clear()  # calls longer than max_seconds: one warm-up call, min_iters samples
+  stats = timing.measure(seen.append, lambda _: None, n_sets=3, warmup=2, min_iters=3, max_iters=9,
+                         max_seconds=-1.0, min_sample_seconds=0.0)
+  assert stats["samples"] == 3 and seen == [0, 0, 1, 2]
   assert timing.rotation_sets(100, 250) == 3 and timing.rotation_sets(10**9, 250) == 1
 
 
@@ -160,3 +164,17 @@ def test_worker_reports_each_mode_and_the_time_budget():
   assert statuses == [("fwd", "ok"), ("bwd", "oom"), ("fwdbwd", "error")]
   late = list(worker.run_job(_Backend(), job, {}, deadline=0.0))
   assert {r["status"] for r in late} == {"skipped"} and "time budget" in late[0]["reason"]
+
+
+def test_resume_runs_only_missing_modes_and_merges_in_plan_order():
+  from benchmarks import run  # noqa: PLC0415
+
+  jobs = cases.make_jobs(["lj-xla"], [cases.Shape(1, 8, 1, 16, 16), cases.Shape(1, 16, 1, 16, 16)], [True],
+                         ["fwd", "bwd"], "bf16")
+  earlier = [worker.result(jobs[1], "fwd", "ok", time_ms=1.0), worker.result(jobs[0], "bwd", "oom", reason="x")]
+  todo = run.still_to_run(jobs, earlier)
+  assert [(j["seq_len"], j["modes"]) for j in todo] == [(8, ["fwd"]), (16, ["bwd"])]
+  new = [worker.result(j, m, "ok", time_ms=2.0) for j in todo for m in j["modes"]]
+  merged = run.merge(jobs, earlier, new)
+  assert [(r["seq_len"], r["mode"], r["status"]) for r in merged] == [
+      (8, "fwd", "ok"), (8, "bwd", "oom"), (16, "fwd", "ok"), (16, "bwd", "ok")]

@@ -38,7 +38,7 @@ def _dims(job: dict, layout: str, last: str) -> tuple:
 
 @dataclasses.dataclass
 class TorchCase:
-  job: dict
+  """An open job: the attention function and the input sets."""
   settings: dict
   fn: object  # f(q, k, v) -> o
   inputs: list  # (q, k, v, do) sets
@@ -72,11 +72,9 @@ class TorchBackend(worker.Backend):
 
   @contextlib.contextmanager
   def open_job(self, job: dict, settings: dict):
-    itemsize = cases.DTYPE_ITEMSIZE[job["dtype"]]
-    b, t, h, d, e = cases.job_shape(job)
-    n_sets = timing.rotation_sets(itemsize * b * t * h * (2 * d + 2 * e), settings["rotate_bytes"])
+    n_sets = timing.rotation_sets(cases.input_set_bytes(job), settings["rotate_bytes"])
     try:
-      yield TorchCase(job, settings, self.make_attention(job, self.torch), self._inputs(job, n_sets))
+      yield TorchCase(settings, self.make_attention(job, self.torch), self._inputs(job, n_sets))
     finally:
       self.torch.cuda.empty_cache()
 
@@ -121,7 +119,7 @@ class TorchBackend(worker.Backend):
 def make_backend(make_attention, layout: str, modules: dict) -> worker.Backend:
   """A TorchBackend, or `worker.Unavailable` when a package or the CUDA device is missing.
 
-  `modules` maps the peer's importable modules to their pip names.
+  `modules` maps the peer's modules (imported here) to their pip names.
   """
   reason = worker.missing_module({"torch": "torch", "triton": "triton", **modules})
   if reason is None:

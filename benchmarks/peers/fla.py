@@ -29,4 +29,4 @@ def make_attention(job: dict, torch):
 
 
 if __name__ == "__main__":
-  worker.main(lambda: common.make_backend(make_attention, "bthd", {"fla": "fla-core", "einops": "einops"}))
+  worker.main(lambda: common.make_backend(make_attention, "bthd", {"einops": "einops", "fla.ops.simple_gla": "fla-core"}))

@@ -42,7 +42,7 @@ def unavailable(job: dict) -> str | None:
 
 
 def make_backend() -> worker.Backend:
-  reason = worker.missing_module({"jla": "jax-linear-attention"})
+  reason = worker.missing_module({"jla.ops": "jax-linear-attention"})
   if reason is not None:
     return worker.Unavailable(reason)
   from benchmarks import jax_impls  # noqa: PLC0415 -- imports JAX

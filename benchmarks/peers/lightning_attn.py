@@ -26,4 +26,4 @@ def make_attention(job: dict, torch):
 
 
 if __name__ == "__main__":
-  worker.main(lambda: common.make_backend(make_attention, "bhtd", {"lightning_attn": "lightning-attn"}))
+  worker.main(lambda: common.make_backend(make_attention, "bhtd", {"lightning_attn.ops": "lightning-attn"}))
