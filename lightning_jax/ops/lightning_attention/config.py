@@ -45,7 +45,22 @@ def _check_pow2(name: str, value: int, lo: int, hi: int):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ChunkLoopConfig:
+class _LaunchConfig:
+  """Fields every kernel has; validates those of subclasses too."""
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    for name in ("chunk_size", "block_d", "block_e"):
+      if hasattr(self, name):
+        _check_pow2(name, getattr(self, name), MIN_BLOCK, 256)
+    _check_pow2("num_warps", self.num_warps, 1, 16)
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunkLoopConfig(_LaunchConfig):
   """`variant="chunk_loop"`: one program per (batch, head, value block) walks all chunks.
 
   Attributes:
@@ -55,26 +70,17 @@ class ChunkLoopConfig:
   """
   chunk_size: int
   block_e: int
-  num_warps: int
-  num_stages: int
-
-  def __post_init__(self):
-    _check_pow2("chunk_size", self.chunk_size, MIN_BLOCK, 256)
-    _check_pow2("block_e", self.block_e, MIN_BLOCK, 256)
-    _check_pow2("num_warps", self.num_warps, 1, 16)
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
   def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int) -> int:
     c, be = self.chunk_size, min(self.block_e, dim_v)
-    # Pipelined loads (q, k, v and the optional row-dot operand), then the
+    # Pipelined loads (q, k, v and the optional tangent weights), then the
     # operands that are produced in registers and re-laid out for the dots.
     staged = self.num_stages * (2 * c * dim_k + 2 * c * be)
     return itemsize * (staged + c * c + dim_k * be + c * dim_k)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ChunkStatesConfig:
+class ChunkStatesConfig(_LaunchConfig):
   """`variant="parallel"`, pass 1: materialise the state before every chunk.
 
   One program per (batch, head, key block, value block) sweeps the chunks; the
@@ -82,15 +88,6 @@ class ChunkStatesConfig:
   """
   block_d: int
   block_e: int
-  num_warps: int
-  num_stages: int
-
-  def __post_init__(self):
-    _check_pow2("block_d", self.block_d, MIN_BLOCK, 256)
-    _check_pow2("block_e", self.block_e, MIN_BLOCK, 256)
-    _check_pow2("num_warps", self.num_warps, 1, 16)
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
   def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int, chunk_size: int) -> int:
     bd, be = min(self.block_d, dim_k), min(self.block_e, dim_v)
@@ -98,19 +95,10 @@ class ChunkStatesConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ChunkOutputConfig:
+class ChunkOutputConfig(_LaunchConfig):
   """`variant="parallel"`, pass 2: every (batch, head, chunk, value block) in parallel."""
   chunk_size: int
   block_e: int
-  num_warps: int
-  num_stages: int
-
-  def __post_init__(self):
-    _check_pow2("chunk_size", self.chunk_size, MIN_BLOCK, 256)
-    _check_pow2("block_e", self.block_e, MIN_BLOCK, 256)
-    _check_pow2("num_warps", self.num_warps, 1, 16)
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
   def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int) -> int:
     c, be = self.chunk_size, min(self.block_e, dim_v)

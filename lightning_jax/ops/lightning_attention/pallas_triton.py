@@ -92,18 +92,27 @@ def _unpack(refs, flags):
   return [next(it) if present else None for present in flags]
 
 
+def _initial_carry(s0_ref, shape, has_tangent):
+  """(state, tangent) before the first chunk: S_0 (or zeros) and, for the decay tangent, zeros."""
+  state = jnp.zeros(shape, _F32) if s0_ref is None else s0_ref[...]
+  return state, (jnp.zeros(shape, _F32) if has_tangent else None)
+
+
+def _chunk_rows(step, *, num_chunks, chunk_size, reverse):
+  """Chunk index of sweep step `step` and the slice of its rows."""
+  n = num_chunks - 1 - step if reverse else step
+  return n, pl.ds(pl.multiple_of(n * chunk_size, chunk_size), chunk_size)
+
+
 def _chunk_loop_kernel(*refs, scale, chunk_size, seq_len, num_chunks, reverse, has_decay,
                        has_initial_state, has_tangent, exact):
   (decay_ref, x_ref, y_ref, z_ref, s0_ref, w_ref, out_ref, state_ref, row_dot_ref, tangent_ref) = _unpack(
       refs, (has_decay, True, True, True, has_initial_state, has_tangent, True, True, has_tangent, has_tangent))
-  state_shape = (x_ref.shape[-1], z_ref.shape[-1])
-  state = s0_ref[...] if has_initial_state else jnp.zeros(state_shape, _F32)
-  tangent = jnp.zeros(state_shape, _F32) if has_tangent else None
+  carry = _initial_carry(s0_ref, (x_ref.shape[-1], z_ref.shape[-1]), has_tangent)
 
   def body(step, carry):
     state, tangent = carry
-    n = num_chunks - 1 - step if reverse else step
-    rows = pl.ds(pl.multiple_of(n * chunk_size, chunk_size), chunk_size)
+    n, rows = _chunk_rows(step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
     x, y, z = x_ref[rows, :], y_ref[rows, :], z_ref[rows, :]
     f = _chunk_factors(decay_ref, n, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
     out, out_tangent = _chunk_out(x, y, z, state, tangent, f, scale=scale, reverse=reverse, exact=exact)
@@ -112,7 +121,7 @@ def _chunk_loop_kernel(*refs, scale, chunk_size, seq_len, num_chunks, reverse, h
       row_dot_ref[rows] = jnp.sum(out_tangent * w_ref[rows, :].astype(_F32), axis=1)
     return _chunk_state(y, z, state, tangent, f, exact=exact)
 
-  state, tangent = jax.lax.fori_loop(0, num_chunks, body, (state, tangent))
+  state, tangent = jax.lax.fori_loop(0, num_chunks, body, carry)
   state_ref[...] = state
   if has_tangent:
     tangent_ref[...] = tangent
@@ -122,21 +131,18 @@ def _chunk_states_kernel(*refs, chunk_size, seq_len, num_chunks, reverse, has_de
                          has_tangent, exact):
   decay_ref, y_ref, z_ref, s0_ref, states_ref, tangents_ref, state_ref, tangent_ref = _unpack(
       refs, (has_decay, True, True, has_initial_state, True, has_tangent, True, has_tangent))
-  state_shape = (y_ref.shape[-1], z_ref.shape[-1])
-  state = s0_ref[...] if has_initial_state else jnp.zeros(state_shape, _F32)
-  tangent = jnp.zeros(state_shape, _F32) if has_tangent else None
+  carry = _initial_carry(s0_ref, (y_ref.shape[-1], z_ref.shape[-1]), has_tangent)
 
   def body(step, carry):
     state, tangent = carry
-    n = num_chunks - 1 - step if reverse else step
-    rows = pl.ds(pl.multiple_of(n * chunk_size, chunk_size), chunk_size)
+    n, rows = _chunk_rows(step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
     states_ref[n, :, :] = state
     if has_tangent:
       tangents_ref[n, :, :] = tangent
     f = _chunk_factors(decay_ref, n, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
     return _chunk_state(y_ref[rows, :], z_ref[rows, :], state, tangent, f, exact=exact)
 
-  state, tangent = jax.lax.fori_loop(0, num_chunks, body, (state, tangent))
+  state, tangent = jax.lax.fori_loop(0, num_chunks, body, carry)
   state_ref[...] = state
   if has_tangent:
     tangent_ref[...] = tangent
