@@ -17,6 +17,7 @@ import numpy as np
 
 from lightning_jax import slopes
 from lightning_jax.ops.lightning_attention import api as op_api
+from lightning_jax.ops.lightning_attention import reference
 from lightning_jax.ops.lightning_attention.config import LightningConfig
 
 FEATURE_MAPS = {
@@ -136,14 +137,7 @@ def make_spec(*, num_heads, in_features, qkv_features, out_features, decay, laye
     raise TypeError(f"output_gate must be a bool, got {output_gate!r}")
   if output_norm not in OUTPUT_NORMS:
     raise ValueError(f"output_norm must be one of {OUTPUT_NORMS}, got {output_norm!r}")
-  if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not np.isfinite(scale)):
-    raise TypeError(f"scale must be None or a finite float, got {scale!r}")
-  if impl not in op_api.IMPLS:
-    raise ValueError(f"impl must be one of {op_api.IMPLS}, got {impl!r}")
-  if variant not in op_api.VARIANTS:
-    raise ValueError(f"variant must be one of {op_api.VARIANTS}, got {variant!r}")
-  if config is not None and not isinstance(config, LightningConfig):
-    raise TypeError(f"config must be a LightningConfig or None, got {type(config).__name__}")
+  op_api.validate_options(scale=scale, impl=impl, variant=variant, config=config)
   return LayerSpec(
       num_heads=num_heads, in_features=in_features, qkv_features=qkv_features,
       out_features=in_features if out_features is None else out_features, head_dim=head_dim,
@@ -179,23 +173,6 @@ def rms_norm(x, scale, axes) -> jax.Array:
   return (xf * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def recurrent_step(q, k, v, decay, *, scale, state):
-  """One token of the recurrence in jnp (no kernel): S' = a S + k^T v, o = scale q S'.
-
-  q, k: [B, 1, H, D]; v: [B, 1, H, E]; decay: [H] or None; state: [B, H, D, E].
-  Returns (o [B, 1, H, E] in q.dtype, S' float32).
-  """
-  hi = jax.lax.Precision.HIGHEST
-  dtype = q.dtype
-  s = state.astype(jnp.float32)
-  if decay is not None:
-    s = jnp.exp(-decay.astype(jnp.float32))[None, :, None, None] * s
-  q, k, v = (x[:, 0].astype(jnp.float32) for x in (q, k, v))
-  s = s + jnp.einsum("bhd,bhe->bhde", k, v, precision=hi)
-  o = scale * jnp.einsum("bhd,bhde->bhe", q, s, precision=hi)
-  return o[:, None].astype(dtype), s
-
-
 # `linear_attention` and `attend` are jitted so that eager calls (e.g. a decode
 # loop outside jit) compile once per shape instead of dispatching op by op;
 # under an outer jit they are inlined.
@@ -209,8 +186,9 @@ def linear_attention(q, k, v, decay, *, scale, impl, variant, config, interpret=
   if state is None:
     return op_api.lightning_attention(q, k, v, decay, scale=scale, impl=impl, variant=variant,
                                       config=config, interpret=interpret)
-  if q.shape[1] == 1:  # a decode step: a few flops, not worth a kernel launch
-    return recurrent_step(q, k, v, decay, scale=scale, state=state)
+  if q.shape[1] == 1:  # a decode step: a few flops in jnp (the oracle's scan), not worth a kernel launch
+    o, new_state = reference.lightning_attention_recurrent(q, k, v, decay, scale=scale, initial_state=state)
+    return o.astype(q.dtype), new_state
   # Chunked prefill: the kernel resumes from and returns the state.
   return op_api.lightning_attention(q, k, v, decay, scale=scale, initial_state=state, return_final_state=True,
                                     impl=impl, variant=variant, config=config, interpret=interpret)

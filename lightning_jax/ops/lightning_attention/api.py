@@ -39,6 +39,19 @@ def _check_float(name, x):
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
+def validate_options(*, scale, impl, variant, config):
+  """Checks the static options shared by the op and the layers that pass them on."""
+  if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
+                            or not np.isfinite(scale)):
+    raise TypeError(f"scale must be None or a finite Python float, got {scale!r}")
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  if variant not in VARIANTS:
+    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+  if config is not None and not isinstance(config, config_lib.LightningConfig):
+    raise TypeError(f"config must be a LightningConfig or None, got {type(config).__name__}")
+
+
 def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, interpret, return_final_state):
   for name, x in (("q", q), ("k", k), ("v", v)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -68,21 +81,13 @@ def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, inter
       raise TypeError(f"decay must be a floating array, got {decay.dtype}")
     if not isinstance(decay, jax.core.Tracer) and bool(np.any(np.asarray(decay) < 0)):
       raise ValueError(f"decay rates must be >= 0 (lambda = exp(-decay) <= 1), got {np.asarray(decay)}")
-  if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
-                            or not np.isfinite(scale)):
-    raise TypeError(f"scale must be None or a finite Python float, got {scale!r}")
   if initial_state is not None:
     if not hasattr(initial_state, "shape") or initial_state.shape != (b, h, d, e):
       raise ValueError(f"initial_state must be [B, H, D, E] = [{b}, {h}, {d}, {e}], got "
                        f"{getattr(initial_state, 'shape', type(initial_state).__name__)}")
     if not jnp.issubdtype(initial_state.dtype, jnp.floating):
       raise TypeError(f"initial_state must be a floating array (float32), got {initial_state.dtype}")
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  if variant not in VARIANTS:
-    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-  if config is not None and not isinstance(config, config_lib.LightningConfig):
-    raise TypeError(f"config must be a LightningConfig or None, got {type(config).__name__}")
+  validate_options(scale=scale, impl=impl, variant=variant, config=config)
   if interpret is not None and not isinstance(interpret, bool):
     raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
   if not isinstance(return_final_state, bool):
