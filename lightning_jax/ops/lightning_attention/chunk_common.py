@@ -53,17 +53,21 @@ class ChunkFactors(NamedTuple):
   gap: jax.Array  # [C, C] |i - j| inside the mask, else 0
 
 
-def chunk_decay_factors(lam2, chunk_idx, *, chunk_size, seq_len, reverse):
+# The fields that depend on the number of real rows (intra and gap do not).
+_END_FIELDS = ("row", "key", "state", "row_exp", "key_exp", "end")
+
+
+def chunk_decay_factors(lam2, end, *, chunk_size, reverse):
   """Decay factors of one chunk.
 
   Args:
     lam2: decay rate times log2(e) (float32 scalar, >= 0), so that exp2 is used.
-    chunk_idx: index of the chunk in the sequence (not in sweep order).
-    chunk_size, seq_len: static ints.
+    end: number of real rows in the chunk (int or traced int32 scalar, see
+      `valid_rows`).
+    chunk_size: static int.
     reverse: static bool, the anti-causal sweep of the backward pass.
   """
   c = chunk_size
-  end = valid_rows(chunk_idx, chunk_size=c, seq_len=seq_len)
   i = jnp.arange(c, dtype=jnp.int32)
   valid = i < end
   # Exponents that feed the state from the far side of the chunk. Masked rows use
@@ -73,12 +77,37 @@ def chunk_decay_factors(lam2, chunk_idx, *, chunk_size, seq_len, reverse):
   row_exp, key_exp = (to_end, from_start) if reverse else (from_start, to_end)
   row = jnp.where(valid, jnp.exp2(-lam2 * row_exp), 0.0)
   key = jnp.where(valid, jnp.exp2(-lam2 * key_exp), 0.0)
-  end = end.astype(jnp.float32)
+  end = jnp.asarray(end, jnp.float32)
   state = jnp.exp2(-lam2 * end)
   mask = causal_mask(c, reverse=reverse)
   gap = jnp.where(mask, jnp.abs(i[:, None] - i[None, :]), 0).astype(jnp.float32)
   intra = jnp.where(mask, jnp.exp2(-lam2 * gap), 0.0)
   return ChunkFactors(row, key, state, intra, row_exp, key_exp, end, gap)
+
+
+def sweep_decay_factors(lam2, *, chunk_size, seq_len, reverse):
+  """The factors of every chunk of a sweep, computed once, before the chunk loop.
+
+  Every chunk but a partial last one has the same factors, so a kernel computes
+  the (at most two) distinct sets once and the loop body only selects: no
+  [C, C] exp2 per chunk.
+
+  Returns:
+    A function of the chunk index (traced int32 ok) returning its `ChunkFactors`.
+  """
+  num_chunks = -(-seq_len // chunk_size)
+  last_rows = seq_len - (num_chunks - 1) * chunk_size
+  full = chunk_decay_factors(lam2, chunk_size, chunk_size=chunk_size, reverse=reverse)
+  if last_rows == chunk_size:
+    return lambda chunk_idx: full
+  last = chunk_decay_factors(lam2, last_rows, chunk_size=chunk_size, reverse=reverse)
+
+  def factors(chunk_idx):
+    is_last = chunk_idx == num_chunks - 1
+    return full._replace(**{name: jnp.where(is_last, getattr(last, name), getattr(full, name))
+                            for name in _END_FIELDS})
+
+  return factors
 
 
 def causal_mask(chunk_size, *, reverse):

@@ -71,12 +71,24 @@ class ChunkLoopConfig(_LaunchConfig):
   chunk_size: int
   block_e: int
 
-  def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int) -> int:
+  def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int, job: str = "forward") -> int:
     c, be = self.chunk_size, min(self.block_e, dim_v)
-    # Pipelined loads (q, k, v and the optional tangent weights), then the
-    # operands that are produced in registers and re-laid out for the dots.
-    staged = self.num_stages * (2 * c * dim_k + 2 * c * be)
-    return itemsize * (staged + c * c + dim_k * be + c * dim_k)
+    extra = int(job in ("tangent", "dual"))  # the tangent weights, or the dual's u
+    # Pipelined loads, then the operands that are produced in registers and
+    # re-laid out for the dots (a second score tile for the dual output).
+    staged = self.num_stages * (2 * c * dim_k + (2 + extra) * c * be)
+    return itemsize * (staged + (1 + (job == "dual")) * c * c + dim_k * be + c * dim_k)
+
+  def accumulator_registers(self, dim_k: int, dim_v: int, job: str = "forward") -> int:
+    """float32 registers per thread for the carried state(s), score tile(s) and output tile(s).
+
+    Triton keeps these in registers; past about 160 of a thread's 255 the
+    kernel spills.
+    """
+    c, be = self.chunk_size, min(self.block_e, dim_v)
+    words = (dim_k * be * (1 + (job == "tangent")) + c * c * (1 + (job == "dual")) + c * be
+             + (c * dim_k if job == "dual" else 0))
+    return words // (32 * self.num_warps)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,9 +112,16 @@ class ChunkOutputConfig(_LaunchConfig):
   chunk_size: int
   block_e: int
 
-  def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int) -> int:
+  def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int, job: str = "forward") -> int:
     c, be = self.chunk_size, min(self.block_e, dim_v)
-    return itemsize * (2 * c * dim_k + 2 * c * be + c * c + dim_k * be)
+    extra = int(job in ("tangent", "dual"))
+    return itemsize * (2 * c * dim_k + (2 + extra) * c * be + (1 + (job == "dual")) * c * c + dim_k * be)
+
+  def accumulator_registers(self, dim_k: int, dim_v: int, job: str = "forward") -> int:
+    """float32 registers per thread for the score tile(s) and output tile(s) (see ChunkLoopConfig)."""
+    c, be = self.chunk_size, min(self.block_e, dim_v)
+    words = c * c * (1 + (job == "dual")) + c * be * (1 + (job == "tangent")) + (c * dim_k if job == "dual" else 0)
+    return words // (32 * self.num_warps)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,37 +142,68 @@ class LightningConfig:
         raise TypeError(f"LightningConfig.{name} must be a {cls.__name__} or None, got {type(value).__name__}")
 
 
+SWEEP_JOBS = ("forward", "tangent", "dual")
+
+
+def sweep_job(*, tangent: bool, dual: bool) -> str:
+  """The kind of sweep, for the heuristics: plain, carrying the decay tangent, or with the dual output."""
+  if tangent and dual:
+    raise ValueError("a sweep computes the decay tangent or the dual output, not both")
+  return "tangent" if tangent else "dual" if dual else "forward"
+
+
 def padded_dim(dim: int) -> int:
   """Feature dims are padded to a power of two >= 16 for Triton's dots."""
   return max(MIN_BLOCK, 1 << (dim - 1).bit_length())
 
 
-def _warps(dim_k: int, block_e: int, chunk_size: int) -> int:
-  return 4 if dim_k * block_e <= 64 * 64 and chunk_size <= 64 else 8
+# The heuristics below follow `python -m benchmarks.tune` on an H100 (bf16, T 8K,
+# D = E = 64 and 128; the numbers are in benchmarks/PERFORMANCE.md): chunks of
+# 64 tokens, 4 warps and the deepest software pipeline that fits the shared
+# memory beat every other shape of the chunk_loop kernel, by up to 2x over a
+# 2-stage pipeline; the decay-tangent sweep prefers 32 value columns per program
+# (twice the programs, half the carried state). Devices with less shared memory
+# get shallower pipelines or smaller blocks from the same preference order.
+MAX_ACCUMULATOR_REGISTERS = 160
+MAX_STAGES = {"forward": 4, "tangent": 3, "dual": 3}
 
 
-def default_chunk_loop(dim_k: int, dim_v: int, itemsize: int, budget: int) -> ChunkLoopConfig:
+def fuse_dk_dv(*, dim_k: int, dim_v: int) -> bool:
+  """Whether the backward pass computes dk as the dual output of the dv sweep.
+
+  It saves one pass over q, k, v, do, but holds two score tiles and two
+  output tiles per chunk. On an H100 the fused sweep is 1.2-1.5x faster than
+  two sweeps at D = E = 64, and 2x slower at 128, where it spills.
+  """
+  return dim_k <= 64 and dim_v <= 64
+
+
+def default_chunk_loop(dim_k: int, dim_v: int, itemsize: int, budget: int, job: str = "forward") -> ChunkLoopConfig:
+  block_es = (32, 16) if job == "tangent" else (64, 32, 16)
   for chunk_size in (64, 32, 16):
-    for block_e in (64, 32, 16):
-      be = min(block_e, dim_v)
-      if dim_k >= 256 and be > 32:
-        continue  # a [256, 64] float32 state tile does not fit in registers
-      for stages in (2, 1):
-        cfg = ChunkLoopConfig(chunk_size=chunk_size, block_e=be, num_warps=_warps(dim_k, be, chunk_size),
-                              num_stages=stages)
-        if cfg.shared_memory_bytes(dim_k, dim_v, itemsize) <= budget:
-          return cfg
+    for pipelined in (True, False):
+      for block_e in block_es:
+        for stages in range(MAX_STAGES[job], 1, -1) if pipelined else (1,):
+          for warps in (4, 8):
+            cfg = ChunkLoopConfig(chunk_size=chunk_size, block_e=min(block_e, dim_v), num_warps=warps,
+                                  num_stages=stages)
+            if (cfg.accumulator_registers(dim_k, dim_v, job) <= MAX_ACCUMULATOR_REGISTERS
+                and cfg.shared_memory_bytes(dim_k, dim_v, itemsize, job) <= budget):
+              return cfg
   raise AssertionError("unreachable: the smallest chunk_loop config fits every budget")
 
 
-def default_chunk_output(dim_k: int, dim_v: int, itemsize: int, budget: int) -> ChunkOutputConfig:
-  for chunk_size in (64, 32, 16):
-    for block_e in (64, 32, 16):
-      be = min(block_e, dim_v)
-      cfg = ChunkOutputConfig(chunk_size=chunk_size, block_e=be, num_warps=_warps(dim_k, be, chunk_size),
-                              num_stages=1)
-      if cfg.shared_memory_bytes(dim_k, dim_v, itemsize) <= budget:
-        return cfg
+def default_chunk_output(dim_k: int, dim_v: int, itemsize: int, budget: int,
+                         job: str = "forward") -> ChunkOutputConfig:
+  # Chunks of 128 halve the float32 states the states kernel writes.
+  for chunk_size in (128, 64, 32, 16):
+    for block_e in (128, 64, 32, 16):
+      for warps in (4, 8):
+        cfg = ChunkOutputConfig(chunk_size=chunk_size, block_e=min(block_e, dim_v), num_warps=warps,
+                                num_stages=1)
+        if (cfg.accumulator_registers(dim_k, dim_v, job) <= MAX_ACCUMULATOR_REGISTERS
+            and cfg.shared_memory_bytes(dim_k, dim_v, itemsize, job) <= budget):
+          return cfg
   raise AssertionError("unreachable: the smallest chunk_output config fits every budget")
 
 
@@ -181,11 +231,14 @@ def _clip(cfg, **maxima):
 
 
 def resolve(config: LightningConfig | None, *, dim_k: int, dim_v: int, itemsize: int,
-            compute_capability: tuple[int, int] | None) -> SweepConfigs:
+            compute_capability: tuple[int, int] | None, job: str = "forward") -> SweepConfigs:
   """Fills the unset fields of `config` for one sweep and checks the budget.
 
-  `dim_k`, `dim_v` are padded dims (powers of two >= 16).
+  `dim_k`, `dim_v` are padded dims (powers of two >= 16); `job` one of
+  `SWEEP_JOBS` (see `sweep_job`).
   """
+  if job not in SWEEP_JOBS:
+    raise ValueError(f"job must be one of {SWEEP_JOBS}, got {job!r}")
   config = config or LightningConfig()
   budget = shared_memory_budget(compute_capability)
   where = (f"compute capability {compute_capability[0]}.{compute_capability[1]}"
@@ -200,13 +253,13 @@ def resolve(config: LightningConfig | None, *, dim_k: int, dim_v: int, itemsize:
     return cfg
 
   loop = config.chunk_loop
-  loop = (default_chunk_loop(dim_k, dim_v, itemsize, budget) if loop is None
+  loop = (default_chunk_loop(dim_k, dim_v, itemsize, budget, job) if loop is None
           else check("chunk_loop", _clip(loop, block_e=dim_v),
-                     _clip(loop, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize)))
+                     _clip(loop, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize, job)))
   out = config.chunk_output
-  out = (default_chunk_output(dim_k, dim_v, itemsize, budget) if out is None
+  out = (default_chunk_output(dim_k, dim_v, itemsize, budget, job) if out is None
          else check("chunk_output", _clip(out, block_e=dim_v),
-                    _clip(out, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize)))
+                    _clip(out, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize, job)))
   states = config.chunk_states
   if states is None:
     states = default_chunk_states(dim_k, dim_v, itemsize, budget, out.chunk_size)

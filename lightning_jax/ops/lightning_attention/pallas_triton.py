@@ -43,34 +43,48 @@ def _dot(a, b, *, exact, trans_a=False, trans_b=False):
   return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if exact else None)
 
 
-def _chunk_factors(decay_ref, chunk_idx, *, chunk_size, seq_len, reverse):
+def _sweep_factors(decay_ref, *, chunk_size, seq_len, reverse):
+  """Chunk index -> `ChunkFactors` (None without decay), the exp2 work done once per program."""
   if decay_ref is None:
-    return None
+    return lambda chunk_idx: None
   lam2 = decay_ref[()].astype(_F32) * chunk_common.LOG2_E
-  return chunk_common.chunk_decay_factors(lam2, chunk_idx, chunk_size=chunk_size, seq_len=seq_len,
-                                          reverse=reverse)
+  return chunk_common.sweep_decay_factors(lam2, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
 
 
-def _chunk_out(x, y, z, state, tangent, f, *, scale, reverse, exact):
-  """One chunk's output, intra-chunk (masked, decayed x y^T z) plus inter-chunk (x S).
-
-  With `tangent` (the state's decay tangent U), also the output's tangent.
-  """
-  scores = _dot(x, y, trans_b=True, exact=exact)  # [C, C]
+def _scores(a, b, f, *, reverse, exact):
+  """[C, C] a b^T inside the (anti-)causal mask, decayed by the gap."""
+  scores = _dot(a, b, trans_b=True, exact=exact)
   if f is None:
-    scores = jnp.where(chunk_common.causal_mask(x.shape[0], reverse=reverse), scores, 0.0)
-  else:
-    scores = scores * f.intra
-  inter = _dot(x, state.astype(x.dtype), exact=exact)
+    return jnp.where(chunk_common.causal_mask(a.shape[0], reverse=reverse), scores, 0.0)
+  return scores * f.intra
+
+
+def _chunk_out(x, y, z, u, state, tangent, f, *, scale, reverse, exact):
+  """One chunk's outputs.
+
+  out = intra (masked, decayed x y^T z) + inter (x S). With `u`, also the dual
+  output (u z^T) y + u S^T, the same sweep seen from z's side (dk beside dv).
+  With `tangent` (the state's decay tangent U), also out's decay tangent.
+  """
+  state_in = state.astype(x.dtype)
+  scores = _scores(x, y, f, reverse=reverse, exact=exact)
+  inter = _dot(x, state_in, exact=exact)
   if f is not None:
     inter = inter * f.row[:, None]
   out = scale * (_dot(scores.astype(z.dtype), z, exact=exact) + inter)
-  if tangent is None:
-    return out, None
-  out_tangent = (_dot((scores * f.gap).astype(z.dtype), z, exact=exact)
-                 + _dot(x, tangent.astype(x.dtype), exact=exact) * f.row[:, None]
-                 + f.row_exp[:, None] * inter)
-  return out, scale * out_tangent
+  dual = None
+  if u is not None:
+    dual_inter = _dot(u, state_in, trans_b=True, exact=exact)
+    if f is not None:
+      dual_inter = dual_inter * f.row[:, None]
+    dual_scores = _scores(u, z, f, reverse=reverse, exact=exact)
+    dual = scale * (_dot(dual_scores.astype(y.dtype), y, exact=exact) + dual_inter)
+  out_tangent = None
+  if tangent is not None:
+    out_tangent = scale * (_dot((scores * f.gap).astype(z.dtype), z, exact=exact)
+                           + _dot(x, tangent.astype(x.dtype), exact=exact) * f.row[:, None]
+                           + f.row_exp[:, None] * inter)
+  return out, dual, out_tangent
 
 
 def _chunk_state(y, z, state, tangent, f, *, exact):
@@ -105,18 +119,24 @@ def _chunk_rows(step, *, num_chunks, chunk_size, reverse):
 
 
 def _chunk_loop_kernel(*refs, scale, chunk_size, seq_len, num_chunks, reverse, has_decay,
-                       has_initial_state, has_tangent, exact):
-  (decay_ref, x_ref, y_ref, z_ref, s0_ref, w_ref, out_ref, state_ref, row_dot_ref, tangent_ref) = _unpack(
-      refs, (has_decay, True, True, True, has_initial_state, has_tangent, True, True, has_tangent, has_tangent))
+                       has_initial_state, has_tangent, has_dual, exact):
+  (decay_ref, x_ref, y_ref, z_ref, u_ref, s0_ref, w_ref, out_ref, dual_ref, state_ref, row_dot_ref,
+   tangent_ref) = _unpack(refs, (has_decay, True, True, True, has_dual, has_initial_state, has_tangent, True,
+                                 has_dual, True, has_tangent, has_tangent))
   carry = _initial_carry(s0_ref, (x_ref.shape[-1], z_ref.shape[-1]), has_tangent)
+  factors = _sweep_factors(decay_ref, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
 
   def body(step, carry):
     state, tangent = carry
     n, rows = _chunk_rows(step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
     x, y, z = x_ref[rows, :], y_ref[rows, :], z_ref[rows, :]
-    f = _chunk_factors(decay_ref, n, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
-    out, out_tangent = _chunk_out(x, y, z, state, tangent, f, scale=scale, reverse=reverse, exact=exact)
+    u = u_ref[rows, :] if has_dual else None
+    f = factors(n)
+    out, dual, out_tangent = _chunk_out(x, y, z, u, state, tangent, f, scale=scale, reverse=reverse,
+                                        exact=exact)
     out_ref[rows, :] = out.astype(out_ref.dtype)
+    if has_dual:
+      dual_ref[rows, :] = dual.astype(dual_ref.dtype)
     if has_tangent:
       row_dot_ref[rows] = jnp.sum(out_tangent * w_ref[rows, :].astype(_F32), axis=1)
     return _chunk_state(y, z, state, tangent, f, exact=exact)
@@ -132,6 +152,7 @@ def _chunk_states_kernel(*refs, chunk_size, seq_len, num_chunks, reverse, has_de
   decay_ref, y_ref, z_ref, s0_ref, states_ref, tangents_ref, state_ref, tangent_ref = _unpack(
       refs, (has_decay, True, True, has_initial_state, True, has_tangent, True, has_tangent))
   carry = _initial_carry(s0_ref, (y_ref.shape[-1], z_ref.shape[-1]), has_tangent)
+  factors = _sweep_factors(decay_ref, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
 
   def body(step, carry):
     state, tangent = carry
@@ -139,8 +160,7 @@ def _chunk_states_kernel(*refs, chunk_size, seq_len, num_chunks, reverse, has_de
     states_ref[n, :, :] = state
     if has_tangent:
       tangents_ref[n, :, :] = tangent
-    f = _chunk_factors(decay_ref, n, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
-    return _chunk_state(y_ref[rows, :], z_ref[rows, :], state, tangent, f, exact=exact)
+    return _chunk_state(y_ref[rows, :], z_ref[rows, :], state, tangent, factors(n), exact=exact)
 
   state, tangent = jax.lax.fori_loop(0, num_chunks, body, carry)
   state_ref[...] = state
@@ -148,19 +168,21 @@ def _chunk_states_kernel(*refs, chunk_size, seq_len, num_chunks, reverse, has_de
     tangent_ref[...] = tangent
 
 
-def _chunk_output_kernel(*refs, scale, chunk_size, seq_len, reverse, has_decay, has_tangent, exact):
-  decay_ref, x_ref, y_ref, z_ref, states_ref, tangents_ref, w_ref, out_ref, row_dot_ref = _unpack(
-      refs, (has_decay, True, True, True, True, has_tangent, has_tangent, True, has_tangent))
-  f = _chunk_factors(decay_ref, pl.program_id(1), chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
-  out, out_tangent = _chunk_out(x_ref[...], y_ref[...], z_ref[...], states_ref[...],
-                                tangents_ref[...] if has_tangent else None, f, scale=scale, reverse=reverse,
-                                exact=exact)
+def _chunk_output_kernel(*refs, scale, chunk_size, seq_len, reverse, has_decay, has_tangent, has_dual, exact):
+  decay_ref, x_ref, y_ref, z_ref, u_ref, states_ref, tangents_ref, w_ref, out_ref, dual_ref, row_dot_ref = _unpack(
+      refs, (has_decay, True, True, True, has_dual, True, has_tangent, has_tangent, True, has_dual, has_tangent))
+  f = _sweep_factors(decay_ref, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)(pl.program_id(1))
+  out, dual, out_tangent = _chunk_out(x_ref[...], y_ref[...], z_ref[...], u_ref[...] if has_dual else None,
+                                      states_ref[...], tangents_ref[...] if has_tangent else None, f,
+                                      scale=scale, reverse=reverse, exact=exact)
   out_ref[...] = out.astype(out_ref.dtype)
+  if has_dual:
+    dual_ref[...] = dual.astype(dual_ref.dtype)
   if has_tangent:
     row_dot_ref[...] = jnp.sum(out_tangent * w_ref[...].astype(_F32), axis=1)
 
 
-def sweep(x, y, z, decay, initial_state, tangent_with, *, scale: float, seq_len: int, reverse: bool,
+def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: float, seq_len: int, reverse: bool,
           variant: str, configs: SweepConfigs, out_dtype, interpret: bool):
   """One sweep over padded inputs.
 
@@ -170,23 +192,32 @@ def sweep(x, y, z, decay, initial_state, tangent_with, *, scale: float, seq_len:
     decay: [H] float32 rates or None. initial_state: [B, H, K, V] float32 or None.
     tangent_with: [B, Tp, H, V] or None (needs decay): also compute the decay
       tangent, as row dots sum_v out'_t * w_t and the final tangent state.
+    dual_with: [B, Tp, H, V] (u) or None: also compute the dual output
+      dual_t = scale * (sum_s m_ts (u_t . z_s) y_s + u_t S_t^T), [B, Tp, H, K].
     seq_len: the number of real tokens (<= Tp).
 
   Returns:
-    out [B, Tp, H, V] (out_dtype); final state [B, H, K, V] float32 (the state
-    after the last real token of the sweep); with `tangent_with`, row dots
-    [B, H, Tp] and the final tangent state [B, H, K, V], float32 (else None).
+    out [B, Tp, H, V] (out_dtype); the dual output [B, Tp, H, K] (out_dtype) or
+    None; final state [B, H, K, V] float32 (the state after the last real token
+    of the sweep); with `tangent_with`, row dots [B, H, Tp] and the final
+    tangent state [B, H, K, V], float32 (else None).
   """
   b, tp, h, dim_k = x.shape
   dim_v = z.shape[-1]
-  has_decay, has_s0, has_tangent = decay is not None, initial_state is not None, tangent_with is not None
+  has_decay, has_s0 = decay is not None, initial_state is not None
+  has_tangent, has_dual = tangent_with is not None, dual_with is not None
   if has_tangent and not has_decay:
     raise ValueError("the decay tangent needs a decay")
-  flags = dict(reverse=reverse, has_decay=has_decay, has_tangent=has_tangent, exact=x.dtype == _F32)
+  flags = dict(reverse=reverse, has_decay=has_decay, has_tangent=has_tangent, has_dual=has_dual,
+               exact=x.dtype == _F32)
   state_struct = jax.ShapeDtypeStruct((b, h, dim_k, dim_v), _F32)
 
   def keep(*pairs):
     return [item for item, present in pairs if present]
+
+  def dual_struct(n_e):
+    # With several value blocks each program writes a float32 partial sum.
+    return jax.ShapeDtypeStruct((n_e, b, tp, h, dim_k), out_dtype if n_e == 1 else _F32)
 
   def call(kernel, grid, in_specs, out_specs, out_shape, cfg, name, *args):
     return pl.pallas_call(
@@ -206,19 +237,24 @@ def sweep(x, y, z, decay, initial_state, tangent_with, *, scale: float, seq_len:
     state_spec = pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i // h, i % h, 0, e))
     in_specs = keep((pl.BlockSpec((None,), lambda i, e: (i % h,)), has_decay),
                     (seq(dim_k, False), True), (seq(dim_k, False), True), (seq(be, True), True),
-                    (state_spec, has_s0), (seq(be, True), has_tangent))
-    out_specs = keep((seq(be, True), True), (state_spec, True),
+                    (seq(be, True), has_dual), (state_spec, has_s0), (seq(be, True), has_tangent))
+    out_specs = keep((seq(be, True), True),
+                     (pl.BlockSpec((None, None, tp, None, dim_k), lambda i, e: (e, i // h, 0, i % h, 0)), has_dual),
+                     (state_spec, True),
                      (pl.BlockSpec((None, None, None, tp), lambda i, e: (i // h, i % h, e, 0)), has_tangent),
                      (state_spec, has_tangent))
-    out_shape = keep((jax.ShapeDtypeStruct((b, tp, h, dim_v), out_dtype), True), (state_struct, True),
-                     (jax.ShapeDtypeStruct((b, h, n_e, tp), _F32), has_tangent), (state_struct, has_tangent))
+    out_shape = keep((jax.ShapeDtypeStruct((b, tp, h, dim_v), out_dtype), True), (dual_struct(n_e), has_dual),
+                     (state_struct, True), (jax.ShapeDtypeStruct((b, h, n_e, tp), _F32), has_tangent),
+                     (state_struct, has_tangent))
     kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len,
                                num_chunks=tp // c, has_initial_state=has_s0, **flags)
-    results = call(kernel, (b * h, n_e), in_specs, out_specs, out_shape, cfg, "lightning_chunk_loop",
-                   *keep((decay, has_decay), (x, True), (y, True), (z, True), (initial_state, has_s0),
-                         (tangent_with, has_tangent)))
-    out, final_state = results[:2]
-    row_dots, final_tangent = results[2:] if has_tangent else (None, None)
+    results = iter(call(kernel, (b * h, n_e), in_specs, out_specs, out_shape, cfg, "lightning_chunk_loop",
+                        *keep((decay, has_decay), (x, True), (y, True), (z, True), (dual_with, has_dual),
+                              (initial_state, has_s0), (tangent_with, has_tangent))))
+    out = next(results)
+    dual = next(results) if has_dual else None
+    final_state = next(results)
+    row_dots, final_tangent = (next(results), next(results)) if has_tangent else (None, None)
   elif variant == "parallel":
     st, oc = configs.chunk_states, configs.chunk_output
     c = oc.chunk_size
@@ -236,7 +272,8 @@ def sweep(x, y, z, decay, initial_state, tangent_with, *, scale: float, seq_len:
     out_shape = keep((states_struct, True), (states_struct, has_tangent), (state_struct, True),
                      (state_struct, has_tangent))
     kernel = functools.partial(_chunk_states_kernel, chunk_size=c, seq_len=seq_len, num_chunks=n,
-                               has_initial_state=has_s0, **flags)
+                               has_initial_state=has_s0, reverse=reverse, has_decay=has_decay,
+                               has_tangent=has_tangent, exact=flags["exact"])
     results = call(kernel, (b * h, dim_k // bd, dim_v // bes), in_specs, out_specs, out_shape, st,
                    "lightning_chunk_states",
                    *keep((decay, has_decay), (y, True), (z, True), (initial_state, has_s0)))
@@ -253,20 +290,25 @@ def sweep(x, y, z, decay, initial_state, tangent_with, *, scale: float, seq_len:
     chunk_state = pl.BlockSpec((None, None, None, dim_k, be), lambda i, j, e: (i // h, i % h, j, 0, e))
     in_specs = keep((pl.BlockSpec((None,), lambda i, j, e: (i % h,)), has_decay),
                     (chunk(dim_k, False), True), (chunk(dim_k, False), True), (chunk(be, True), True),
-                    (chunk_state, True), (chunk_state, has_tangent), (chunk(be, True), has_tangent))
+                    (chunk(be, True), has_dual), (chunk_state, True), (chunk_state, has_tangent),
+                    (chunk(be, True), has_tangent))
     out_specs = keep((chunk(be, True), True),
+                     (pl.BlockSpec((None, None, c, None, dim_k), lambda i, j, e: (e, i // h, j, i % h, 0)), has_dual),
                      (pl.BlockSpec((None, None, None, c), lambda i, j, e: (i // h, i % h, e, j)), has_tangent))
-    out_shape = keep((jax.ShapeDtypeStruct((b, tp, h, dim_v), out_dtype), True),
+    out_shape = keep((jax.ShapeDtypeStruct((b, tp, h, dim_v), out_dtype), True), (dual_struct(n_e), has_dual),
                      (jax.ShapeDtypeStruct((b, h, n_e, tp), _F32), has_tangent))
     kernel = functools.partial(_chunk_output_kernel, scale=scale, chunk_size=c, seq_len=seq_len, **flags)
-    results = call(kernel, (b * h, n, n_e), in_specs, out_specs, out_shape, oc, "lightning_chunk_output",
-                   *keep((decay, has_decay), (x, True), (y, True), (z, True), (states, True),
-                         (tangents, has_tangent), (tangent_with, has_tangent)))
-    out = results[0]
-    row_dots = results[1] if has_tangent else None
+    results = iter(call(kernel, (b * h, n, n_e), in_specs, out_specs, out_shape, oc, "lightning_chunk_output",
+                        *keep((decay, has_decay), (x, True), (y, True), (z, True), (dual_with, has_dual),
+                              (states, True), (tangents, has_tangent), (tangent_with, has_tangent))))
+    out = next(results)
+    dual = next(results) if has_dual else None
+    row_dots = next(results) if has_tangent else None
   else:
     raise ValueError(f"unknown variant {variant!r}")
 
+  if dual is not None:
+    dual = dual[0] if dual.shape[0] == 1 else dual.sum(axis=0).astype(out_dtype)
   if row_dots is not None:
     row_dots = row_dots.sum(axis=2)  # partial sums of the value blocks
-  return out, final_state, row_dots, final_tangent
+  return out, dual, final_state, row_dots, final_tangent

@@ -27,7 +27,8 @@ def lightning_attention_chunked(q, k, v, decay=None, *, scale, initial_state=Non
   lam2 = (jnp.zeros((h,), jnp.float32) if decay is None
           else decay.astype(jnp.float32) * chunk_common.LOG2_E)
   factors = jax.vmap(  # over heads
-      jax.vmap(lambda l, i: chunk_common.chunk_decay_factors(l, i, chunk_size=c, seq_len=t, reverse=False),
+      jax.vmap(lambda l, i: chunk_common.chunk_decay_factors(
+          l, chunk_common.valid_rows(i, chunk_size=c, seq_len=t), chunk_size=c, reverse=False),
                in_axes=(None, 0)),  # over chunks
       in_axes=(0, None))
   f = factors(lam2, jnp.arange(n, dtype=jnp.int32))
