@@ -124,19 +124,21 @@ def summary_table(data: dict) -> str:
     return "No lightning_jax implementation was measured."
   peers = [i for i in index.impls if cases.IMPL_BY_NAME[i].kind == "peer"]
   header = ["shape", "T", f"{ours} fwd ms", f"{ours} fwd+bwd ms", "cuDNN fwd ms", "cuDNN fwd+bwd ms",
-            "fastest peer fwd+bwd (ms)", "speedup vs cuDNN fwd / fwd+bwd", "x HBM floor fwd+bwd"]
+            "fastest peer fwd (ms)", "fastest peer fwd+bwd (ms)", "speedup vs cuDNN fwd / fwd+bwd",
+            "x HBM floor fwd / fwd+bwd"]
   rows = []
   for family, dtype, decay in index.panels:
     for t in index.seq_lens(family, dtype):
       shape = family._replace(seq_len=t)
       mine = {m: index.get(ours, m, shape, dtype, decay) for m in ("fwd", "fwdbwd")}
       cudnn = {m: index.get(cases.BASELINE_IMPL, m, shape, dtype, decay) for m in ("fwd", "fwdbwd")}
-      peer = _fastest(index, peers, "fwdbwd", shape, dtype, decay)
+      peer = {m: _fastest(index, peers, m, shape, dtype, decay) for m in ("fwd", "fwdbwd")}
       speedups = " / ".join(fmt_cell(mine[m], "speedup_vs_cudnn", "{:.2f}x") or "–" for m in ("fwd", "fwdbwd"))
+      floors = " / ".join(fmt_cell(mine[m], "floor_ratio", "{:.2f}") or "–" for m in ("fwd", "fwdbwd"))
       rows.append([panel_title(family, dtype, decay), fmt_t(t), fmt_cell(mine["fwd"]), fmt_cell(mine["fwdbwd"]),
                    fmt_cell(cudnn["fwd"]), fmt_cell(cudnn["fwdbwd"]),
-                   f"{peer['impl']} ({peer['time_ms']:.3f})" if peer else "–", speedups,
-                   fmt_cell(mine["fwdbwd"], "floor_ratio", "{:.2f}")])
+                   *(f"{peer[m]['impl']} ({peer[m]['time_ms']:.3f})" if peer[m] else "–" for m in ("fwd", "fwdbwd")),
+                   speedups, floors])
   return md_table(header, rows)
 
 

@@ -35,7 +35,7 @@ MAX_ACCUMULATOR_REGISTERS = 192
 
 
 def chunk_loop_candidates(dim_k, dim_v, itemsize, budget, job):
-  for c, be, warps, stages in itertools.product((64, 128), (32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
+  for c, be, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
     if be > dim_v:
       continue
     cfg = config_lib.ChunkLoopConfig(chunk_size=c, block_e=be, num_warps=warps, num_stages=stages)

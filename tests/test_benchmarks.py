@@ -178,3 +178,17 @@ def test_resume_runs_only_missing_modes_and_merges_in_plan_order():
   merged = run.merge(jobs, earlier, new)
   assert [(r["seq_len"], r["mode"], r["status"]) for r in merged] == [
       (8, "fwd", "ok"), (8, "bwd", "oom"), (16, "fwd", "ok"), (16, "bwd", "ok")]
+
+
+def test_tune_smoke(tmp_path):
+  """`benchmarks.tune` in interpret mode: every candidate compiles, agrees with the default, and is timed."""
+  from benchmarks import tune
+
+  out = tmp_path / "tune.json"
+  tune.main(["--shapes", "1x40x2x16x32", "--jobs", "forward,dual", "--variants", "parallel", "--decays", "on",
+             "--dtype", "f32", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert {r["job"] for r in rows} == {"forward", "dual"}
+  assert sum(r["default"] for r in rows) == 2 and len(rows) > 2
+  for r in rows:
+    assert r["status"] == "ok" and r["err"] < 1e-5 and r["time_ms"] > 0, r
