@@ -10,9 +10,11 @@ the chunk size, feature dims to powers of two >= 16),
     out_t = scale * x_t G_t,   G_t = a G_{t+1} + y_t^T z_t     (reverse),
 
 with x, y: [B, T, H, K], z: [B, T, H, V], a = exp(-decay_h), the carried state
-in float32, and optionally the decay tangent (see `chunk_common`), reduced to
-per-token row dots `sum_v out'_t * w_t` in float32 (the decay gradient). The
-forward pass is one forward sweep; the backward pass is three.
+in float32. Optionally a sweep also computes either the decay tangent (see
+`chunk_common`), reduced to per-token row dots `sum_v out'_t * w_t` in float32
+(the decay gradient), or the dual output `u_t S_t^T + ...` [B, T, H, K] of a
+fourth input u (dk beside dv, from one pass). The forward pass is one forward
+sweep; the backward pass is two or three (see `pallas_vjp`).
 
 Two variants:
   chunk_loop: grid (B*H, V/block_e); each program walks every chunk in order,
