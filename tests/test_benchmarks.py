@@ -125,11 +125,14 @@ def test_derived_metrics():
 
 def test_report_where_we_lose_and_summary():
   results = [_result("lj-pallas-auto", 1024, 2.0), _result("fla-chunk", 1024, 1.0),
-             _result("cudnn-flash", 1024, 4.0)]
+             _result("cudnn-flash", 1024, 4.0), _result("jla-mosaic", 1024, 0.7, mode="fwd")]
   data = {"metadata": {"device_kind": "test"}, "results": metrics.derive(results, None)}
   md = report.markdown(data)
   assert "| B2 H4 D64 E32, bf16, decay | 1K | fwdbwd | lj-pallas-auto 2.000 | fla-chunk 1.000 | 2.00x |" in md
-  assert "| B2 H4 D64 E32, bf16, decay | 1K |  | 2.000 |  | 4.000 | fla-chunk (1.000) | – / 2.00x |" in md
+  # Columns: ours fwd, fwd+bwd; cuDNN fwd, fwd+bwd; fastest peer fwd, fwd+bwd; speedups; floor ratios
+  # (no copy bandwidth here, so none).
+  assert ("| B2 H4 D64 E32, bf16, decay | 1K |  | 2.000 |  | 4.000 | jla-mosaic (0.700) | fla-chunk (1.000) "
+          "| – / 2.00x | – / – |") in md
 
 
 def test_measure_rotates_inputs_and_counts_samples():
