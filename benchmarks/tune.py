@@ -31,7 +31,8 @@ from lightning_jax.ops.lightning_attention import api
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import pallas_vjp
 
-MAX_ACCUMULATOR_REGISTERS = 192
+# Explore a little past the heuristics' register limit, to check that limit.
+MAX_ACCUMULATOR_REGISTERS = config_lib.MAX_ACCUMULATOR_REGISTERS + 32
 
 
 def chunk_loop_candidates(dim_k, dim_v, itemsize, budget, job):
