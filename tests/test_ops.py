@@ -255,3 +255,38 @@ def test_backward_runs_only_the_sweeps_it_needs(wrt, dim):
   dq_sweep = bool({"q", "decay"} & set(wrt))
   dk_dv_sweeps = (("k" in wrt) + ("v" in wrt)) if dim > 64 else int(bool({"k", "v"} & set(wrt)))
   assert jaxpr.count("pallas_call[") == 1 + dq_sweep + dk_dv_sweeps
+
+
+def _pallas_call_outputs(jaxpr):
+  """Avals of every pallas_call output in a (closed) jaxpr, nested jaxprs included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      yield from (var.aval for var in eqn.outvars)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _pallas_call_outputs(inner)
+
+
+@pytest.mark.parametrize("variant", ["chunk_loop", "parallel"])
+@pytest.mark.parametrize("return_final_state,initial_state,wrt", [
+    (False, False, ("q", "k", "v", "decay")),
+    (False, True, ("q", "k", "v")),
+    (False, True, ("initial_state",)),
+    (True, False, ("q", "k", "v")),
+    (True, False, ("q", "decay")),
+])
+def test_final_states_written_only_when_read(return_final_state, initial_state, wrt, variant):
+  """The float32 [B, H, D, E] final state is an output of a kernel only where something reads it: the
+  forward pass with return_final_state, the dv sweep for d initial_state, the dq sweep for the decay
+  gradient through the final state (state and its tangent)."""
+  case = Case(1, 40, 2, 16, 32, F32, initial_state=initial_state, final_state=return_final_state)
+  q, k, v, decay, s0, do, d_final = make_inputs(case, seed=2)
+  argnums = tuple(("q", "k", "v", "decay", "initial_state").index(n) for n in wrt)
+  grad = jax.grad(loss_fn(ours(case, impl="pallas", variant=variant, interpret=True), case, do, d_final),
+                  argnums)
+  outputs = list(_pallas_call_outputs(jax.make_jaxpr(grad)(q, k, v, decay, s0).jaxpr))
+  state_avals = [a for a in outputs if a.dtype == F32 and a.shape in ((1, 2, 16, 32), (1, 2, 32, 16))]
+  expected = return_final_state + ("initial_state" in wrt) + 2 * (return_final_state and "decay" in wrt)
+  assert len(state_avals) == expected, outputs

@@ -121,10 +121,10 @@ def _chunk_rows(step, *, num_chunks, chunk_size, reverse):
 
 
 def _chunk_loop_kernel(*refs, scale, chunk_size, seq_len, num_chunks, reverse, has_decay,
-                       has_initial_state, has_tangent, has_dual, exact):
+                       has_initial_state, has_tangent, has_dual, has_final, exact):
   (decay_ref, x_ref, y_ref, z_ref, u_ref, s0_ref, w_ref, out_ref, dual_ref, state_ref, row_dot_ref,
    tangent_ref) = _unpack(refs, (has_decay, True, True, True, has_dual, has_initial_state, has_tangent, True,
-                                 has_dual, True, has_tangent, has_tangent))
+                                 has_dual, has_final, has_tangent, has_tangent and has_final))
   carry = _initial_carry(s0_ref, (x_ref.shape[-1], z_ref.shape[-1]), has_tangent)
   factors = _sweep_factors(decay_ref, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
 
@@ -144,15 +144,21 @@ def _chunk_loop_kernel(*refs, scale, chunk_size, seq_len, num_chunks, reverse, h
     return _chunk_state(y, z, state, tangent, f, exact=exact)
 
   state, tangent = jax.lax.fori_loop(0, num_chunks, body, carry)
-  state_ref[...] = state
-  if has_tangent:
+  _write_final(state_ref, tangent_ref, state, tangent)
+
+
+def _write_final(state_ref, tangent_ref, state, tangent):
+  """The final state (and tangent), where the caller asked for them."""
+  if state_ref is not None:
+    state_ref[...] = state
+  if tangent_ref is not None:
     tangent_ref[...] = tangent
 
 
 def _chunk_states_kernel(*refs, chunk_size, seq_len, num_chunks, reverse, has_decay, has_initial_state,
-                         has_tangent, exact):
+                         has_tangent, has_final, exact):
   decay_ref, y_ref, z_ref, s0_ref, states_ref, tangents_ref, state_ref, tangent_ref = _unpack(
-      refs, (has_decay, True, True, has_initial_state, True, has_tangent, True, has_tangent))
+      refs, (has_decay, True, True, has_initial_state, True, has_tangent, has_final, has_tangent and has_final))
   carry = _initial_carry(s0_ref, (y_ref.shape[-1], z_ref.shape[-1]), has_tangent)
   factors = _sweep_factors(decay_ref, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
 
@@ -165,9 +171,7 @@ def _chunk_states_kernel(*refs, chunk_size, seq_len, num_chunks, reverse, has_de
     return _chunk_state(y_ref[rows, :], z_ref[rows, :], state, tangent, factors(n), exact=exact)
 
   state, tangent = jax.lax.fori_loop(0, num_chunks, body, carry)
-  state_ref[...] = state
-  if has_tangent:
-    tangent_ref[...] = tangent
+  _write_final(state_ref, tangent_ref, state, tangent)
 
 
 def _chunk_output_kernel(*refs, scale, chunk_size, seq_len, reverse, has_decay, has_tangent, has_dual, exact):
@@ -185,7 +189,7 @@ def _chunk_output_kernel(*refs, scale, chunk_size, seq_len, reverse, has_decay, 
 
 
 def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: float, seq_len: int, reverse: bool,
-          variant: str, configs: SweepConfigs, out_dtype, interpret: bool):
+          final_state: bool, variant: str, configs: SweepConfigs, out_dtype, interpret: bool):
   """One sweep over padded inputs.
 
   Args:
@@ -197,12 +201,15 @@ def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: floa
     dual_with: [B, Tp, H, V] (u) or None: also compute the dual output
       dual_t = scale * (sum_s m_ts (u_t . z_s) y_s + u_t S_t^T), [B, Tp, H, K].
     seq_len: the number of real tokens (<= Tp).
+    final_state: whether to write the final state (and tangent); the kernels
+      skip the float32 [B, H, K, V] write(s) nobody reads.
 
   Returns:
     out [B, Tp, H, V] (out_dtype); the dual output [B, Tp, H, K] (out_dtype) or
-    None; final state [B, H, K, V] float32 (the state after the last real token
-    of the sweep); with `tangent_with`, row dots [B, H, Tp] and the final
-    tangent state [B, H, K, V], float32 (else None).
+    None; with `final_state`, the final state [B, H, K, V] float32 (the state
+    after the last real token of the sweep), else None; with `tangent_with`, row
+    dots [B, H, Tp] float32 and, with `final_state` too, the final tangent state
+    [B, H, K, V] float32 (else None).
   """
   b, tp, h, dim_k = x.shape
   dim_v = z.shape[-1]
@@ -212,6 +219,7 @@ def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: floa
     raise ValueError("the decay tangent needs a decay")
   flags = dict(reverse=reverse, has_decay=has_decay, has_tangent=has_tangent, has_dual=has_dual,
                exact=x.dtype == _F32)
+  final_tangent_too = has_tangent and final_state
   state_struct = jax.ShapeDtypeStruct((b, h, dim_k, dim_v), _F32)
 
   def keep(*pairs):
@@ -242,21 +250,22 @@ def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: floa
                     (seq(be, True), has_dual), (state_spec, has_s0), (seq(be, True), has_tangent))
     out_specs = keep((seq(be, True), True),
                      (pl.BlockSpec((None, None, tp, None, dim_k), lambda i, e: (e, i // h, 0, i % h, 0)), has_dual),
-                     (state_spec, True),
+                     (state_spec, final_state),
                      (pl.BlockSpec((None, None, None, tp), lambda i, e: (i // h, i % h, e, 0)), has_tangent),
-                     (state_spec, has_tangent))
+                     (state_spec, final_tangent_too))
     out_shape = keep((jax.ShapeDtypeStruct((b, tp, h, dim_v), out_dtype), True), (dual_struct(n_e), has_dual),
-                     (state_struct, True), (jax.ShapeDtypeStruct((b, h, n_e, tp), _F32), has_tangent),
-                     (state_struct, has_tangent))
+                     (state_struct, final_state), (jax.ShapeDtypeStruct((b, h, n_e, tp), _F32), has_tangent),
+                     (state_struct, final_tangent_too))
     kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len,
-                               num_chunks=tp // c, has_initial_state=has_s0, **flags)
+                               num_chunks=tp // c, has_initial_state=has_s0, has_final=final_state, **flags)
     results = iter(call(kernel, (b * h, n_e), in_specs, out_specs, out_shape, cfg, "lightning_chunk_loop",
                         *keep((decay, has_decay), (x, True), (y, True), (z, True), (dual_with, has_dual),
                               (initial_state, has_s0), (tangent_with, has_tangent))))
     out = next(results)
     dual = next(results) if has_dual else None
-    final_state = next(results)
-    row_dots, final_tangent = (next(results), next(results)) if has_tangent else (None, None)
+    final = next(results) if final_state else None
+    row_dots = next(results) if has_tangent else None
+    final_tangent = next(results) if final_tangent_too else None
   elif variant == "parallel":
     st, oc = configs.chunk_states, configs.chunk_output
     c = oc.chunk_size
@@ -269,18 +278,20 @@ def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: floa
                     (pl.BlockSpec((None, tp, None, bd), lambda i, d, e: (i // h, 0, i % h, d)), True),
                     (pl.BlockSpec((None, tp, None, bes), lambda i, d, e: (i // h, 0, i % h, e)), True),
                     (block_state, has_s0))
-    out_specs = keep((block_states, True), (block_states, has_tangent), (block_state, True),
-                     (block_state, has_tangent))
-    out_shape = keep((states_struct, True), (states_struct, has_tangent), (state_struct, True),
-                     (state_struct, has_tangent))
+    out_specs = keep((block_states, True), (block_states, has_tangent), (block_state, final_state),
+                     (block_state, final_tangent_too))
+    out_shape = keep((states_struct, True), (states_struct, has_tangent), (state_struct, final_state),
+                     (state_struct, final_tangent_too))
     kernel = functools.partial(_chunk_states_kernel, chunk_size=c, seq_len=seq_len, num_chunks=n,
                                has_initial_state=has_s0, reverse=reverse, has_decay=has_decay,
-                               has_tangent=has_tangent, exact=flags["exact"])
-    results = call(kernel, (b * h, dim_k // bd, dim_v // bes), in_specs, out_specs, out_shape, st,
-                   "lightning_chunk_states",
-                   *keep((decay, has_decay), (y, True), (z, True), (initial_state, has_s0)))
-    states, tangents, final_state, final_tangent = (
-        results if has_tangent else (results[0], None, results[1], None))
+                               has_tangent=has_tangent, has_final=final_state, exact=flags["exact"])
+    results = iter(call(kernel, (b * h, dim_k // bd, dim_v // bes), in_specs, out_specs, out_shape, st,
+                        "lightning_chunk_states",
+                        *keep((decay, has_decay), (y, True), (z, True), (initial_state, has_s0))))
+    states = next(results)
+    tangents = next(results) if has_tangent else None
+    final = next(results) if final_state else None
+    final_tangent = next(results) if final_tangent_too else None
 
     be = oc.block_e
     n_e = dim_v // be
@@ -313,4 +324,4 @@ def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: floa
     dual = dual[0] if dual.shape[0] == 1 else dual.sum(axis=0).astype(out_dtype)
   if row_dots is not None:
     row_dots = row_dots.sum(axis=2)  # partial sums of the value blocks
-  return out, dual, final_state, row_dots, final_tangent
+  return out, dual, final, row_dots, final_tangent
