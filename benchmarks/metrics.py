@@ -5,7 +5,9 @@ Pure Python; `derive(results, copy_bandwidth_gbps)` adds to every "ok" result:
 * tokens_per_s: B * T / time;
 * floor_bytes: the bytes the mode must move at least. fwd reads q, k, v and
   writes o; bwd reads q, k, v, do and writes dq, dk, dv; fwdbwd is both;
-  floor_ms: those bytes at the copy bandwidth measured in the same run;
+  floor_ms: those bytes at the copy bandwidth measured in the same run (the
+  result's own `copy_bandwidth_gbps`, stamped by the run that measured it, so
+  that a `--resume` run does not re-floor older results; else the argument);
   floor_ratio: time / floor_ms (1.0 would be a memory-bound kernel at copy speed);
 * speedup_vs_cudnn: cuDNN FlashAttention's time on the same shape and mode
   (softmax attention has no decay: the same cuDNN row serves both settings)
@@ -46,8 +48,9 @@ def derive(results: list[dict], copy_bandwidth_gbps: float | None) -> list[dict]
     seconds = r["time_ms"] / 1e3
     r["tokens_per_s"] = r["batch"] * r["seq_len"] / seconds
     r["floor_bytes"] = floor_bytes(r)
-    if copy_bandwidth_gbps:
-      r["floor_ms"] = r["floor_bytes"] / (copy_bandwidth_gbps * 1e9) * 1e3
+    bandwidth = r.get("copy_bandwidth_gbps") or copy_bandwidth_gbps
+    if bandwidth:
+      r["floor_ms"] = r["floor_bytes"] / (bandwidth * 1e9) * 1e3
       r["floor_ratio"] = r["time_ms"] / r["floor_ms"]
     base = cudnn.get(_key(r, decay=False, impl=cases.BASELINE_IMPL))
     if base is not None:

@@ -152,6 +152,15 @@ def summary_with_provenance(data: dict) -> str:
           f"{used}; median ms.\n\n" + summary_table(data))
 
 
+def _floor_note(data: dict) -> str:
+  """Where the results were measured by several runs (`--resume`), each run's copy bandwidth."""
+  runs = sorted({round(r["copy_bandwidth_gbps"]) for r in data["results"] if r.get("copy_bandwidth_gbps")})
+  if len(runs) < 2:
+    return ""
+  return (" in the last run; the floors use the bandwidth of the run that measured each result ("
+          + ", ".join(f"{bw} GB/s" for bw in runs) + ")")
+
+
 def _metadata_section(data: dict) -> str:
   md = data["metadata"]
   versions = ", ".join(f"{k} {v}" for k, v in md.get("versions", {}).items() if v)
@@ -165,7 +174,7 @@ def _metadata_section(data: dict) -> str:
       f"- Command: `{md.get('command')}` ({md.get('wall_seconds', 0):.0f} s)",
       f"- Versions: {versions}",
       f"- Copy bandwidth (y = x + 1 in float32, {fmt_bytes(bw.get('bytes_moved', 0))} read + written): "
-      f"{bw.get('bandwidth_gbps', float('nan')):.0f} GB/s",
+      f"{bw.get('bandwidth_gbps', float('nan')):.0f} GB/s{_floor_note(data)}",
       f"- Timing: up to {settings.get('warmup')} warm-up calls, then the median of up to "
       f"{settings.get('iters')} device-synchronised samples in {settings.get('case_seconds')} s (at least 3; "
       f"compilation and autotuning excluded; input sets rotated over {fmt_bytes(settings.get('rotate_bytes', 0))}). "

@@ -123,6 +123,18 @@ def test_derived_metrics():
   assert "scaling_ratio" not in results[3]
 
 
+def test_floor_of_the_run_that_measured_a_result():
+  """A --resume run re-probes the copy bandwidth; results of the earlier run keep their own floor."""
+  earlier, new = _result("lj-xla", 1024, 2.0), _result("fla-chunk", 1024, 1.0)
+  earlier["copy_bandwidth_gbps"] = 2000.0
+  data = {"metadata": {"device_kind": "test", "copy_bandwidth": {"bandwidth_gbps": 1000.0}},
+          "results": metrics.derive([earlier, new], copy_bandwidth_gbps=1000.0)}
+  assert earlier["floor_ms"] == pytest.approx(earlier["floor_bytes"] / 2e12 * 1e3)
+  assert new["floor_ms"] == pytest.approx(new["floor_bytes"] / 1e12 * 1e3)
+  new["copy_bandwidth_gbps"] = 1000.0
+  assert "(1000 GB/s, 2000 GB/s)" in report.markdown(data)
+
+
 def test_report_where_we_lose_and_summary():
   results = [_result("lj-pallas-auto", 1024, 2.0), _result("fla-chunk", 1024, 1.0),
              _result("cudnn-flash", 1024, 4.0), _result("jla-mosaic", 1024, 0.7, mode="fwd")]
