@@ -13,8 +13,9 @@ longer ones; within a round the peers and baselines go first and ours last.
 `--max-seconds` bounds the whole run: each worker gets a share of the time
 left in proportion to its number of cases (time it does not use passes to the
 next), stops starting cases at the end of its share and is killed
-`GRACE_SECONDS` after it; the cases not run are reported as skipped ("time
-budget"), and `--resume` runs them later into the same JSON. A worker that
+`GRACE_SECONDS` after it. Time left after the last group goes to a second pass
+over the cases skipped for time; those still not run are reported as skipped
+("time budget"), and `--resume` runs them later into the same JSON. A worker that
 crashes loses the case it was running (an error, with its log) and a new
 worker goes on with the rest.
 
@@ -45,6 +46,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_OUT_DIR = REPO_ROOT / "benchmarks" / "results"
 GRACE_SECONDS = 45.0
 PROBE_SECONDS = 180.0
+RETRY_MIN_SECONDS = 10.0  # the least time left worth a second pass over the cases skipped for time
 LOG_TAIL_CHARS = 1500
 VERSIONED_PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "numpy", "torch", "triton",
                       "fla-core", "lightning-attn", "jax-linear-attention")
@@ -209,8 +211,30 @@ def run_probe(workdir: pathlib.Path, kill_at: float) -> dict:
   return {"error": f"probe failed (code {rc}): {log}"}
 
 
+def skipped_for_time(r: dict) -> bool:
+  return r["status"] == "skipped" and r.get("reason", "").startswith("time budget")
+
+
 def run_groups(jobs: list[dict], settings: dict, probe: dict, end: float, workdir: pathlib.Path,
                start: float) -> tuple[list[dict], dict]:
+  """Runs the jobs until `end`; returns (results in plan order, worker infos).
+
+  A step's share of the time is set before it starts, by its case count; a
+  step that compiles or autotunes slowly (the torch peers on a cold machine)
+  can run out while later steps leave time unused. A second pass gives that
+  time to the cases the first pass skipped for time.
+  """
+  results, infos = _run_steps(jobs, settings, probe, end, workdir, start, "")
+  retry = still_to_run(jobs, [r for r in results if not skipped_for_time(r)])
+  if retry and end - time.time() > RETRY_MIN_SECONDS:
+    again, more = _run_steps(retry, settings, probe, end, workdir, start, "retry-")
+    results = merge(jobs, results, again)
+    infos = {**more, **infos}
+  return results, infos
+
+
+def _run_steps(jobs: list[dict], settings: dict, probe: dict, end: float, workdir: pathlib.Path,
+               start: float, label_prefix: str) -> tuple[list[dict], dict]:
   """Every (tier, group) in order, sharing the time left until `end`; returns (results, worker infos)."""
   order = list(cases.GROUP_MODULES)
   steps = sorted({(j["tier"], j["group"]) for j in jobs}, key=lambda s: (s[0], order.index(s[1])))
@@ -224,7 +248,8 @@ def run_groups(jobs: list[dict], settings: dict, probe: dict, end: float, workdi
       reason = f"needs an NVIDIA GPU (the probe found {probe.get('platform')})"
       results += [worker.result(j, m, "skipped", reason=reason) for j in step_jobs for m in j["modes"]]
       continue
-    step_results, info = run_group(group, step_jobs, settings, now + share, workdir, start, f"{group}-t{tier}")
+    step_results, info = run_group(group, step_jobs, settings, now + share, workdir, start,
+                                   f"{label_prefix}{group}-t{tier}")
     results += step_results
     infos.setdefault(group, info)
   return results, infos
@@ -235,8 +260,7 @@ def previous_run(path: pathlib.Path) -> tuple[list[dict], list[str]]:
   if not path.exists():
     return [], []
   data = json.loads(path.read_text())
-  keep = [r for r in data["results"]
-          if not (r["status"] == "skipped" and r.get("reason", "").startswith("time budget"))]
+  keep = [r for r in data["results"] if not skipped_for_time(r)]
   meta = data["metadata"]
   return keep, [*meta.get("previous_commands", []), meta["command"]]
 

@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -193,6 +194,35 @@ def test_resume_runs_only_missing_modes_and_merges_in_plan_order():
   merged = run.merge(jobs, earlier, new)
   assert [(r["seq_len"], r["mode"], r["status"]) for r in merged] == [
       (8, "fwd", "ok"), (8, "bwd", "oom"), (16, "fwd", "ok"), (16, "bwd", "ok")]
+
+
+def test_time_left_goes_to_the_cases_skipped_for_time(monkeypatch, tmp_path):
+  """A group that runs out of its share gets a second pass with the time the later groups left unused."""
+  from benchmarks import run  # noqa: PLC0415
+
+  jobs = cases.make_jobs(["fla-chunk", "lj-xla"], [cases.Shape(1, 8, 1, 16, 16)], [True], ["fwd", "fwdbwd"],
+                         "bf16")
+  calls = []
+
+  def fake_run_group(group, step_jobs, settings, deadline, workdir, start, label):
+    calls.append((label, [(j["impl"], m) for j in step_jobs for m in j["modes"]]))
+    if label.startswith("fla"):  # the first pass: one case, then out of time
+      j = step_jobs[0]
+      return [worker.result(j, "fwd", "ok", time_ms=1.0),
+              worker.result(j, "fwdbwd", "skipped", reason=worker.TIME_BUDGET)], {}
+    return [worker.result(j, m, "ok", time_ms=2.0) for j in step_jobs for m in j["modes"]], {}
+
+  monkeypatch.setattr(run, "run_group", fake_run_group)
+  results, _ = run.run_groups(jobs, {}, {"platform": "cpu"}, time.time() + 3600, tmp_path, time.time())
+  assert calls == [("fla-t0", [("fla-chunk", "fwd"), ("fla-chunk", "fwdbwd")]),
+                   ("lj-xla-t0", [("lj-xla", "fwd"), ("lj-xla", "fwdbwd")]),
+                   ("retry-fla-t0", [("fla-chunk", "fwdbwd")])]
+  assert [(r["impl"], r["mode"], r["status"]) for r in results] == [
+      ("fla-chunk", "fwd", "ok"), ("fla-chunk", "fwdbwd", "ok"), ("lj-xla", "fwd", "ok"), ("lj-xla", "fwdbwd", "ok")]
+  calls.clear()  # no time left: no second pass, the skipped case stays skipped
+  results, _ = run.run_groups(jobs, {}, {"platform": "cpu"}, time.time() + 1, tmp_path, time.time())
+  assert [c[0] for c in calls] == ["fla-t0", "lj-xla-t0"]
+  assert run.skipped_for_time(results[1])
 
 
 def test_tune_smoke(tmp_path):
