@@ -58,13 +58,13 @@ def job_fn(job, opts):
   """The sweep of `job` as a function of (q, k, v, decay, do), as the op runs it."""
   def fn(q, k, v, decay, do):
     if job == "forward":
-      return pallas_vjp.sweep(q, k, v, decay, None, reverse=False, final_state=False, out_dtype=q.dtype,
+      return pallas_vjp.sweep(q, k, v, decay, None, reverse=False, with_final_state=False, out_dtype=q.dtype,
                               opts=opts)[0]
     if job == "tangent":
-      out, _, _, row_dots, _ = pallas_vjp.sweep(do, v, k, decay, None, q, reverse=False, final_state=False,
+      out, _, _, row_dots, _ = pallas_vjp.sweep(do, v, k, decay, None, q, reverse=False, with_final_state=False,
                                                 out_dtype=q.dtype, opts=opts)
       return out, row_dots
-    dv, dk, _, _, _ = pallas_vjp.sweep(k, q, do, decay, None, dual_with=v, reverse=True, final_state=False,
+    dv, dk, _, _, _ = pallas_vjp.sweep(k, q, do, decay, None, dual_with=v, reverse=True, with_final_state=False,
                                        out_dtype=q.dtype, opts=opts)
     return dv, dk
   return jax.jit(fn)

@@ -189,7 +189,7 @@ def _chunk_output_kernel(*refs, scale, chunk_size, seq_len, reverse, has_decay, 
 
 
 def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: float, seq_len: int, reverse: bool,
-          final_state: bool, variant: str, configs: SweepConfigs, out_dtype, interpret: bool):
+          with_final_state: bool, variant: str, configs: SweepConfigs, out_dtype, interpret: bool):
   """One sweep over padded inputs.
 
   Args:
@@ -201,15 +201,15 @@ def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: floa
     dual_with: [B, Tp, H, V] (u) or None: also compute the dual output
       dual_t = scale * (sum_s m_ts (u_t . z_s) y_s + u_t S_t^T), [B, Tp, H, K].
     seq_len: the number of real tokens (<= Tp).
-    final_state: whether to write the final state (and tangent); the kernels
-      skip the float32 [B, H, K, V] write(s) nobody reads.
+    with_final_state: whether to write the final state (and tangent); the
+      kernels skip the float32 [B, H, K, V] write(s) nobody reads.
 
   Returns:
     out [B, Tp, H, V] (out_dtype); the dual output [B, Tp, H, K] (out_dtype) or
-    None; with `final_state`, the final state [B, H, K, V] float32 (the state
-    after the last real token of the sweep), else None; with `tangent_with`, row
-    dots [B, H, Tp] float32 and, with `final_state` too, the final tangent state
-    [B, H, K, V] float32 (else None).
+    None; with `with_final_state`, the final state [B, H, K, V] float32 (the
+    state after the last real token of the sweep), else None; with
+    `tangent_with`, row dots [B, H, Tp] float32 and, with `with_final_state`
+    too, the final tangent state [B, H, K, V] float32 (else None).
   """
   b, tp, h, dim_k = x.shape
   dim_v = z.shape[-1]
@@ -219,7 +219,7 @@ def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: floa
     raise ValueError("the decay tangent needs a decay")
   flags = dict(reverse=reverse, has_decay=has_decay, has_tangent=has_tangent, has_dual=has_dual,
                exact=x.dtype == _F32)
-  final_tangent_too = has_tangent and final_state
+  final_tangent_too = has_tangent and with_final_state
   state_struct = jax.ShapeDtypeStruct((b, h, dim_k, dim_v), _F32)
 
   def keep(*pairs):
@@ -250,20 +250,20 @@ def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: floa
                     (seq(be, True), has_dual), (state_spec, has_s0), (seq(be, True), has_tangent))
     out_specs = keep((seq(be, True), True),
                      (pl.BlockSpec((None, None, tp, None, dim_k), lambda i, e: (e, i // h, 0, i % h, 0)), has_dual),
-                     (state_spec, final_state),
+                     (state_spec, with_final_state),
                      (pl.BlockSpec((None, None, None, tp), lambda i, e: (i // h, i % h, e, 0)), has_tangent),
                      (state_spec, final_tangent_too))
     out_shape = keep((jax.ShapeDtypeStruct((b, tp, h, dim_v), out_dtype), True), (dual_struct(n_e), has_dual),
-                     (state_struct, final_state), (jax.ShapeDtypeStruct((b, h, n_e, tp), _F32), has_tangent),
+                     (state_struct, with_final_state), (jax.ShapeDtypeStruct((b, h, n_e, tp), _F32), has_tangent),
                      (state_struct, final_tangent_too))
     kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len,
-                               num_chunks=tp // c, has_initial_state=has_s0, has_final=final_state, **flags)
+                               num_chunks=tp // c, has_initial_state=has_s0, has_final=with_final_state, **flags)
     results = iter(call(kernel, (b * h, n_e), in_specs, out_specs, out_shape, cfg, "lightning_chunk_loop",
                         *keep((decay, has_decay), (x, True), (y, True), (z, True), (dual_with, has_dual),
                               (initial_state, has_s0), (tangent_with, has_tangent))))
     out = next(results)
     dual = next(results) if has_dual else None
-    final = next(results) if final_state else None
+    final = next(results) if with_final_state else None
     row_dots = next(results) if has_tangent else None
     final_tangent = next(results) if final_tangent_too else None
   elif variant == "parallel":
@@ -278,19 +278,19 @@ def sweep(x, y, z, decay, initial_state, tangent_with, dual_with, *, scale: floa
                     (pl.BlockSpec((None, tp, None, bd), lambda i, d, e: (i // h, 0, i % h, d)), True),
                     (pl.BlockSpec((None, tp, None, bes), lambda i, d, e: (i // h, 0, i % h, e)), True),
                     (block_state, has_s0))
-    out_specs = keep((block_states, True), (block_states, has_tangent), (block_state, final_state),
+    out_specs = keep((block_states, True), (block_states, has_tangent), (block_state, with_final_state),
                      (block_state, final_tangent_too))
-    out_shape = keep((states_struct, True), (states_struct, has_tangent), (state_struct, final_state),
+    out_shape = keep((states_struct, True), (states_struct, has_tangent), (state_struct, with_final_state),
                      (state_struct, final_tangent_too))
     kernel = functools.partial(_chunk_states_kernel, chunk_size=c, seq_len=seq_len, num_chunks=n,
                                has_initial_state=has_s0, reverse=reverse, has_decay=has_decay,
-                               has_tangent=has_tangent, has_final=final_state, exact=flags["exact"])
+                               has_tangent=has_tangent, has_final=with_final_state, exact=flags["exact"])
     results = iter(call(kernel, (b * h, dim_k // bd, dim_v // bes), in_specs, out_specs, out_shape, st,
                         "lightning_chunk_states",
                         *keep((decay, has_decay), (y, True), (z, True), (initial_state, has_s0))))
     states = next(results)
     tangents = next(results) if has_tangent else None
-    final = next(results) if final_state else None
+    final = next(results) if with_final_state else None
     final_tangent = next(results) if final_tangent_too else None
 
     be = oc.block_e

@@ -57,7 +57,7 @@ def _pad_axis(x, axis, size):
   return jnp.pad(x, widths)
 
 
-def sweep(x, y, z, decay, initial_state, tangent_with=None, dual_with=None, *, reverse, final_state, out_dtype,
+def sweep(x, y, z, decay, initial_state, tangent_with=None, dual_with=None, *, reverse, with_final_state, out_dtype,
           opts: PallasOptions):
   """`pallas_triton.sweep` on unpadded [B, T, H, *] inputs: pads T and the feature dims, runs, slices."""
   t, dim_k, dim_v = x.shape[1], x.shape[-1], z.shape[-1]
@@ -73,7 +73,8 @@ def sweep(x, y, z, decay, initial_state, tangent_with=None, dual_with=None, *, r
   initial_state = _pad_axis(_pad_axis(initial_state, 2, kp), 3, vp)
   out, dual, final_state, row_dots, final_tangent = pallas_triton.sweep(
       x, y, z, decay, initial_state, tangent_with, dual_with, scale=opts.scale, seq_len=t, reverse=reverse,
-      final_state=final_state, variant=opts.variant, configs=configs, out_dtype=out_dtype, interpret=opts.interpret)
+      with_final_state=with_final_state, variant=opts.variant, configs=configs, out_dtype=out_dtype,
+      interpret=opts.interpret)
   unpad_state = lambda s: None if s is None else s[:, :, :dim_k, :dim_v]  # noqa: E731
   row_dots = None if row_dots is None else row_dots[:, :, :t]
   dual = None if dual is None else dual[:, :t, :, :dim_k]
@@ -91,7 +92,7 @@ class Needs(NamedTuple):
 
 def _primal(q, k, v, decay, initial_state, opts):
   o, _, final_state, _, _ = sweep(q, k, v, decay, initial_state, reverse=False,
-                                  final_state=opts.return_final_state, out_dtype=q.dtype, opts=opts)
+                                  with_final_state=opts.return_final_state, out_dtype=q.dtype, opts=opts)
   return (o, final_state) if opts.return_final_state else o
 
 
@@ -129,7 +130,7 @@ def _backward(opts, residuals, cotangents):
     # U^T = -dS^T/dlambda and reduces q_t . (scale do_t U_t^T) per token.
     dq, _, _, q_dq_tangent, final_tangent = sweep(do, v, k, decay, transpose(initial_state),
                                                   q if with_tangent else None, reverse=False,
-                                                  final_state=with_tangent and d_final is not None,
+                                                  with_final_state=with_tangent and d_final is not None,
                                                   out_dtype=q.dtype, opts=opts)
     if with_tangent:
       d_decay = -jnp.sum(q_dq_tangent, axis=(0, 2))
@@ -143,11 +144,12 @@ def _backward(opts, residuals, cotangents):
   with_initial = needs.d_initial and initial_state is not None
   if needs.dv or with_initial or fuse:
     dv, dk, state_before_start, _, _ = sweep(k, q, do, decay, d_final_scaled, dual_with=v if fuse else None,
-                                             reverse=True, final_state=with_initial, out_dtype=v.dtype, opts=opts)
+                                             reverse=True, with_final_state=with_initial, out_dtype=v.dtype,
+                                             opts=opts)
     if with_initial:
       d_initial = scale * state_before_start
   if needs.dk and not fuse:
-    dk, _, _, _, _ = sweep(v, do, q, decay, transpose(d_final_scaled), reverse=True, final_state=False,
+    dk, _, _, _, _ = sweep(v, do, q, decay, transpose(d_final_scaled), reverse=True, with_final_state=False,
                            out_dtype=k.dtype, opts=opts)
   return dq, dk, dv, d_decay, d_initial
 
