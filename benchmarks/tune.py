@@ -8,8 +8,8 @@ choose blocks for: the forward pass is one `forward` sweep, the backward pass a
 else a `forward`-like sweep) and a `dual` sweep (dk and dv). Every candidate
 that fits the device's shared-memory budget is compiled, checked against the
 first candidate's output, and timed with `benchmarks.timing`; the JSON holds
-every row and the table printed last the best config per (shape, job, decay)
-beside the default's time.
+every row, and one line per (shape, job, decay, variant) prints the default's
+time beside the best config.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main(argv=None):
   cc = api.gpu_compute_capability()  # None: interpret mode on the CPU (a smoke test, not a tuning)
   budget = config_lib.shared_memory_budget(cc)
   start = time.perf_counter()
-  rows, summary = [], []
+  rows = []
   for b, t, h, d, e in parse_shapes(args.shapes):
     keys = jax.random.split(jax.random.PRNGKey(0), 8)
     sets = [tuple(jax.random.normal(keys[4 * s + i], (b, t, h, dim), dtype) for i, dim in enumerate((d, d, e, e)))
@@ -139,7 +139,6 @@ def main(argv=None):
             best = row
         rows.append(row)
       default = next(r for r in rows[-len(configs):] if r["default"])
-      summary.append((b, t, h, d, e, job, decay_on, variant, default.get("time_ms"), best))
       print(f"B{b} T{t} H{h} D{d} E{e} {job:7s} decay={decay_on:3s} {variant:10s} "
             f"default {default.get('time_ms', float('nan')):.3f} ms  best {best['time_ms']:.3f} ms "
             f"{best['config']}", flush=True)

@@ -14,8 +14,8 @@ where row/key/state are powers of exp(-lambda) given by the chunk's position.
 `end` = number of real rows in the chunk; rows at or beyond it get factor 0, so
 that padding can neither overflow an exponent nor reach the state.
 
-The backward pass is such sweeps too (dq forward, dk and dv reverse), which is
-why one parameterised kernel serves both directions. The decay gradient is
+The backward pass runs such sweeps too (dq forward, dk and dv reverse), which
+is why one parameterised kernel serves both directions. The decay gradient is
 the forward-mode tangent of a sweep with respect to lambda: with
 U = -dS/dlambda (a distance-weighted state),
 
