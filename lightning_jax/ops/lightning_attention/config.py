@@ -74,10 +74,12 @@ class ChunkLoopConfig(_LaunchConfig):
   def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int, job: str = "forward") -> int:
     c, be = self.chunk_size, min(self.block_e, dim_v)
     extra = int(job in ("tangent", "dual"))  # the tangent weights, or the dual's u
-    # Pipelined loads, then the operands that are produced in registers and
-    # re-laid out for the dots (a second score tile for the dual output).
-    staged = self.num_stages * (2 * c * dim_k + (2 + extra) * c * be)
-    return itemsize * (staged + (1 + (job == "dual")) * c * c + dim_k * be + c * dim_k)
+    # Pipelined loads (x, y, z and the extra input), then a margin for the
+    # operands produced in registers and re-laid out for the dots or the store
+    # (a second score tile for the dual output). On an H100 Triton asked for the
+    # pipelined loads alone (benchmarks/PERFORMANCE.md, item 6).
+    staged = self.num_stages * (2 * c * dim_k + (1 + extra) * c * be)
+    return itemsize * (staged + (1 + (job == "dual")) * c * c + dim_k * be + c * dim_k + c * be)
 
   def accumulator_registers(self, dim_k: int, dim_v: int, job: str = "forward") -> int:
     """float32 registers per thread for the carried state(s), score tile(s) and output tile(s).
