@@ -79,7 +79,20 @@ def fmt_cell(r: dict | None, field: str = "time_ms", fmt: str = "{:.3f}") -> str
   if r["status"] != "ok":
     return STATUS_TEXT[r["status"]]
   value = r.get(field)
-  return "–" if value is None else fmt.format(value)
+  if value is None:
+    return "–"
+  repeats = r.get("time_ms_repeats", []) if field == "time_ms" else []
+  if len(repeats) > 1:  # the median pass, and the range over the passes of a --repeats run
+    return f"{fmt.format(value)} [{fmt.format(min(repeats))}-{fmt.format(max(repeats))}]"
+  return fmt.format(value)
+
+
+def overlap(a: dict, b: dict) -> bool | None:
+  """Whether the time ranges over the repeats of two results overlap; None without repeats."""
+  ra, rb = a.get("time_ms_repeats", []), b.get("time_ms_repeats", [])
+  if len(ra) < 2 or len(rb) < 2:
+    return None
+  return min(ra) <= max(rb) and min(rb) <= max(ra)
 
 
 def fmt_bytes(n: float) -> str:
@@ -137,7 +150,7 @@ def summary_table(data: dict) -> str:
       floors = " / ".join(fmt_cell(mine[m], "floor_ratio", "{:.2f}") or "–" for m in ("fwd", "fwdbwd"))
       rows.append([panel_title(family, dtype, decay), fmt_t(t), fmt_cell(mine["fwd"]), fmt_cell(mine["fwdbwd"]),
                    fmt_cell(cudnn["fwd"]), fmt_cell(cudnn["fwdbwd"]),
-                   *(f"{peer[m]['impl']} ({peer[m]['time_ms']:.3f})" if peer[m] else "–" for m in ("fwd", "fwdbwd")),
+                   *(f"{peer[m]['impl']} ({fmt_cell(peer[m])})" if peer[m] else "–" for m in ("fwd", "fwdbwd")),
                    speedups, floors])
   return md_table(header, rows)
 
@@ -166,6 +179,7 @@ def _metadata_section(data: dict) -> str:
   versions = ", ".join(f"{k} {v}" for k, v in md.get("versions", {}).items() if v)
   bw = md.get("copy_bandwidth") or {}
   settings = md.get("settings", {})
+  repeats = md.get("plan", {}).get("repeats", 1)
   lines = [
       f"- Device: **{md.get('device_kind')}** ({md.get('platform')}, compute capability "
       f"{md.get('compute_capability') or 'n/a'}), {md.get('device_count')} device(s) visible, one used",
@@ -180,6 +194,9 @@ def _metadata_section(data: dict) -> str:
       f"compilation and autotuning excluded; input sets rotated over {fmt_bytes(settings.get('rotate_bytes', 0))}). "
       "See benchmarks/README.md.",
   ]
+  if repeats > 1:
+    lines.append(f"- Repeats: {repeats} passes over every case, the order of the groups reversed on every other "
+                 "pass; a time is the median pass, [min-max] over the passes.")
   return "\n".join(lines)
 
 
@@ -228,11 +245,13 @@ def where_we_lose(data: dict) -> str:
         for impl in others:
           r = index.get(impl, mode, shape, dtype, decay)
           if best and ok(r) and r["time_ms"] < best["time_ms"]:
-            rows.append([panel_title(family, dtype, decay), fmt_t(t), mode, f"{best['impl']} {best['time_ms']:.3f}",
-                         f"{impl} {r['time_ms']:.3f}", f"{best['time_ms'] / r['time_ms']:.2f}x"])
+            spread = {True: "yes", False: "no", None: "–"}[overlap(best, r)]
+            rows.append([panel_title(family, dtype, decay), fmt_t(t), mode, f"{best['impl']} {fmt_cell(best)}",
+                         f"{impl} {fmt_cell(r)}", f"{best['time_ms'] / r['time_ms']:.2f}x", spread])
   if not rows:
     return "No measured implementation beat the fastest lightning_jax implementation on any case."
-  return md_table(["shape", "T", "mode", "fastest lightning_jax (ms)", "faster (ms)", "their speedup"], rows)
+  return md_table(["shape", "T", "mode", "fastest lightning_jax (ms)", "faster (ms)", "their speedup",
+                   "ranges over repeats overlap"], rows)
 
 
 def _not_measured_section(index: Index) -> str:

@@ -10,6 +10,12 @@ bandwidth of the HBM floor. The groups first run every case with T up to 16K
 (the Lightning Attention-3 shapes), then, in a second round of workers, the
 longer ones; within a round the peers and baselines go first and ours last.
 
+`--repeats N` runs that sequence N times, the order of the groups within a
+round reversed on every other pass, so that a drift of the device's speed
+during the run does not favour the groups that run first. Each case keeps the
+pass with the median time and every pass's time (`time_ms_repeats`); the JAX
+workers share a compilation cache, so later passes mostly skip compiling.
+
 `--max-seconds` bounds the whole run: each worker gets a share of the time
 left in proportion to its number of cases (time it does not use passes to the
 next), stops starting cases at the end of its share and is killed
@@ -70,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--iters", type=int, help="most timed samples per case")
   p.add_argument("--case-seconds", type=float, help="most seconds of timed samples per case (at least 3 samples)")
   p.add_argument("--max-seconds", type=float, help="time budget of the whole run")
+  p.add_argument("--repeats", type=int, default=1,
+                 help="passes over every case, split evenly from the time budget (default 1)")
   p.add_argument("--compile-threads", type=int, help="threads compiling the functions of a job")
   p.add_argument("--rotate-bytes", type=int, help="rotate input sets until they span this many bytes")
   p.add_argument("--save", action="store_true", help="write <out-dir>/<name>.json")
@@ -83,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="keep the results of <out-dir>/<name>.json and run only the cases it lacks or skipped "
                       "for time (complete a budget-limited run with a second one)")
   args = p.parse_args(argv)
+  if args.repeats < 1:
+    p.error(f"--repeats must be >= 1, got {args.repeats}")
   if args.smoke:
     args.profile = "smoke"
   for key, value in cases.PROFILES[args.profile].items():
@@ -106,15 +116,20 @@ def make_plan(args) -> Plan:
   jobs = cases.make_jobs(impls, shapes, decays, modes, args.dtype)
   settings = {key: getattr(args, key) for key in SETTINGS}
   description = dict(profile=args.profile, impls=impls, shapes=[list(s) for s in shapes], modes=modes,
-                     decays=decays, dtype=args.dtype, max_seconds=args.max_seconds)
+                     decays=decays, dtype=args.dtype, max_seconds=args.max_seconds, repeats=args.repeats)
   return Plan(jobs, settings, description)
 
 
-def worker_env() -> dict:
-  """The workers' environment: the repository on PYTHONPATH; JAX may take 90% of the GPU."""
+def worker_env(compilation_cache: pathlib.Path | None = None) -> dict:
+  """The workers' environment: the repository on PYTHONPATH; JAX may take 90% of the GPU.
+
+  With `compilation_cache`, JAX workers share that persistent compilation cache.
+  """
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
+  if compilation_cache is not None:
+    env["JAX_COMPILATION_CACHE_DIR"] = str(compilation_cache)
   return env
 
 
@@ -137,11 +152,13 @@ def _progress(r: dict, start: float):
 
 
 def run_worker(module: str, args: list[str], workdir: pathlib.Path, name: str, kill_at: float,
-               lines_path: pathlib.Path | None = None, on_line=None) -> tuple[list[dict], int | None, str]:
+               lines_path: pathlib.Path | None = None, on_line=None,
+               env: dict | None = None) -> tuple[list[dict], int | None, str]:
   """Runs `python -m module args`; returns (output lines, return code or None if killed, log tail).
 
   The worker's JSON-lines output `lines_path` is read as it grows, and each new
-  line passed to `on_line`. The worker is killed at time `kill_at`.
+  line passed to `on_line`. The worker is killed at time `kill_at`. `env`
+  defaults to `worker_env()`.
   """
   log = workdir / f"{name}.log"
   lines = []
@@ -154,7 +171,7 @@ def run_worker(module: str, args: list[str], workdir: pathlib.Path, name: str, k
     lines.extend(new)
 
   with open(log, "w") as log_file:
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=worker_env(),
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env or worker_env(),
                             stdout=log_file, stderr=subprocess.STDOUT)
     while proc.poll() is None and time.time() < kill_at:
       read_new()
@@ -169,7 +186,7 @@ def run_worker(module: str, args: list[str], workdir: pathlib.Path, name: str, k
 
 
 def run_group(group: str, jobs: list[dict], settings: dict, deadline: float, workdir: pathlib.Path,
-              start: float, label: str) -> tuple[list[dict], dict]:
+              start: float, label: str, env: dict | None = None) -> tuple[list[dict], dict]:
   """Runs the jobs of one group until done or out of time; returns (results in job order, worker info)."""
   results, info, pending, attempt = {}, {}, list(jobs), 0
   while pending:
@@ -180,7 +197,7 @@ def run_group(group: str, jobs: list[dict], settings: dict, deadline: float, wor
     lines, rc, log = run_worker(cases.GROUP_MODULES[group], ["--json-in", str(spec_path), "--json-out",
                                                              str(out_path)], workdir, name,
                                 deadline + GRACE_SECONDS, out_path,
-                                lambda r: _progress(r, start) if r["type"] == "result" else None)
+                                lambda r: _progress(r, start) if r["type"] == "result" else None, env)
     for line in lines:
       if line["type"] == "info":
         info = {k: v for k, v in line.items() if k != "type"}
@@ -216,27 +233,31 @@ def skipped_for_time(r: dict) -> bool:
 
 
 def run_groups(jobs: list[dict], settings: dict, probe: dict, end: float, workdir: pathlib.Path,
-               start: float) -> tuple[list[dict], dict]:
+               start: float, label: str = "", reverse: bool = False,
+               env: dict | None = None) -> tuple[list[dict], dict]:
   """Runs the jobs until `end`; returns (results in plan order, worker infos).
 
   A step's share of the time is set before it starts, by its case count; a
   step that compiles or autotunes slowly (the torch peers on a cold machine)
   can run out while later steps leave time unused. A second pass gives that
-  time to the cases the first pass skipped for time.
+  time to the cases the first pass skipped for time. `reverse` runs the groups
+  of each round in reverse order; `label` prefixes the workers' names.
   """
-  results, infos = _run_steps(jobs, settings, probe, end, workdir, start, "")
+  results, infos = _run_steps(jobs, settings, probe, end, workdir, start, label, reverse, env)
   retry = still_to_run(jobs, [r for r in results if not skipped_for_time(r)])
   if retry and end - time.time() > RETRY_MIN_SECONDS:
-    again, more = _run_steps(retry, settings, probe, end, workdir, start, "retry-")
+    again, more = _run_steps(retry, settings, probe, end, workdir, start, f"{label}retry-", reverse, env)
     results = merge(jobs, results, again)
     infos = {**more, **infos}
   return results, infos
 
 
 def _run_steps(jobs: list[dict], settings: dict, probe: dict, end: float, workdir: pathlib.Path,
-               start: float, label_prefix: str) -> tuple[list[dict], dict]:
+               start: float, label_prefix: str, reverse: bool, env: dict | None) -> tuple[list[dict], dict]:
   """Every (tier, group) in order, sharing the time left until `end`; returns (results, worker infos)."""
   order = list(cases.GROUP_MODULES)
+  if reverse:
+    order.reverse()
   steps = sorted({(j["tier"], j["group"]) for j in jobs}, key=lambda s: (s[0], order.index(s[1])))
   units = {step: sum(len(j["modes"]) for j in jobs if (j["tier"], j["group"]) == step) for step in steps}
   results, infos = [], {}
@@ -249,10 +270,52 @@ def _run_steps(jobs: list[dict], settings: dict, probe: dict, end: float, workdi
       results += [worker.result(j, m, "skipped", reason=reason) for j in step_jobs for m in j["modes"]]
       continue
     step_results, info = run_group(group, step_jobs, settings, now + share, workdir, start,
-                                   f"{label_prefix}{group}-t{tier}")
+                                   f"{label_prefix}{group}-t{tier}", env)
     results += step_results
     infos.setdefault(group, info)
   return results, infos
+
+
+def run_repeats(jobs: list[dict], settings: dict, probe: dict, end: float, workdir: pathlib.Path, start: float,
+                repeats: int) -> tuple[list[dict], dict]:
+  """`repeats` passes of `run_groups`, each given an even share of the time left; returns (results, infos)."""
+  if repeats == 1:
+    return run_groups(jobs, settings, probe, end, workdir, start)
+  env = worker_env(workdir / "jax-compilation-cache")
+  passes, infos = [], {}
+  for i in range(repeats):
+    now = time.time()
+    pass_end = now + max(0.0, end - now) / (repeats - i)
+    results, more = run_groups(jobs, settings, probe, pass_end, workdir, start, f"pass{i}-", i % 2 == 1, env)
+    passes.append(results)
+    infos = {**more, **infos}
+  return combine_repeats(jobs, passes), infos
+
+
+def combine_repeats(jobs: list[dict], passes: list[list[dict]]) -> list[dict]:
+  """One result per case from several passes, in plan order.
+
+  An "ok" case keeps the pass with the median time (the lower one of an even
+  count) and gains `time_ms_repeats`, the times of its "ok" passes in pass
+  order; its compile time and memory come from the first of them, which
+  compiled (later passes may load from the compilation cache). A case no pass
+  measured keeps its first pass's result.
+  """
+  by_key = {}
+  for results in passes:
+    for r in results:
+      by_key.setdefault(cases.case_key(r, r["mode"]), []).append(r)
+  combined = []
+  for key in (cases.case_key(j, m) for j in jobs for m in j["modes"]):
+    found = by_key.get(key, [])
+    measured = [r for r in found if r["status"] == "ok"]
+    if not measured:
+      combined += found[:1]
+      continue
+    median = sorted(measured, key=lambda r: r["time_ms"])[(len(measured) - 1) // 2]
+    first = {k: measured[0][k] for k in ("compile_s", "memory") if k in measured[0]}
+    combined.append({**median, **first, "time_ms_repeats": [r["time_ms"] for r in measured]})
+  return combined
 
 
 def previous_run(path: pathlib.Path) -> tuple[list[dict], list[str]]:
@@ -335,7 +398,7 @@ def main(argv=None) -> dict:
     stem = args.name or cases.device_slug(probe.get("device_kind", "unknown"))
     earlier, commands = previous_run(args.out_dir / f"{stem}.json") if args.resume else ([], [])
     jobs = still_to_run(plan.jobs, earlier)
-    new, infos = run_groups(jobs, plan.settings, probe, start + args.max_seconds, workdir, start)
+    new, infos = run_repeats(jobs, plan.settings, probe, start + args.max_seconds, workdir, start, args.repeats)
   bandwidth = (probe.get("copy_bandwidth") or {}).get("bandwidth_gbps")
   for r in new:  # each result keeps the floor of the run that measured it (see metrics.derive)
     if r["status"] == "ok" and bandwidth:

@@ -204,7 +204,7 @@ def test_time_left_goes_to_the_cases_skipped_for_time(monkeypatch, tmp_path):
                          "bf16")
   calls = []
 
-  def fake_run_group(group, step_jobs, settings, deadline, workdir, start, label):
+  def fake_run_group(group, step_jobs, settings, deadline, workdir, start, label, env=None):
     calls.append((label, [(j["impl"], m) for j in step_jobs for m in j["modes"]]))
     if label.startswith("fla"):  # the first pass: one case, then out of time
       j = step_jobs[0]
@@ -223,6 +223,38 @@ def test_time_left_goes_to_the_cases_skipped_for_time(monkeypatch, tmp_path):
   results, _ = run.run_groups(jobs, {}, {"platform": "cpu"}, time.time() + 1, tmp_path, time.time())
   assert [c[0] for c in calls] == ["fla-t0", "lj-xla-t0"]
   assert run.skipped_for_time(results[1])
+
+
+def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch, tmp_path):
+  """`--repeats 3`: three passes, the middle one in reverse group order; each case keeps its median pass."""
+  from benchmarks import report, run  # noqa: PLC0415
+
+  jobs = cases.make_jobs(["fla-chunk", "lj-xla"], [cases.Shape(1, 8, 1, 16, 16)], [True], ["fwd"], "bf16")
+  times = {"fla": [3.0, 1.0, 2.0], "lj-xla": [5.0, 7.0, 6.0]}  # per pass; lj-xla's second pass fails
+  calls, envs = [], []
+
+  def fake_run_group(group, step_jobs, settings, deadline, workdir, start, label, env=None):
+    calls.append(label)
+    envs.append(env["JAX_COMPILATION_CACHE_DIR"])
+    i = int(label[len("pass")])
+    status = "error" if (group, i) == ("lj-xla", 1) else "ok"
+    return [worker.result(j, "fwd", status, time_ms=times[group][i], compile_s=10.0 - i, memory={"pass": i})
+            for j in step_jobs], {}
+
+  monkeypatch.setattr(run, "run_group", fake_run_group)
+  results, _ = run.run_repeats(jobs, {}, {"platform": "cpu"}, time.time() + 3600, tmp_path, time.time(), 3)
+  assert calls == ["pass0-fla-t0", "pass0-lj-xla-t0", "pass1-lj-xla-t0", "pass1-fla-t0", "pass2-fla-t0",
+                   "pass2-lj-xla-t0"]
+  assert set(envs) == {str(tmp_path / "jax-compilation-cache")}
+  fla, xla = results
+  assert (fla["impl"], fla["time_ms"], fla["time_ms_repeats"]) == ("fla-chunk", 2.0, [3.0, 1.0, 2.0])
+  assert (fla["compile_s"], fla["memory"]) == (10.0, {"pass": 0})  # from the pass that compiled
+  assert (xla["time_ms"], xla["time_ms_repeats"]) == (5.0, [5.0, 6.0])  # even count: the lower median
+  assert report.fmt_cell(fla) == "2.000 [1.000-3.000]"
+  assert report.overlap(fla, xla) is False and report.overlap(fla, fla) is True
+  assert report.overlap(fla, worker.result(jobs[0], "fwd", "ok", time_ms=2.0)) is None
+  loses = report.where_we_lose({"metadata": {}, "results": [fla, {**xla, "time_ms": 9.0}]})
+  assert "fla-chunk 2.000 [1.000-3.000]" in loses and "| no |" in loses
 
 
 def test_tune_smoke(tmp_path):
