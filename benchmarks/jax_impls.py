@@ -65,8 +65,11 @@ def device_info() -> dict:
 
 
 def copy_bandwidth(num_bytes: int) -> dict:
-  """Device-to-device streaming bandwidth: y = x + 1 over `num_bytes` of float32 (read + write)."""
-  x = jnp.zeros((num_bytes // 4,), jnp.float32)
+  """Device-to-device streaming bandwidth: y = x + 1 over `num_bytes` of float32 (read + write).
+
+  The input is random, not zeros: a device may move zeros faster than data.
+  """
+  x = jax.random.uniform(jax.random.PRNGKey(0), (num_bytes // 4,), jnp.float32)
   add_one = jax.jit(lambda a: a + 1).lower(x).compile()
   stats = timing.measure(lambda i: add_one(x), jax.block_until_ready, warmup=3, min_iters=10, max_iters=50,
                          max_seconds=1.0)
