@@ -376,8 +376,14 @@ def _footprint_mib(r: dict) -> float | None:
   return footprint / MIB if footprint else None
 
 
+PLOT_NAMES = ("time", "speedup", "memory", "split")  # <stem>-<name>.png
+
+
 def write_plots(data: dict, out_dir, stem: str) -> dict:
-  """Writes the PNG plots (the speedup plot only when cuDNN was measured); returns {name: path}."""
+  """Writes the PNG plots; returns {name: path}.
+
+  The speedup plot needs cuDNN, the split plot a case measured in both fwd and bwd.
+  """
   import matplotlib  # noqa: PLC0415 -- only for plots
 
   matplotlib.use("Agg")
@@ -392,6 +398,8 @@ def write_plots(data: dict, out_dir, stem: str) -> dict:
   }
   if not any("speedup_vs_cudnn" in r for r in index.results):
     del makers["speedup"]
+  if not any(ok(r) and r["mode"] == "bwd" for r in index.results):
+    del makers["split"]
   paths = {}
   for name, make in makers.items():
     fig = make()

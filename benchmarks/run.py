@@ -14,7 +14,7 @@ longer ones; within a round the peers and baselines go first and ours last.
 round reversed on every other pass, so that a drift of the device's speed
 during the run does not favour the groups that run first. Each case keeps the
 pass with the median time and every pass's time (`time_ms_repeats`); the JAX
-workers share a compilation cache, so later passes mostly skip compiling.
+workers share a persistent compilation cache, which later passes can load from.
 
 `--max-seconds` bounds the whole run: each worker gets a share of the time
 left in proportion to its number of cases (time it does not use passes to the

@@ -114,6 +114,19 @@ def test_default_configs_fit_budget(cc, itemsize):
       assert cfgs.chunk_loop.block_e <= dim_v and cfgs.chunk_states.block_d <= dim_k
 
 
+def test_shared_memory_estimate_bounds_what_triton_asked_for():
+  """The chunk-loop estimate stays above Triton's request measured on an H100 (PERFORMANCE.md, item 6).
+
+  Triton (3.6, through jax 0.11.2) asked for 245,760 bytes for the forward sweep
+  with D = E = 128, chunks of 128, 64 value columns, 8 warps and 3 stages: the
+  three stages of q, k and v tiles. 4 stages at chunks of 64 fit sm90's budget.
+  """
+  measured = config_lib.ChunkLoopConfig(chunk_size=128, block_e=64, num_warps=8, num_stages=3)
+  assert measured.shared_memory_bytes(128, 128, 2) >= 245_760 == 3 * 2 * (2 * 128 * 128 + 128 * 64)
+  deep = config_lib.ChunkLoopConfig(chunk_size=64, block_e=64, num_warps=4, num_stages=4)
+  assert deep.shared_memory_bytes(128, 128, 2) <= config_lib.shared_memory_budget((9, 0))
+
+
 def test_budgets_by_device():
   assert config_lib.shared_memory_budget((9, 0)) == 232448
   assert config_lib.shared_memory_budget((12, 0)) == 101376

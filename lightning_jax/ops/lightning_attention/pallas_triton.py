@@ -93,8 +93,8 @@ def _chunk_state(y, z, state, tangent, f, *, exact):
   """State (and decay tangent) after one chunk."""
   if f is None:
     return state + _dot(y, z, trans_a=True, exact=exact), None
-  # The key factors scale z's rows, not y's: z is the narrower tile ([C, block_e]
-  # against [C, K]), and y then feeds the dot straight from its load.
+  # The key factors scale z's rows, not y's: in the chunk loop z is the narrower
+  # tile ([C, block_e] against [C, K]), and y feeds the dot straight from its load.
   z_decayed = z * f.key[:, None]
   new_state = f.state * state + _dot(y, z_decayed.astype(z.dtype), trans_a=True, exact=exact)
   if tangent is None:
@@ -137,8 +137,8 @@ def _chunk_loop_kernel(*refs, scale, chunk_size, seq_len, num_chunks, reverse, h
     u = u_ref[rows, :] if has_dual else None
     f = factors(n)
     # The next state first: it needs only this chunk's loads and the carried
-    # state, so the next chunk's serial chain starts sooner (3-5% on the D128
-    # forward with 4 stages, see benchmarks/PERFORMANCE.md).
+    # state, so the next chunk's serial chain starts sooner (with 4 stages,
+    # 3-17% on the D128 forward; benchmarks/PERFORMANCE.md, item 8).
     next_carry = _chunk_state(y, z, state, tangent, f, exact=exact)
     out, dual, out_tangent = _chunk_out(x, y, z, u, state, tangent, f, scale=scale, reverse=reverse,
                                         exact=exact)
