@@ -174,6 +174,13 @@ def _floor_note(data: dict) -> str:
           + ", ".join(f"{bw} GB/s" for bw in runs) + ")")
 
 
+def _probes_note(bw: dict) -> str:
+  probes = bw.get("bandwidth_gbps_probes")
+  if not probes:
+    return ""
+  return f" (the median of {len(probes)} probes, one per pass: {', '.join(f'{g:.0f}' for g in probes)} GB/s)"
+
+
 def _metadata_section(data: dict) -> str:
   md = data["metadata"]
   versions = ", ".join(f"{k} {v}" for k, v in md.get("versions", {}).items() if v)
@@ -188,7 +195,7 @@ def _metadata_section(data: dict) -> str:
       f"- Command: `{md.get('command')}` ({md.get('wall_seconds', 0):.0f} s)",
       f"- Versions: {versions}",
       f"- Copy bandwidth (y = x + 1 in float32, {fmt_bytes(bw.get('bytes_moved', 0))} read + written): "
-      f"{bw.get('bandwidth_gbps', float('nan')):.0f} GB/s{_floor_note(data)}",
+      f"{bw.get('bandwidth_gbps', float('nan')):.0f} GB/s{_probes_note(bw)}{_floor_note(data)}",
       f"- Timing: up to {settings.get('warmup')} warm-up calls, then the median of up to "
       f"{settings.get('iters')} device-synchronised samples in {settings.get('case_seconds')} s (at least 3; "
       f"compilation and autotuning excluded; input sets rotated over {fmt_bytes(settings.get('rotate_bytes', 0))}). "
@@ -376,7 +383,14 @@ def _footprint_mib(r: dict) -> float | None:
   return footprint / MIB if footprint else None
 
 
-PLOT_NAMES = ("time", "speedup", "memory", "split")  # <stem>-<name>.png
+# <stem>-<name>.png: name -> f(plt, index) -> figure.
+_PLOTS = {
+    "time": lambda plt, index: _line_plot(plt, index, lambda r: r["time_ms"], "ms"),
+    "speedup": lambda plt, index: _line_plot(plt, index, lambda r: r.get("speedup_vs_cudnn"), "speedup vs cuDNN"),
+    "memory": lambda plt, index: _line_plot(plt, index, _footprint_mib, "footprint MiB"),
+    "split": lambda plt, index: _split_plot(plt, index),
+}
+PLOT_NAMES = tuple(_PLOTS)
 
 
 def write_plots(data: dict, out_dir, stem: str) -> dict:
@@ -390,19 +404,16 @@ def write_plots(data: dict, out_dir, stem: str) -> dict:
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
   index = Index(data)
-  makers = {
-      "time": lambda: _line_plot(plt, index, lambda r: r["time_ms"], "ms"),
-      "speedup": lambda: _line_plot(plt, index, lambda r: r.get("speedup_vs_cudnn"), "speedup vs cuDNN"),
-      "memory": lambda: _line_plot(plt, index, _footprint_mib, "footprint MiB"),
-      "split": lambda: _split_plot(plt, index),
-  }
+  skip = set()
   if not any("speedup_vs_cudnn" in r for r in index.results):
-    del makers["speedup"]
+    skip.add("speedup")
   if not any(ok(r) and r["mode"] == "bwd" for r in index.results):
-    del makers["split"]
+    skip.add("split")
   paths = {}
-  for name, make in makers.items():
-    fig = make()
+  for name, make in _PLOTS.items():
+    if name in skip:
+      continue
+    fig = make(plt, index)
     paths[name] = pathlib.Path(out_dir) / f"{stem}-{name}.png"
     fig.savefig(paths[name], dpi=110)
     plt.close(fig)

@@ -15,6 +15,8 @@ round reversed on every other pass, so that a drift of the device's speed
 during the run does not favour the groups that run first. Each case keeps the
 pass with the median time and every pass's time (`time_ms_repeats`); the JAX
 workers share a persistent compilation cache, which later passes can load from.
+Every pass after the first probes the copy bandwidth again; the floors use the
+median of the probes.
 
 `--max-seconds` bounds the whole run: each worker gets a share of the time
 left in proportion to its number of cases (time it does not use passes to the
@@ -41,6 +43,7 @@ import os
 import pathlib
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -219,13 +222,28 @@ def run_group(group: str, jobs: list[dict], settings: dict, deadline: float, wor
   return [results[j["id"], m] for j in jobs for m in j["modes"]], info
 
 
-def run_probe(workdir: pathlib.Path, kill_at: float) -> dict:
+def run_probe(workdir: pathlib.Path, kill_at: float, name: str = "probe") -> dict:
   """Device information and copy bandwidth from `benchmarks.jax_impls --probe`."""
-  path = workdir / "probe.json"
-  _, rc, log = run_worker("benchmarks.jax_impls", ["--probe", str(path)], workdir, "probe", kill_at)
+  path = workdir / f"{name}.json"
+  _, rc, log = run_worker("benchmarks.jax_impls", ["--probe", str(path)], workdir, name, kill_at)
   if rc == 0 and path.exists():
     return json.loads(path.read_text())
   return {"error": f"probe failed (code {rc}): {log}"}
+
+
+def combined_copy_bandwidth(probes: list[dict]) -> dict | None:
+  """The run's copy-bandwidth record from its probes (one per pass of a repeated run).
+
+  One probe: its record. Several: the median bandwidth of those that measured
+  one, with each in pass order (`bandwidth_gbps_probes`) and the bytes a probe
+  moves.
+  """
+  measured = [p["copy_bandwidth"] for p in probes if (p.get("copy_bandwidth") or {}).get("bandwidth_gbps")]
+  if len(probes) == 1 or not measured:
+    return probes[0].get("copy_bandwidth")
+  gbps = [m["bandwidth_gbps"] for m in measured]
+  return {"bytes_moved": measured[0]["bytes_moved"], "bandwidth_gbps": statistics.median(gbps),
+          "bandwidth_gbps_probes": gbps}
 
 
 def skipped_for_time(r: dict) -> bool:
@@ -277,19 +295,26 @@ def _run_steps(jobs: list[dict], settings: dict, probe: dict, end: float, workdi
 
 
 def run_repeats(jobs: list[dict], settings: dict, probe: dict, end: float, workdir: pathlib.Path, start: float,
-                repeats: int) -> tuple[list[dict], dict]:
-  """`repeats` passes of `run_groups`, each given an even share of the time left; returns (results, infos)."""
+                repeats: int) -> tuple[list[dict], dict, list[dict]]:
+  """`repeats` passes of `run_groups`, each given an even share of the time left.
+
+  Every pass after the first starts with its own probe, since the copy
+  bandwidth drifts with the device's speed like the timings do (see
+  `combined_copy_bandwidth`). Returns (results, infos, probes), `probe` first.
+  """
   if repeats == 1:
-    return run_groups(jobs, settings, probe, end, workdir, start)
+    return (*run_groups(jobs, settings, probe, end, workdir, start), [probe])
   env = worker_env(workdir / "jax-compilation-cache")
-  passes, infos = [], {}
+  passes, infos, probes = [], {}, [probe]
   for i in range(repeats):
+    if i:
+      probes.append(run_probe(workdir, min(end, time.time() + PROBE_SECONDS), f"pass{i}-probe"))
     now = time.time()
     pass_end = now + max(0.0, end - now) / (repeats - i)
     results, more = run_groups(jobs, settings, probe, pass_end, workdir, start, f"pass{i}-", i % 2 == 1, env)
     passes.append(results)
     infos = {**more, **infos}
-  return combine_repeats(jobs, passes), infos
+  return combine_repeats(jobs, passes), infos, probes
 
 
 def combine_repeats(jobs: list[dict], passes: list[list[dict]]) -> list[dict]:
@@ -398,8 +423,10 @@ def main(argv=None) -> dict:
     stem = args.name or cases.device_slug(probe.get("device_kind", "unknown"))
     earlier, commands = previous_run(args.out_dir / f"{stem}.json") if args.resume else ([], [])
     jobs = still_to_run(plan.jobs, earlier)
-    new, infos = run_repeats(jobs, plan.settings, probe, start + args.max_seconds, workdir, start, args.repeats)
-  bandwidth = (probe.get("copy_bandwidth") or {}).get("bandwidth_gbps")
+    new, infos, probes = run_repeats(jobs, plan.settings, probe, start + args.max_seconds, workdir, start,
+                                     args.repeats)
+  probe = {**probe, "copy_bandwidth": combined_copy_bandwidth(probes)}
+  bandwidth = (probe["copy_bandwidth"] or {}).get("bandwidth_gbps")
   for r in new:  # each result keeps the floor of the run that measured it (see metrics.derive)
     if r["status"] == "ok" and bandwidth:
       r["copy_bandwidth_gbps"] = bandwidth

@@ -7,9 +7,10 @@ choose blocks for: the forward pass is one `forward` sweep, the backward pass a
 `tangent` sweep (dq, with the decay tangent when the decay is differentiated,
 else a `forward`-like sweep) and a `dual` sweep (dk and dv). Every candidate
 that fits the device's shared-memory budget is compiled, checked against the
-first candidate's output, and timed with `benchmarks.timing`; the JSON holds
-every row, and one line per (shape, job, decay, variant) prints the default's
-time beside the best config.
+output of the first that compiled (the default, unless it failed), and timed
+with `benchmarks.timing`; the JSON holds every row, and one line per (shape,
+job, decay, variant) prints the default's time and status beside the best
+config's.
 """
 
 from __future__ import annotations
@@ -139,9 +140,9 @@ def main(argv=None):
             best = row
         rows.append(row)
       default = next(r for r in rows[-len(configs):] if r["default"])
+      best_text = f"best {best['time_ms']:.3f} ms {best['config']}" if best else "no candidate compiled and agreed"
       print(f"B{b} T{t} H{h} D{d} E{e} {job:7s} decay={decay_on:3s} {variant:10s} "
-            f"default {default.get('time_ms', float('nan')):.3f} ms  best {best['time_ms']:.3f} ms "
-            f"{best['config']}", flush=True)
+            f"default {default.get('time_ms', float('nan')):.3f} ms ({default['status']})  {best_text}", flush=True)
       if args.out:
         with open(args.out, "w") as f:
           json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)

@@ -241,10 +241,24 @@ def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch,
     return [worker.result(j, "fwd", status, time_ms=times[group][i], compile_s=10.0 - i, memory={"pass": i})
             for j in step_jobs], {}
 
+  def fake_run_probe(workdir, kill_at, name="probe"):
+    calls.append(name)
+    return {"copy_bandwidth": {"bandwidth_gbps": 2000.0, "bytes_moved": 4, "time_ms": 2.0}} if name == "pass1-probe" else {
+        "error": "probe failed"}
+
   monkeypatch.setattr(run, "run_group", fake_run_group)
-  results, _ = run.run_repeats(jobs, {}, {"platform": "cpu"}, time.time() + 3600, tmp_path, time.time(), 3)
-  assert calls == ["pass0-fla-t0", "pass0-lj-xla-t0", "pass1-lj-xla-t0", "pass1-fla-t0", "pass2-fla-t0",
-                   "pass2-lj-xla-t0"]
+  monkeypatch.setattr(run, "run_probe", fake_run_probe)
+  first = {"platform": "cpu", "copy_bandwidth": {"bandwidth_gbps": 3000.0, "bytes_moved": 4, "time_ms": 1.0}}
+  results, _, probes = run.run_repeats(jobs, {}, first, time.time() + 3600, tmp_path, time.time(), 3)
+  assert calls == ["pass0-fla-t0", "pass0-lj-xla-t0", "pass1-probe", "pass1-lj-xla-t0", "pass1-fla-t0",
+                   "pass2-probe", "pass2-fla-t0", "pass2-lj-xla-t0"]
+  # The floors use the median of the probes that measured (the third failed); the record keeps each.
+  assert run.combined_copy_bandwidth(probes) == {"bandwidth_gbps": 2500.0, "bytes_moved": 4,
+                                                 "bandwidth_gbps_probes": [3000.0, 2000.0]}
+  assert run.combined_copy_bandwidth(probes[:1]) == first["copy_bandwidth"]
+  note = report._metadata_section({"metadata": {"copy_bandwidth": run.combined_copy_bandwidth(probes)},
+                                   "results": []})
+  assert "2500 GB/s (the median of 2 probes, one per pass: 3000, 2000 GB/s)" in note
   assert set(envs) == {str(tmp_path / "jax-compilation-cache")}
   fla, xla = results
   assert (fla["impl"], fla["time_ms"], fla["time_ms_repeats"]) == ("fla-chunk", 2.0, [3.0, 1.0, 2.0])
@@ -269,3 +283,21 @@ def test_tune_smoke(tmp_path):
   assert sum(r["default"] for r in rows) == 2 and len(rows) > 2
   for r in rows:
     assert r["status"] == "ok" and r["err"] < 1e-5 and r["time_ms"] > 0, r
+
+
+def test_tune_reports_a_group_where_nothing_compiles(tmp_path, monkeypatch, capsys):
+  """A group whose every candidate fails is recorded and reported, and the sweep goes on."""
+  from benchmarks import tune
+
+  class Rejected:
+    def lower(self, *args):
+      raise RuntimeError("rejected by the compiler")
+
+  monkeypatch.setattr(tune, "job_fn", lambda job, opts: Rejected())
+  out = tmp_path / "tune.json"
+  tune.main(["--shapes", "1x20x1x16x16", "--jobs", "forward,dual", "--variants", "parallel", "--decays", "on",
+             "--dtype", "f32", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert {r["job"] for r in rows} == {"forward", "dual"}
+  assert rows and all(r["status"] == "compile_error" and "rejected by the compiler" in r["error"] for r in rows)
+  assert capsys.readouterr().out.count("no candidate compiled and agreed") == 2

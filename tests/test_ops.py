@@ -8,8 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import gpu_available
 
 import lightning_jax as lj
+from lightning_jax.ops.lightning_attention import api
+from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import reference
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -162,6 +165,36 @@ def test_auto_variant_and_explicit_config(kernel_mode):
       chunk_output=lj.ChunkOutputConfig(chunk_size=32, block_e=32, num_warps=4, num_stages=1))
   for variant in ("chunk_loop", "parallel"):
     check_against_oracle(case, seed=4, impl="pallas", variant=variant, config=small, interpret=kernel_mode)
+
+
+# The defaults depend on the device only through its shared-memory budget: one
+# device per distinct budget.
+BUDGET_DEVICES = sorted({budget: cc for cc, budget in config_lib.SHARED_MEMORY_BUDGET.items()}.values())
+DEVICE_CASES = [Case(2, 130, 3, 64, 64, BF16), Case(1, 100, 2, 128, 128, F16, decay="extreme"),
+                Case(1, 70, 2, 256, 256, BF16), Case(2, 65, 3, 48, 80, F32, initial_state=False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs an NVIDIA GPU with compute capability >= 8.0")
+@pytest.mark.parametrize("variant", ["chunk_loop", "parallel"])
+@pytest.mark.parametrize("cc", BUDGET_DEVICES, ids=str)
+def test_other_devices_default_configs_compile_and_match_here(cc, variant, monkeypatch):
+  """Other devices' default configs, compiled on the GPU at hand where they fit its shared memory.
+
+  Only sm90 is measured (benchmarks/PERFORMANCE.md); this checks that the blocks
+  the heuristics pick for the other budgets are valid Triton programs that
+  compute the right thing.
+  """
+  here = api.gpu_compute_capability()
+  budget, budget_here = config_lib.shared_memory_budget(cc), config_lib.shared_memory_budget(here)
+  if budget == budget_here:
+    pytest.skip(f"every other GPU test runs the defaults of this device's {budget}-byte budget")
+  if budget > budget_here:
+    pytest.skip(f"the defaults of {cc} need more shared memory than this {here} device has")
+  monkeypatch.setattr(api, "gpu_compute_capability", lambda device=None: cc)
+  for case in DEVICE_CASES:
+    check_against_oracle(case, seed=zlib.crc32(f"{case}{cc}{variant}".encode()), impl="pallas", variant=variant,
+                         interpret=False)
 
 
 @pytest.mark.parametrize("t", [1, 17, 64, 65])
