@@ -243,8 +243,9 @@ def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch,
 
   def fake_run_probe(workdir, kill_at, name="probe"):
     calls.append(name)
-    return {"copy_bandwidth": {"bandwidth_gbps": 2000.0, "bytes_moved": 4, "time_ms": 2.0}} if name == "pass1-probe" else {
-        "error": "probe failed"}
+    if name != "pass1-probe":
+      return {"error": "probe failed"}
+    return {"copy_bandwidth": {"bandwidth_gbps": 2000.0, "bytes_moved": 4, "time_ms": 2.0}}
 
   monkeypatch.setattr(run, "run_group", fake_run_group)
   monkeypatch.setattr(run, "run_probe", fake_run_probe)
