@@ -23,15 +23,14 @@ def gpu_available() -> bool:
   return cc is not None and cc >= (8, 0)
 
 
+# The marks of a test (or parameter) that runs compiled kernels on an NVIDIA GPU.
+GPU_ONLY = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not gpu_available(), reason="needs an NVIDIA GPU with compute capability >= 8.0"),
+]
 # Every kernel case runs twice: through Pallas interpret mode (CPU CI) and
 # compiled through Triton when an NVIDIA GPU (sm80+) is present.
-KERNEL_MODES = [
-    pytest.param("interpret", id="interpret"),
-    pytest.param("gpu", id="gpu", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not gpu_available(), reason="needs an NVIDIA GPU with compute capability >= 8.0"),
-    ]),
-]
+KERNEL_MODES = [pytest.param("interpret", id="interpret"), pytest.param("gpu", id="gpu", marks=GPU_ONLY)]
 
 
 @pytest.fixture(params=KERNEL_MODES)

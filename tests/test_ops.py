@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import gpu_available
+from conftest import GPU_ONLY
 
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import api
@@ -174,10 +174,8 @@ DEVICE_CASES = [Case(2, 130, 3, 64, 64, BF16), Case(1, 100, 2, 128, 128, F16, de
                 Case(1, 70, 2, 256, 256, BF16), Case(2, 65, 3, 48, 80, F32, initial_state=False)]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not gpu_available(), reason="needs an NVIDIA GPU with compute capability >= 8.0")
 @pytest.mark.parametrize("variant", ["chunk_loop", "parallel"])
-@pytest.mark.parametrize("cc", BUDGET_DEVICES, ids=str)
+@pytest.mark.parametrize("cc", [pytest.param(cc, id=str(cc), marks=GPU_ONLY) for cc in BUDGET_DEVICES])
 def test_other_devices_default_configs_compile_and_match_here(cc, variant, monkeypatch):
   """Other devices' default configs, compiled on the GPU at hand where they fit its shared memory.
 
