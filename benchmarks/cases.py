@@ -45,6 +45,8 @@ GROUP_MODULES = {
 IMPLS = (
     Impl("lj-pallas-chunk_loop", "lj-pallas", "ours", True, "lightning_jax pallas chunk_loop"),
     Impl("lj-pallas-parallel", "lj-pallas", "ours", True, "lightning_jax pallas parallel"),
+    Impl("lj-pallas-warp_specialized", "lj-pallas", "ours", True,
+         "lightning_jax pallas warp_specialized (Mosaic GPU forward, chunk_loop backward)"),
     Impl("lj-pallas-auto", "lj-pallas", "ours", True, "lightning_jax pallas auto"),
     Impl("lj-xla", "lj-xla", "ours", True, "lightning_jax xla (chunked jnp)"),
     Impl("cudnn-flash", "cudnn", "baseline", False, "cuDNN FlashAttention (causal softmax)"),

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 import lightning_jax
+from lightning_jax.ops.lightning_attention import api, mosaic_gpu_forward
 from benchmarks import cases, timing, worker
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
@@ -99,6 +100,16 @@ def lightning_or_baseline(job: dict):
     return (lambda q, k, v: lightning_jax.lightning_attention(q, k, v, **options)), ()
   decay = jnp.asarray(cases.decay_rates(job["heads"]), jnp.float32)
   return (lambda q, k, v, rates: lightning_jax.lightning_attention(q, k, v, rates, **options)), (decay,)
+
+
+def lightning_unavailable(job: dict) -> str | None:
+  """Why a variant of ours cannot run this job here (the warp-specialised forward has limits), else None."""
+  if job["impl"] != "lj-pallas-warp_specialized":
+    return None
+  cc = api.gpu_compute_capability()
+  return mosaic_gpu_forward.unsupported_reason(
+      dim_k=job["dim_k"], dim_v=job["dim_v"], dtype=DTYPES[job["dtype"]], initial_state=False,
+      return_final_state=False, compute_capability=cc, interpret=cc is None or cc < (8, 0))
 
 
 def mode_functions(attn):
@@ -270,7 +281,7 @@ def main(argv=None):
   if argv[:1] == ["--probe"]:
     probe(argv[1])
     return
-  worker.main(lambda: JaxBackend(lightning_or_baseline), argv)
+  worker.main(lambda: JaxBackend(lightning_or_baseline, lightning_unavailable), argv)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,7 @@ def bad_calls():
       ("initial_state must be \\[B, H, D, E\\]", ValueError, lambda: f(q, k, v, initial_state=s0[:, :, :, :3])),
       ("impl must be one of", ValueError, lambda: f(q, k, v, impl="cuda")),
       ("variant must be one of", ValueError, lambda: f(q, k, v, impl="pallas", variant="fast")),
+      ("variant='warp_specialized' needs", ValueError, lambda: f(q, k, v, impl="pallas", variant="warp_specialized")),
       ("config must be a LightningConfig", TypeError, lambda: f(q, k, v, config={"chunk_size": 64})),
       ("scale must be None or a finite Python float", TypeError, lambda: f(q, k, v, scale=jnp.float32(0.5))),
       ("return_final_state must be a bool", TypeError, lambda: f(q, k, v, return_final_state=1)),

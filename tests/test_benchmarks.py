@@ -83,7 +83,7 @@ def test_parse_shapes_and_impls():
                                                           cases.Shape(1, 8, 2, 16, 32)]
   assert len(cases.parse_shapes("la3-long")) == 16
   assert cases.parse_impls("pallas,lj-xla,lj-pallas-auto") == [
-      "lj-pallas-chunk_loop", "lj-pallas-parallel", "lj-pallas-auto", "lj-xla"]
+      "lj-pallas-chunk_loop", "lj-pallas-parallel", "lj-pallas-warp_specialized", "lj-pallas-auto", "lj-xla"]
   for bad in ("4x1024x32", "la4"):
     with pytest.raises(ValueError):
       cases.parse_shapes(bad)

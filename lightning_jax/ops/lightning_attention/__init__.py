@@ -6,6 +6,7 @@ from lightning_jax.ops.lightning_attention.config import (
     ChunkOutputConfig,
     ChunkStatesConfig,
     LightningConfig,
+    WarpSpecializedConfig,
 )
 from lightning_jax.ops.lightning_attention.reference import (
     lightning_attention_quadratic,
@@ -18,6 +19,7 @@ __all__ = [
     "ChunkOutputConfig",
     "ChunkStatesConfig",
     "LightningConfig",
+    "WarpSpecializedConfig",
     "lightning_attention",
     "lightning_attention_chunked",
     "lightning_attention_quadratic",

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lightning_jax.ops.lightning_attention import config as config_lib
+from lightning_jax.ops.lightning_attention import mosaic_gpu_forward
 from lightning_jax.ops.lightning_attention import pallas_vjp
 from lightning_jax.ops.lightning_attention import reference
 from lightning_jax.ops.lightning_attention import xla
 
 IMPLS = ("auto", "pallas", "xla", "reference")
-VARIANTS = ("auto", "chunk_loop", "parallel")
+VARIANTS = ("auto", "chunk_loop", "parallel", "warp_specialized")
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256
 XLA_CHUNK_SIZE = 64
@@ -94,6 +95,29 @@ def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, inter
     raise TypeError(f"return_final_state must be a bool, got {return_final_state!r}")
 
 
+def pallas_variant(variant, *, b, t, h, d, e, dtype, initial_state: bool, return_final_state: bool, config,
+                   compute_capability, interpret: bool) -> str:
+  """The Pallas variant that runs: `variant`, checked, or the one "auto" picks for this call."""
+  warp_specialized_unsupported = mosaic_gpu_forward.unsupported_reason(
+      dim_k=d, dim_v=e, dtype=dtype, initial_state=initial_state, return_final_state=return_final_state,
+      compute_capability=compute_capability, interpret=interpret)
+  if variant == "warp_specialized" and warp_specialized_unsupported:
+    raise ValueError(f"variant='warp_specialized' {warp_specialized_unsupported}")
+  if variant != "auto":
+    return variant
+  dim_v = config_lib.padded_dim(e)
+  configs = config_lib.resolve(config, dim_k=config_lib.padded_dim(d), dim_v=dim_v,
+                               itemsize=jnp.dtype(dtype).itemsize, compute_capability=compute_capability)
+  num_sms = getattr(jax.devices()[0], "core_count", None) or 132
+  variant = config_lib.choose_variant(batch=b, heads=h, seq_len=t, dim_v=dim_v,
+                                      block_e=configs.chunk_loop.block_e, num_sms=num_sms)
+  # Compiled only (its interpreter is for tests), and where it was measured faster.
+  if (variant == "chunk_loop" and not interpret and not warp_specialized_unsupported
+      and config_lib.prefer_warp_specialized(dim_k=d)):
+    return "warp_specialized"
+  return variant
+
+
 def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, return_final_state=False,
                         impl="auto", variant="auto", config=None, interpret=None):
   r"""Causal linear attention with optional per-head decay (Lightning Attention-2).
@@ -119,7 +143,10 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
     impl: "pallas" (Triton kernels; interpret mode without a supported GPU),
       "xla" (chunked jnp, O(T)), "reference" (token-serial scan, the oracle) or
       "auto" (pallas on NVIDIA GPUs with compute capability >= 8.0, else xla).
-    variant: pallas only: "chunk_loop", "parallel" or "auto".
+    variant: pallas only: "chunk_loop", "parallel", "warp_specialized" or
+      "auto". "warp_specialized" is a Mosaic GPU forward for sm90 (bf16/fp16,
+      D <= 128, E <= 256, jax >= 0.11, no initial or final state; the backward
+      pass runs the chunk_loop sweeps); "auto" picks it where it is faster.
     config: a `LightningConfig` overriding the per-device block heuristics.
     interpret: force (True) or forbid (False) Pallas interpret mode.
 
@@ -137,16 +164,13 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
     impl = "pallas" if _supported_gpu(cc) else "xla"
 
   if impl == "pallas":
-    if variant == "auto":
-      configs = config_lib.resolve(config, dim_k=config_lib.padded_dim(d),
-                                   dim_v=config_lib.padded_dim(v.shape[-1]), itemsize=q.dtype.itemsize,
-                                   compute_capability=cc)
-      num_sms = getattr(jax.devices()[0], "core_count", None) or 132
-      variant = config_lib.choose_variant(batch=b, heads=h, seq_len=t, dim_v=config_lib.padded_dim(v.shape[-1]),
-                                          block_e=configs.chunk_loop.block_e, num_sms=num_sms)
+    interpret = (not _supported_gpu(cc)) if interpret is None else interpret
+    variant = pallas_variant(variant, b=b, t=t, h=h, d=d, e=v.shape[-1], dtype=q.dtype,
+                             initial_state=initial_state is not None, return_final_state=return_final_state,
+                             config=config, compute_capability=cc, interpret=interpret)
     opts = pallas_vjp.PallasOptions(
         scale=scale, return_final_state=return_final_state, variant=variant, config=config,
-        compute_capability=cc, interpret=(not _supported_gpu(cc)) if interpret is None else interpret)
+        compute_capability=cc, interpret=interpret)
     return pallas_vjp.lightning_attention_pallas(q, k, v, decay, initial_state, opts)
 
   if impl == "xla":

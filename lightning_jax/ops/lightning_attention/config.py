@@ -14,7 +14,9 @@ block sizes are clipped to the dims of each sweep.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import ClassVar
 
 # Opt-in shared memory per thread block, in bytes, by compute capability.
 _KIB = 1024
@@ -127,6 +129,32 @@ class ChunkOutputConfig(_LaunchConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class WarpSpecializedConfig:
+  """`variant="warp_specialized"`: the Mosaic GPU forward (sm90), see `mosaic_gpu_forward`.
+
+  One CTA per (batch, head, 64 value columns) walks chunks of 64 tokens; its
+  memory warpgroup keeps `num_stages` chunks of q, k, v in flight.
+  """
+  num_stages: int
+
+  CHUNK_SIZE: ClassVar[int] = 64
+  BLOCK_E: ClassVar[int] = 64
+  # wgmma exists on sm90 alone (sm100 has tcgen05 instead).
+  COMPUTE_CAPABILITY: ClassVar[tuple[int, int]] = (9, 0)
+
+  def __post_init__(self):
+    if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
+      raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+
+  def shared_memory_bytes(self, dim_k: int, itemsize: int) -> int:
+    """The load ring, the published states (x2), the staged scores, key-scaled v and outputs (x2), the factors."""
+    c, be = self.CHUNK_SIZE, self.BLOCK_E
+    ring = self.num_stages * c * (2 * dim_k + be)
+    staged = 2 * be * dim_k + 2 * c * c + 2 * c * be
+    return itemsize * (ring + staged) + 4 * (c * c + 3 * c)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LightningConfig:
   """Explicit kernel configuration for `lightning_attention(config=...)`.
 
@@ -135,10 +163,11 @@ class LightningConfig:
   chunk_loop: ChunkLoopConfig | None = None
   chunk_states: ChunkStatesConfig | None = None
   chunk_output: ChunkOutputConfig | None = None
+  warp_specialized: WarpSpecializedConfig | None = None
 
   def __post_init__(self):
     for name, cls in (("chunk_loop", ChunkLoopConfig), ("chunk_states", ChunkStatesConfig),
-                      ("chunk_output", ChunkOutputConfig)):
+                      ("chunk_output", ChunkOutputConfig), ("warp_specialized", WarpSpecializedConfig)):
       value = getattr(self, name)
       if value is not None and not isinstance(value, cls):
         raise TypeError(f"LightningConfig.{name} must be a {cls.__name__} or None, got {type(value).__name__}")
@@ -232,6 +261,17 @@ def _clip(cfg, **maxima):
   return dataclasses.replace(cfg, **changes)
 
 
+def _check_budget(name, cfg, cost, *, budget, compute_capability, dims):
+  """`cfg` if its shared-memory `cost` fits `budget`, else a ValueError that names both."""
+  if cost > budget:
+    where = (f"compute capability {compute_capability[0]}.{compute_capability[1]}"
+             if compute_capability else "an unknown device")
+    raise ValueError(
+        f"config.{name}={cfg} needs about {cost} bytes of shared memory for dims ({dims}), over the "
+        f"{budget}-byte per-block budget of {where}; use a smaller chunk_size, block or num_stages")
+  return cfg
+
+
 def resolve(config: LightningConfig | None, *, dim_k: int, dim_v: int, itemsize: int,
             compute_capability: tuple[int, int] | None, job: str = "forward") -> SweepConfigs:
   """Fills the unset fields of `config` for one sweep and checks the budget.
@@ -243,16 +283,8 @@ def resolve(config: LightningConfig | None, *, dim_k: int, dim_v: int, itemsize:
     raise ValueError(f"job must be one of {SWEEP_JOBS}, got {job!r}")
   config = config or LightningConfig()
   budget = shared_memory_budget(compute_capability)
-  where = (f"compute capability {compute_capability[0]}.{compute_capability[1]}"
-           if compute_capability else "an unknown device")
-
-  def check(name, cfg, cost):
-    if cost > budget:
-      raise ValueError(
-          f"config.{name}={cfg} needs about {cost} bytes of shared memory for dims "
-          f"(dim_k={dim_k}, dim_v={dim_v}, itemsize={itemsize}), over the {budget}-byte "
-          f"per-block budget of {where}; use a smaller chunk_size, block or num_stages")
-    return cfg
+  check = functools.partial(_check_budget, budget=budget, compute_capability=compute_capability,
+                            dims=f"dim_k={dim_k}, dim_v={dim_v}, itemsize={itemsize}")
 
   loop = config.chunk_loop
   loop = (default_chunk_loop(dim_k, dim_v, itemsize, budget, job) if loop is None
@@ -283,3 +315,35 @@ def choose_variant(*, batch: int, heads: int, seq_len: int, dim_v: int, block_e:
   """
   programs = batch * heads * math.ceil(dim_v / block_e)
   return "parallel" if 2 * programs <= num_sms and seq_len >= 1024 else "chunk_loop"
+
+
+def prefer_warp_specialized(*, dim_k: int) -> bool:
+  """Whether `variant="auto"` takes the warp-specialised forward over chunk_loop (where both can run).
+
+  On an H100 (bf16, T 8K-32K; benchmarks/PERFORMANCE.md, item 13) it is 0-9%
+  faster at D = 128, where the chunk work is the larger, and 2-13% slower at
+  D = 64.
+  """
+  return dim_k > 64
+
+
+# Deeper rings than 4 chunks bought nothing in the chunk_loop kernel (MAX_STAGES).
+MAX_WARP_SPECIALIZED_STAGES = 4
+
+
+def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, itemsize: int) -> WarpSpecializedConfig:
+  """The `warp_specialized` config: the user's (checked against the budget) or the deepest ring that fits.
+
+  The kernel runs on sm90 alone (also when interpreted), so the budget is sm90's.
+  """
+  budget = shared_memory_budget(WarpSpecializedConfig.COMPUTE_CAPABILITY)
+  cfg = config.warp_specialized if config is not None else None
+  if cfg is not None:
+    return _check_budget("warp_specialized", cfg, cfg.shared_memory_bytes(dim_k, itemsize), budget=budget,
+                         compute_capability=WarpSpecializedConfig.COMPUTE_CAPABILITY,
+                         dims=f"dim_k={dim_k}, itemsize={itemsize}")
+  for stages in range(MAX_WARP_SPECIALIZED_STAGES, 0, -1):
+    cfg = WarpSpecializedConfig(num_stages=stages)
+    if cfg.shared_memory_bytes(dim_k, itemsize) <= budget:
+      return cfg
+  raise AssertionError("unreachable: one stage fits sm90 at every dim_k <= 128")

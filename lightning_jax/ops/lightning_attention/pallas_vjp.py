@@ -1,5 +1,8 @@
 """`jax.custom_vjp` of the Pallas path: one sweep forward, two (or three) backward.
 
+The forward pass is a Triton sweep, or with `variant="warp_specialized"` the
+Mosaic GPU kernel of `mosaic_gpu_forward`; the backward sweeps are Triton's.
+
 With q' = scale * q, a = exp(-lambda) and G_t = dL/dS_t (the state gradient,
 G_t = a G_{t+1} + q'_t^T do_t, G_{T-1} also receiving the final-state cotangent),
 written with the intra-chunk terms left out,
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from lightning_jax.ops.lightning_attention import config as config_lib
+from lightning_jax.ops.lightning_attention import mosaic_gpu_forward
 from lightning_jax.ops.lightning_attention import pallas_triton
 
 
@@ -57,6 +61,11 @@ def _pad_axis(x, axis, size):
   return jnp.pad(x, widths)
 
 
+def _pad_to(x, t, dim):
+  """[B, T, H, D] zero-padded to [B, t, H, dim]."""
+  return _pad_axis(_pad_axis(x, 1, t), 3, dim)
+
+
 def sweep(x, y, z, decay, initial_state, tangent_with=None, dual_with=None, *, reverse, with_final_state, out_dtype,
           opts: PallasOptions):
   """`pallas_triton.sweep` on unpadded [B, T, H, *] inputs: pads T and the feature dims, runs, slices."""
@@ -68,8 +77,8 @@ def sweep(x, y, z, decay, initial_state, tangent_with=None, dual_with=None, *, r
                                                         dual=dual_with is not None))
   chunk = (configs.chunk_loop if opts.variant == "chunk_loop" else configs.chunk_output).chunk_size
   tp = math.ceil(t / chunk) * chunk
-  x, y = (_pad_axis(_pad_axis(a, 1, tp), 3, kp) for a in (x, y))
-  z, tangent_with, dual_with = (_pad_axis(_pad_axis(a, 1, tp), 3, vp) for a in (z, tangent_with, dual_with))
+  x, y = (_pad_to(a, tp, kp) for a in (x, y))
+  z, tangent_with, dual_with = (_pad_to(a, tp, vp) for a in (z, tangent_with, dual_with))
   initial_state = _pad_axis(_pad_axis(initial_state, 2, kp), 3, vp)
   out, dual, final_state, row_dots, final_tangent = pallas_triton.sweep(
       x, y, z, decay, initial_state, tangent_with, dual_with, scale=opts.scale, seq_len=t, reverse=reverse,
@@ -90,7 +99,22 @@ class Needs(NamedTuple):
   d_initial: bool
 
 
+def warp_specialized_forward(q, k, v, decay, opts: PallasOptions):
+  """`mosaic_gpu_forward.forward` on unpadded [B, T, H, *] inputs (zero state in, no state out)."""
+  t, dim_k, dim_v = q.shape[1], q.shape[-1], v.shape[-1]
+  kp, vp = mosaic_gpu_forward.padded_dims(dim_k, dim_v)
+  cfg = config_lib.resolve_warp_specialized(opts.config, dim_k=kp, itemsize=q.dtype.itemsize)
+  # Zero rows past T add nothing to the outputs before them, and the state
+  # after them is not returned, so every chunk can use full-chunk factors.
+  tp = math.ceil(t / cfg.CHUNK_SIZE) * cfg.CHUNK_SIZE
+  o = mosaic_gpu_forward.forward(_pad_to(q, tp, kp), _pad_to(k, tp, kp), _pad_to(v, tp, vp), decay,
+                                 scale=opts.scale, num_stages=cfg.num_stages, interpret=opts.interpret)
+  return o[:, :t, :, :dim_v]
+
+
 def _primal(q, k, v, decay, initial_state, opts):
+  if opts.variant == "warp_specialized":
+    return warp_specialized_forward(q, k, v, decay, opts)
   o, _, final_state, _, _ = sweep(q, k, v, decay, initial_state, reverse=False,
                                   with_final_state=opts.return_final_state, out_dtype=q.dtype, opts=opts)
   return (o, final_state) if opts.return_final_state else o
@@ -114,6 +138,8 @@ def _forward(q, k, v, decay, initial_state, opts):
 
 def _backward(opts, residuals, cotangents):
   q, k, v, decay, initial_state, needs = residuals
+  if opts.variant == "warp_specialized":  # a forward kernel only: the backward sweeps are chunk_loop's
+    opts = dataclasses.replace(opts, variant="chunk_loop")
   do, d_final = cotangents if opts.return_final_state else (cotangents, None)
   if isinstance(d_final, SymbolicZero):
     d_final = None

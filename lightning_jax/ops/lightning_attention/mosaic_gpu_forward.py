@@ -1,0 +1,251 @@
+"""The warp-specialised forward sweep in Pallas Mosaic GPU (Hopper, sm90).
+
+Every Mosaic-GPU-specific import of the package lives in this file, beside the
+Triton kernels of `pallas_triton`. It computes the forward pass only (no
+initial or final state); the backward pass stays with the Triton sweeps.
+
+One CTA per (head, batch, block of 64 value columns) walks the chunks of 64
+tokens in order, split into three warpgroups that run concurrently:
+
+  memory  issues the TMA loads of each chunk's q, k, v tiles into a ring of
+          `num_stages` slots, refilling a slot once both others released it;
+  state   carries S^T [64, K] (float32, in wgmma registers) down the chunks,
+          S^T <- a^C S^T + (key * v)^T k, and publishes S_n (bf16/fp16, the
+          state before chunk n) in a double buffer;
+  output  computes o = row * (q S_n) + (intra * q k^T) v for chunk n and
+          stores it by TMA.
+
+So the serial state chain, the output matmuls and the loads overlap, which a
+Triton program (one instruction stream) cannot do; at D = 128 this is what the
+fastest peer does (benchmarks/PERFORMANCE.md, items 10-11 and 13). The decay
+factors (`chunk_common`, with scale folded into the row and intra factors) are
+computed outside, per head, and loaded once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from lightning_jax.ops.lightning_attention import chunk_common
+from lightning_jax.ops.lightning_attention import config as config_lib
+
+CHUNK_SIZE = config_lib.WarpSpecializedConfig.CHUNK_SIZE
+BLOCK_E = config_lib.WarpSpecializedConfig.BLOCK_E
+MAX_DIM_K = 128
+MAX_DIM_V = 256
+DTYPES = (jnp.bfloat16, jnp.float16)
+COMPUTE_CAPABILITY = config_lib.WarpSpecializedConfig.COMPUTE_CAPABILITY
+# Older JAX cannot lower the kernel (its Mosaic GPU layout inference finds no
+# layouts) and has no GPU interpreter.
+MIN_JAX = (0, 11)
+_F32 = jnp.float32
+# Registers per thread: the memory warpgroup gives its share to the two that
+# compute (3 x 128 threads share 64K registers).
+_MEMORY_REGISTERS, _COMPUTE_REGISTERS = 40, 232
+
+
+def padded_dims(dim_k: int, dim_v: int) -> tuple[int, int]:
+  """(K, V) the kernel runs at: K = 64 or 128, V a multiple of `BLOCK_E`."""
+  return (64 if dim_k <= 64 else 128), -(-dim_v // BLOCK_E) * BLOCK_E
+
+
+def jax_version() -> tuple[int, int]:
+  return tuple(int(part) for part in jax.__version__.split(".")[:2])
+
+
+def unsupported_reason(*, dim_k: int, dim_v: int, dtype, initial_state: bool, return_final_state: bool,
+                       compute_capability: tuple[int, int] | None, interpret: bool) -> str | None:
+  """Why the kernel cannot run this call (None if it can). Dims are the unpadded D and E."""
+  if jax_version() < MIN_JAX:
+    return f"needs jax >= {MIN_JAX[0]}.{MIN_JAX[1]}, this is {jax.__version__}"
+  if not interpret and compute_capability != COMPUTE_CAPABILITY:
+    return f"needs a compute capability 9.0 GPU (wgmma), this device has {compute_capability}"
+  if not any(jnp.dtype(dtype) == d for d in DTYPES):
+    return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+  if dim_k > MAX_DIM_K or dim_v > MAX_DIM_V:
+    return f"needs D <= {MAX_DIM_K} and E <= {MAX_DIM_V}, got D={dim_k}, E={dim_v}"
+  if initial_state or return_final_state:
+    return "computes the forward pass from a zero state only: no initial_state, no return_final_state"
+  return None
+
+
+def decay_factors(decay, heads: int, *, scale: float):
+  """Per-head factors of a full chunk: intra [H, C, C] and vectors [H, 3, C] (row, key, state), float32.
+
+  With scale folded in: intra = scale * a^(i-j) on j <= i, row = scale * a^(i+1),
+  key = a^(C-1-j), and the state factor a^C repeated along the last axis.
+  Without decay a = 1.
+  """
+  c = CHUNK_SIZE
+  lam2 = (jnp.zeros((heads,), _F32) if decay is None else decay.astype(_F32)) * chunk_common.LOG2_E
+  f = jax.vmap(lambda l: chunk_common.chunk_decay_factors(l, c, chunk_size=c, reverse=False))(lam2)
+  vectors = jnp.stack([scale * f.row, f.key, jnp.broadcast_to(f.state[:, None], (heads, c))], axis=1)
+  return scale * f.intra, vectors
+
+
+def _smem(shape, dtype):
+  # Rows of 128 bytes (64 bf16 elements), swizzled: the layout wgmma reads.
+  swizzle_elems = 128 // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle_elems)),
+                                              plgpu.SwizzleTransform(128)))
+
+
+def _matmul(a, b, shape):
+  """a @ b through wgmma into a fresh float32 accumulator, returned as a value."""
+  def body(acc):
+    plgpu.wgmma(acc, a, b)
+    return acc[...]
+  return pl.run_scoped(body, plgpu.ACC(shape, _F32))
+
+
+def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, out_ref, buffers, barriers, *, num_chunks, num_stages,
+            has_decay):
+  q_smem, k_smem, v_smem, state_smem, scores_smem, vk_smem, out_smem, intra_smem, vectors_smem = buffers
+  q_loaded, k_loaded, v_loaded, released, state_ready, state_read, factors_loaded = barriers
+  c, be = CHUNK_SIZE, BLOCK_E
+  head, batch, col = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("value_blocks")
+  cols = pl.ds(col * be, be)
+  wg = lax.axis_index("wg")
+
+  def chunk_rows(n):
+    return pl.ds(n * c if isinstance(n, int) else pl.multiple_of(n * c, c), c)
+
+  def slot_of(n):
+    return lax.rem(n, num_stages)
+
+  @pl.when(wg == 0)
+  def _memory():
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+    plgpu.copy_gmem_to_smem(intra_ref.at[head], intra_smem, factors_loaded.at[0])
+    plgpu.copy_gmem_to_smem(vectors_ref.at[head], vectors_smem, factors_loaded.at[1])
+
+    def load(n, slot):
+      rows = chunk_rows(n)
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], k_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, cols], v_smem.at[slot], v_loaded.at[slot])
+
+    for n in range(min(num_stages, num_chunks)):
+      load(n, n)
+
+    @pl.loop(num_stages, num_chunks)
+    def _refill(n):
+      slot = slot_of(n)
+      plgpu.barrier_wait(released.at[slot])  # both compute warpgroups are done with chunk n - num_stages
+      load(n, slot)
+
+  @pl.when(wg == 1)
+  def _state_chain():
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+    plgpu.barrier_wait(factors_loaded.at[1])
+    key = vectors_smem[1]
+    state_decay = vectors_smem[2]
+
+    def body(n, state_t):
+      slot, buf = slot_of(n), lax.rem(n, 2)
+      plgpu.barrier_wait(k_loaded.at[slot])
+      plgpu.barrier_wait(v_loaded.at[slot])
+
+      @pl.when(n >= 2)
+      def _():
+        plgpu.barrier_wait(state_read.at[buf])  # the output warpgroup is done with S_{n-2}
+
+      state_smem[buf] = state_t.astype(state_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(state_ready.at[buf])
+      if has_decay:
+        # key * v, staged so that wgmma reads its transpose from shared memory.
+        vk_smem[...] = (v_smem[slot].astype(_F32) * key[:, None]).astype(vk_smem.dtype)
+        plgpu.commit_smem()
+        update = _matmul(vk_smem.transpose((1, 0)), k_smem.at[slot], state_t.shape)
+      else:
+        update = _matmul(v_smem.at[slot].transpose((1, 0)), k_smem.at[slot], state_t.shape)
+      plgpu.barrier_arrive(released.at[slot])
+      if has_decay:
+        return state_t * state_decay[:, None] + update
+      return state_t + update
+
+    lax.fori_loop(0, num_chunks, body, jnp.zeros((be, q_smem.shape[-1]), _F32))
+
+  @pl.when(wg == 2)
+  def _outputs():
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+    plgpu.barrier_wait(factors_loaded.at[0])
+    plgpu.barrier_wait(factors_loaded.at[1])
+    intra = intra_smem[...]
+    row = vectors_smem[0]
+
+    @pl.loop(0, num_chunks)
+    def _chunk(n):
+      slot, buf = slot_of(n), lax.rem(n, 2)
+      plgpu.barrier_wait(q_loaded.at[slot])
+      plgpu.barrier_wait(k_loaded.at[slot])
+      scores = _matmul(q_smem.at[slot], k_smem.at[slot].transpose((1, 0)), (c, c))
+      scores_smem[...] = (scores * intra).astype(scores_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_wait(state_ready.at[buf])
+
+      def products(intra_acc, inter_acc):
+        plgpu.wgmma(intra_acc, scores_smem, v_smem.at[slot])
+        plgpu.wgmma(inter_acc, q_smem.at[slot], state_smem.at[buf].transpose((1, 0)))
+        return intra_acc[...], inter_acc[...]
+
+      intra_out, inter = pl.run_scoped(products, plgpu.ACC((c, be), _F32), plgpu.ACC((c, be), _F32))
+      plgpu.barrier_arrive(state_read.at[buf])
+      plgpu.barrier_arrive(released.at[slot])
+      out = intra_out + inter * row[:, None]
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store of chunk n - 2 has read its buffer
+      out_smem[buf] = out.astype(out_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem.at[buf], out_ref.at[batch, chunk_rows(n), head, cols])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def forward(q, k, v, decay, *, scale: float, num_stages: int, interpret: bool = False):
+  """The forward pass on padded inputs.
+
+  Args:
+    q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; bf16 or fp16, Tp a multiple of
+      `CHUNK_SIZE`, K = 64 or 128, V a multiple of `BLOCK_E` (see `padded_dims`).
+      Padded rows must be zeros past the real tokens (they are: the caller pads).
+    decay: [H] float32 rates or None.
+    num_stages: chunks of q, k, v in flight (`config.WarpSpecializedConfig`).
+    interpret: run in the Mosaic GPU interpreter (on any backend).
+
+  Returns:
+    o: [B, Tp, H, V] in the input dtype.
+  """
+  b, tp, h, dim_k = q.shape
+  dim_v = v.shape[-1]
+  c, be = CHUNK_SIZE, BLOCK_E
+  intra, vectors = decay_factors(decay, h, scale=scale)
+  dtype = q.dtype
+  scratch = (
+      (_smem((num_stages, c, dim_k), dtype), _smem((num_stages, c, dim_k), dtype),
+       _smem((num_stages, c, be), dtype), _smem((2, be, dim_k), dtype), _smem((c, c), dtype),
+       _smem((c, be), dtype), _smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32), plgpu.SMEM((3, c), _F32)),
+      (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
+       plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)),
+  )
+  kernel = functools.partial(_kernel, num_chunks=tp // c, num_stages=num_stages, has_decay=decay is not None)
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((b, tp, h, dim_v), dtype),
+      scratch_types=scratch,
+      grid=(h, b, dim_v // be),
+      grid_names=("heads", "batch", "value_blocks"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=plgpu.InterpretGPUParams() if interpret else False,
+      kernel_name="lightning_warp_specialized",
+  )(intra, vectors, q, k, v)

@@ -1,0 +1,158 @@
+"""variant="warp_specialized": the Mosaic GPU forward against the oracles, its lowering, its limits, auto's choice.
+
+Its kernel runs in the Mosaic GPU interpreter on the CPU (jax >= 0.11) and
+compiled on an sm90 GPU; the gradients come from the chunk_loop sweeps.
+"""
+
+import zlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GPU_ONLY
+from test_ops import BF16, F16, F32, Case, check_against_oracle, rel_err
+
+import lightning_jax as lj
+from lightning_jax.ops.lightning_attention import api
+from lightning_jax.ops.lightning_attention import config as config_lib
+from lightning_jax.ops.lightning_attention import mosaic_gpu_forward
+from lightning_jax.ops.lightning_attention import reference
+
+NEW_ENOUGH = mosaic_gpu_forward.jax_version() >= mosaic_gpu_forward.MIN_JAX
+needs_new_jax = pytest.mark.skipif(not NEW_ENOUGH, reason=f"needs jax >= {mosaic_gpu_forward.MIN_JAX}")
+
+
+def _on_sm90():
+  try:
+    return api.gpu_compute_capability() == mosaic_gpu_forward.COMPUTE_CAPABILITY
+  except RuntimeError:
+    return False
+
+
+MODES = [pytest.param("interpret", id="interpret", marks=needs_new_jax),
+         pytest.param("gpu", id="gpu", marks=[*GPU_ONLY, needs_new_jax,
+                                              pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU")])]
+
+# No initial or final state (the kernel starts from zeros and returns o only);
+# T and the head dims off the 64-token chunk and the padded dims; with decay and
+# over 2 chunks, so that the state decays between chunks.
+CASES = [
+    Case(2, 65, 3, 64, 64, BF16, initial_state=False, final_state=False),
+    Case(1, 130, 3, 128, 128, F16, decay="extreme", initial_state=False, final_state=False),
+    Case(2, 100, 2, 100, 80, BF16, decay=None, initial_state=False, final_state=False, scale=1.0),
+    Case(1, 200, 1, 24, 256, BF16, initial_state=False, final_state=False),
+    Case(2, 1, 2, 16, 16, F16, initial_state=False, final_state=False),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_warp_specialized_matches_oracle(case, mode):
+  check_against_oracle(case, seed=zlib.crc32(f"{case}ws".encode()), impl="pallas", variant="warp_specialized",
+                       interpret=mode == "interpret")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_warp_specialized_under_vmap_jit_and_checkpoint(mode):
+  b, t, h, d = 2, 150, 2, 128
+  keys = jax.random.split(jax.random.PRNGKey(11), 4)
+  q, k, v = (jax.random.normal(key, (2, b, t, h, d), BF16) for key in keys[:3])
+  decay = jax.random.uniform(keys[3], (h,), F32, 0.01, 1.0)
+  fn = lambda q, k, v: lj.lightning_attention(q, k, v, decay, impl="pallas", variant="warp_specialized",  # noqa: E731
+                                              interpret=mode == "interpret")
+  out = jax.jit(jax.vmap(jax.checkpoint(fn)))(q, k, v)
+  chex.assert_shape(out, (2, b, t, h, d))
+  chex.assert_type(out, BF16)
+  for i in range(2):
+    want, _ = reference.lightning_attention_quadratic(q[i], k[i], v[i], decay, scale=d ** -0.5)
+    assert rel_err(out[i], want) < 2e-2
+
+
+@needs_new_jax
+@pytest.mark.parametrize("dim_k,dim_v,has_decay", [(128, 128, True), (64, 256, False)])
+def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, has_decay):
+  """Mosaic GPU lowering (layout inference included) for an sm90 GPU, from any backend.
+
+  The interpreter checks the arithmetic and the barriers but not the layouts;
+  this checks that the kernel lowers as the GPU compiles it.
+  """
+  q = jax.ShapeDtypeStruct((2, 192, 3, dim_k), BF16)
+  v = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
+  decay = jax.ShapeDtypeStruct((3,), F32) if has_decay else None
+  cfg = config_lib.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2)
+  fn = jax.jit(lambda q, k, v, decay: mosaic_gpu_forward.forward(q, k, v, decay, scale=0.125,
+                                                                 num_stages=cfg.num_stages))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, decay)
+  assert "lightning_warp_specialized" in exported.mlir_module()
+
+
+def test_warp_specialized_rejects_what_it_cannot_run():
+  keys = jax.random.split(jax.random.PRNGKey(5), 3)
+  q, k, v = (jax.random.normal(key, (1, 40, 2, 32), BF16) for key in keys)
+  run = lambda q, k, v, **kw: lj.lightning_attention(q, k, v, impl="pallas", variant="warp_specialized",  # noqa: E731
+                                                     **kw)
+  if not NEW_ENOUGH:
+    with pytest.raises(ValueError, match="variant='warp_specialized' needs jax >= 0.11"):
+      run(q, k, v, interpret=True)
+    return
+  wide = jax.random.normal(keys[0], (1, 40, 2, 160), BF16)
+  s0 = jnp.ones((1, 2, 32, 32), F32)
+  for match, call in [
+      ("needs bfloat16 or float16 inputs, got float32", lambda: run(*(x.astype(F32) for x in (q, k, v)))),
+      ("needs D <= 128 and E <= 256, got D=160", lambda: run(wide, wide, v)),
+      ("no initial_state, no return_final_state", lambda: run(q, k, v, initial_state=s0)),
+      ("no initial_state, no return_final_state", lambda: run(q, k, v, return_final_state=True)),
+      ("needs a compute capability 9.0 GPU", lambda: run(q, k, v, interpret=False)),
+  ]:
+    if "compute capability" in match and _on_sm90():
+      continue
+    with pytest.raises(ValueError, match=match):
+      call()
+
+
+def test_warp_specialized_config_is_validated_and_budgeted():
+  with pytest.raises(ValueError, match="num_stages must be an int >= 1"):
+    lj.WarpSpecializedConfig(num_stages=0)
+  # The shared-memory estimate: 3 stages fit sm90 at D = 128 in 16-bit, 4 do not.
+  assert config_lib.resolve_warp_specialized(None, dim_k=128, itemsize=2).num_stages == 3
+  assert config_lib.resolve_warp_specialized(None, dim_k=64, itemsize=2).num_stages == 4
+  deep = lj.LightningConfig(warp_specialized=lj.WarpSpecializedConfig(num_stages=4))
+  with pytest.raises(ValueError, match="config.warp_specialized=.* over the 232448-byte per-block budget"):
+    config_lib.resolve_warp_specialized(deep, dim_k=128, itemsize=2)
+
+
+@pytest.mark.parametrize("call,want", [
+    (dict(), "warp_specialized"),
+    (dict(d=64), "chunk_loop"),  # measured slower than Triton at D = 64
+    (dict(dtype=F32), "chunk_loop"),
+    (dict(initial_state=True), "chunk_loop"),
+    (dict(return_final_state=True), "chunk_loop"),
+    (dict(compute_capability=(8, 0)), "chunk_loop"),
+    (dict(compute_capability=(10, 0)), "chunk_loop"),
+    (dict(interpret=True), "chunk_loop"),
+    (dict(b=1, h=8, t=16384), "parallel"),  # too few programs for a sequential walk
+])
+def test_auto_picks_warp_specialized_where_it_was_measured_faster(call, want):
+  kw = dict(b=2, t=8192, h=32, d=128, e=128, dtype=BF16, initial_state=False, return_final_state=False,
+            config=None, compute_capability=(9, 0), interpret=False)
+  kw.update(call)
+  if not NEW_ENOUGH and want == "warp_specialized":
+    want = "chunk_loop"
+  assert api.pallas_variant("auto", **kw) == want
+
+
+def test_factors_fold_the_scale_and_decay():
+  """The per-head factors the kernel loads, against their definition."""
+  decay = jnp.array([0.0, 0.3, 5.0], F32)
+  intra, vectors = mosaic_gpu_forward.decay_factors(decay, 3, scale=0.5)
+  c = mosaic_gpu_forward.CHUNK_SIZE
+  i = np.arange(c)
+  for h, rate in enumerate(np.asarray(decay, np.float64)):
+    gap = i[:, None] - i[None, :]
+    want_intra = np.where(gap >= 0, 0.5 * np.exp(-rate * np.maximum(gap, 0)), 0.0)
+    np.testing.assert_allclose(intra[h], want_intra, rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(vectors[h, 0], 0.5 * np.exp(-rate * (i + 1)), rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(vectors[h, 1], np.exp(-rate * (c - 1 - i)), rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(vectors[h, 2], np.full(c, np.exp(-rate * c)), rtol=1e-5, atol=1e-30)
