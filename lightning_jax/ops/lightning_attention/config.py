@@ -320,9 +320,10 @@ def choose_variant(*, batch: int, heads: int, seq_len: int, dim_v: int, block_e:
 def prefer_warp_specialized(*, dim_k: int) -> bool:
   """Whether `variant="auto"` takes the warp-specialised forward over chunk_loop (where both can run).
 
-  On an H100 (bf16, T 8K-32K; benchmarks/PERFORMANCE.md, item 13) it is 0-9%
-  faster at D = 128, where the chunk work is the larger, and 2-13% slower at
-  D = 64.
+  On an H100 (bf16, B2 H32 D128 and B4 H32 D64, T 8K and 32K, side by side in
+  one process; benchmarks/PERFORMANCE.md, item 13) it took 8-10% less time
+  than chunk_loop at D = 128 and T = 32K and tied at 8K (-3% to +1%); at
+  D = 64 it was 2-11% slower.
   """
   return dim_k > 64
 
