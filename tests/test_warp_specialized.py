@@ -37,9 +37,12 @@ MODES = [pytest.param("interpret", id="interpret", marks=needs_new_jax),
 
 # No initial or final state (the kernel starts from zeros and returns o only);
 # T and the head dims off the 64-token chunk and the padded dims; with decay and
-# over 2 chunks, so that the state decays between chunks.
+# over 2 chunks, so that the state decays between chunks; and more chunks than
+# the load ring has slots (4 at K = 64, 3 at K = 128), so that slots are refilled.
 CASES = [
     Case(2, 65, 3, 64, 64, BF16, initial_state=False, final_state=False),
+    Case(1, 600, 2, 64, 48, BF16, initial_state=False, final_state=False),
+    Case(1, 450, 2, 128, 96, F16, decay=None, initial_state=False, final_state=False),
     Case(1, 130, 3, 128, 128, F16, decay="extreme", initial_state=False, final_state=False),
     Case(2, 100, 2, 100, 80, BF16, decay=None, initial_state=False, final_state=False, scale=1.0),
     Case(1, 200, 1, 24, 256, BF16, initial_state=False, final_state=False),

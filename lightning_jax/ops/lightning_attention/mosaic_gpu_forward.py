@@ -140,6 +140,13 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, out_ref, buffers, barri
       plgpu.barrier_wait(released.at[slot])  # both compute warpgroups are done with chunk n - num_stages
       load(n, slot)
 
+    # Every completed phase of a barrier a warpgroup waits on is observed
+    # before the kernel ends (the GPU interpreter checks it): here the releases
+    # of the last chunks.
+    @pl.loop(max(num_chunks - num_stages, 0), num_chunks)
+    def _drain(n):
+      plgpu.barrier_wait(released.at[slot_of(n)])
+
   @pl.when(wg == 1)
   def _state_chain():
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
@@ -172,6 +179,10 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, out_ref, buffers, barri
       return state_t + update
 
     lax.fori_loop(0, num_chunks, body, jnp.zeros((be, q_smem.shape[-1]), _F32))
+
+    @pl.loop(max(num_chunks - 2, 0), num_chunks)
+    def _drain(n):
+      plgpu.barrier_wait(state_read.at[lax.rem(n, 2)])
 
   @pl.when(wg == 2)
   def _outputs():
