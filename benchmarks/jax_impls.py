@@ -243,7 +243,7 @@ def measure_mode(case: JaxCase, mode: str) -> dict:
   call = _calls(case, mode)
   s = case.settings
   stats = timing.measure(call, jax.block_until_ready, n_sets=len(case.inputs), warmup=s["warmup"],
-                         max_iters=s["iters"], max_seconds=s["case_seconds"])
+                         max_iters=s["iters"], max_seconds=s["case_seconds"], min_sample_seconds=s["sample_seconds"])
   peak = _peak_bytes()
   del call
   memory.update(device_peak_bytes_in_use=peak,

@@ -198,6 +198,8 @@ def _metadata_section(data: dict) -> str:
       f"{bw.get('bandwidth_gbps', float('nan')):.0f} GB/s{_probes_note(bw)}{_floor_note(data)}",
       f"- Timing: up to {settings.get('warmup')} warm-up calls, then the median of up to "
       f"{settings.get('iters')} device-synchronised samples in {settings.get('case_seconds')} s (at least 3; "
+      # Runs before the setting existed used 1 ms.
+      f"each of at least {1e3 * settings.get('sample_seconds', 1e-3):g} ms of back-to-back calls; "
       f"compilation and autotuning excluded; input sets rotated over {fmt_bytes(settings.get('rotate_bytes', 0))}). "
       "See benchmarks/README.md.",
   ]

@@ -59,7 +59,7 @@ RETRY_MIN_SECONDS = 10.0  # the least time left worth a second pass over the cas
 LOG_TAIL_CHARS = 1500
 VERSIONED_PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "numpy", "torch", "triton",
                       "fla-core", "lightning-attn", "jax-linear-attention")
-SETTINGS = ("warmup", "iters", "case_seconds", "compile_threads", "rotate_bytes")
+SETTINGS = ("warmup", "iters", "case_seconds", "sample_seconds", "compile_threads", "rotate_bytes")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -78,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--warmup", type=int, help="warm-up calls per case (after compilation)")
   p.add_argument("--iters", type=int, help="most timed samples per case")
   p.add_argument("--case-seconds", type=float, help="most seconds of timed samples per case (at least 3 samples)")
+  p.add_argument("--sample-seconds", type=float,
+                 help="least seconds of one timed sample of back-to-back calls (at most 100 calls)")
   p.add_argument("--max-seconds", type=float, help="time budget of the whole run")
   p.add_argument("--repeats", type=int, default=1,
                  help="passes over every case, split evenly from the time budget (default 1)")

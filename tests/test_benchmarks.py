@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from benchmarks import cases, metrics, report, timing, worker
+from benchmarks import cases, metrics, report, run, timing, worker
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STATUSES = {"ok", "oom", "skipped", "error"}
@@ -161,6 +161,18 @@ def test_measure_rotates_inputs_and_counts_samples():
   assert timing.rotation_sets(100, 250) == 3 and timing.rotation_sets(10**9, 250) == 1
 
 
+def test_samples_span_sample_seconds_of_back_to_back_calls():
+  def slow_call(i):
+    time.sleep(0.002)
+  stats = timing.measure(slow_call, lambda _: None, warmup=1, min_iters=3, max_iters=3, max_seconds=10.0,
+                         min_sample_seconds=0.02)
+  assert 5 <= stats["calls_per_sample"] <= 10  # ceil(20 ms / (2 ms + the host's overhead))
+  assert stats["time_ms"] >= 2.0
+  assert run.make_plan(run.parse_args(["--sample-seconds", "0.05"])).settings["sample_seconds"] == 0.05
+  assert run.make_plan(run.parse_args([])).settings["sample_seconds"] == 0.02
+  assert run.make_plan(run.parse_args(["--smoke"])).settings["sample_seconds"] == 0.001
+
+
 class _Backend(worker.Backend):
   @contextlib.contextmanager
   def open_job(self, job, settings):
@@ -183,8 +195,6 @@ def test_worker_reports_each_mode_and_the_time_budget():
 
 
 def test_resume_runs_only_missing_modes_and_merges_in_plan_order():
-  from benchmarks import run  # noqa: PLC0415
-
   jobs = cases.make_jobs(["lj-xla"], [cases.Shape(1, 8, 1, 16, 16), cases.Shape(1, 16, 1, 16, 16)], [True],
                          ["fwd", "bwd"], "bf16")
   earlier = [worker.result(jobs[1], "fwd", "ok", time_ms=1.0), worker.result(jobs[0], "bwd", "oom", reason="x")]
@@ -198,8 +208,6 @@ def test_resume_runs_only_missing_modes_and_merges_in_plan_order():
 
 def test_time_left_goes_to_the_cases_skipped_for_time(monkeypatch, tmp_path):
   """A group that runs out of its share gets a second pass with the time the later groups left unused."""
-  from benchmarks import run  # noqa: PLC0415
-
   jobs = cases.make_jobs(["fla-chunk", "lj-xla"], [cases.Shape(1, 8, 1, 16, 16)], [True], ["fwd", "fwdbwd"],
                          "bf16")
   calls = []

@@ -112,7 +112,8 @@ class TorchBackend(worker.Backend):
     call = self._call(ctx, mode)
     s = ctx.settings
     stats = timing.measure(call, lambda _: self.torch.cuda.synchronize(), n_sets=len(ctx.inputs),
-                           warmup=s["warmup"], max_iters=s["iters"], max_seconds=s["case_seconds"])
+                           warmup=s["warmup"], max_iters=s["iters"], max_seconds=s["case_seconds"],
+                           min_sample_seconds=s["sample_seconds"])
     return dict(**stats, memory=self._memory(call, ctx, mode))
 
 
