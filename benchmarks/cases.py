@@ -99,9 +99,9 @@ SHAPE_SETS = {
     "smoke": [Shape(1, t, 2, 16, 16) for t in (32, 64)],
 }
 
-# A sample of 20 ms of back-to-back calls: with ~1 ms samples (2 calls of a
+# A sample of 20 ms of back-to-back calls: with 1 ms samples (2 calls of a
 # 0.7 ms kernel) the host's dispatch and sync latency, larger for JAX than for
-# torch, added up to 14% to a kernel's time (benchmarks/PERFORMANCE.md, item 14).
+# torch, added 13% to a kernel's time (benchmarks/PERFORMANCE.md, item 15).
 _GPU_SETTINGS = dict(dtype="bf16", warmup=2, iters=20, case_seconds=0.3, sample_seconds=0.02, compile_threads=4,
                      rotate_bytes=256 << 20)
 PROFILES = {

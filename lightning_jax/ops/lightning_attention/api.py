@@ -31,7 +31,8 @@ def gpu_compute_capability(device=None) -> tuple[int, int] | None:
   return int(major), int(minor)
 
 
-def _supported_gpu(cc) -> bool:
+def supported_gpu(cc) -> bool:
+  """Whether a device of compute capability `cc` (None: not an NVIDIA GPU) runs the Pallas kernels compiled."""
   return cc is not None and cc >= config_lib.MIN_COMPUTE_CAPABILITY
 
 
@@ -161,10 +162,10 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
 
   cc = gpu_compute_capability()
   if impl == "auto":
-    impl = "pallas" if _supported_gpu(cc) else "xla"
+    impl = "pallas" if supported_gpu(cc) else "xla"
 
   if impl == "pallas":
-    interpret = (not _supported_gpu(cc)) if interpret is None else interpret
+    interpret = (not supported_gpu(cc)) if interpret is None else interpret
     variant = pallas_variant(variant, b=b, t=t, h=h, d=d, e=v.shape[-1], dtype=q.dtype,
                              initial_state=initial_state is not None, return_final_state=return_final_state,
                              config=config, compute_capability=cc, interpret=interpret)
