@@ -112,8 +112,8 @@ PROFILES = {
                   **_GPU_SETTINGS),
     # Tiny shapes that run on a CPU in seconds (Pallas in interpret mode).
     "smoke": dict(shapes="smoke", impls="lj-pallas-auto,lj-xla,baseline,peer", modes="fwd,bwd,fwdbwd",
-                  decay="on", dtype="bf16", warmup=1, iters=3, case_seconds=0.05, sample_seconds=0.001, compile_threads=1,
-                  rotate_bytes=0, max_seconds=600.0),
+                  decay="on", dtype="bf16", warmup=1, iters=3, case_seconds=0.05, sample_seconds=0.001,
+                  compile_threads=1, rotate_bytes=0, max_seconds=600.0),
 }
 
 

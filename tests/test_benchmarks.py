@@ -161,13 +161,16 @@ def test_measure_rotates_inputs_and_counts_samples():
   assert timing.rotation_sets(100, 250) == 3 and timing.rotation_sets(10**9, 250) == 1
 
 
-def test_samples_span_sample_seconds_of_back_to_back_calls():
-  def slow_call(i):
-    time.sleep(0.002)
-  stats = timing.measure(slow_call, lambda _: None, warmup=1, min_iters=3, max_iters=3, max_seconds=10.0,
+def test_samples_span_sample_seconds_of_back_to_back_calls(monkeypatch):
+  now = [0.0]
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+  def call(i):  # 3 ms per call on the fake clock
+    now[0] += 0.003
+  stats = timing.measure(call, lambda _: None, warmup=1, min_iters=3, max_iters=3, max_seconds=10.0,
                          min_sample_seconds=0.02)
-  assert 5 <= stats["calls_per_sample"] <= 10  # ceil(20 ms / (2 ms + the host's overhead))
-  assert stats["time_ms"] >= 2.0
+  assert stats["calls_per_sample"] == 7 and stats["samples"] == 3  # ceil(20 ms / 3 ms)
+  assert stats["time_ms"] == pytest.approx(3.0)
   assert run.make_plan(run.parse_args(["--sample-seconds", "0.05"])).settings["sample_seconds"] == 0.05
   assert run.make_plan(run.parse_args([])).settings["sample_seconds"] == 0.02
   assert run.make_plan(run.parse_args(["--smoke"])).settings["sample_seconds"] == 0.001
