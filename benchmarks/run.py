@@ -224,10 +224,11 @@ def run_group(group: str, jobs: list[dict], settings: dict, deadline: float, wor
   return [results[j["id"], m] for j in jobs for m in j["modes"]], info
 
 
-def run_probe(workdir: pathlib.Path, kill_at: float, name: str = "probe") -> dict:
-  """Device information and copy bandwidth from `benchmarks.jax_impls --probe`."""
+def run_probe(workdir: pathlib.Path, kill_at: float, sample_seconds: float, name: str = "probe") -> dict:
+  """Device information and copy bandwidth from `benchmarks.jax_impls --probe`, timed like the cases."""
   path = workdir / f"{name}.json"
-  _, rc, log = run_worker("benchmarks.jax_impls", ["--probe", str(path)], workdir, name, kill_at)
+  _, rc, log = run_worker("benchmarks.jax_impls", ["--probe", str(path), str(sample_seconds)], workdir, name,
+                          kill_at)
   if rc == 0 and path.exists():
     return json.loads(path.read_text())
   return {"error": f"probe failed (code {rc}): {log}"}
@@ -310,7 +311,8 @@ def run_repeats(jobs: list[dict], settings: dict, probe: dict, end: float, workd
   passes, infos, probes = [], {}, [probe]
   for i in range(repeats):
     if i:
-      probes.append(run_probe(workdir, min(end, time.time() + PROBE_SECONDS), f"pass{i}-probe"))
+      probes.append(run_probe(workdir, min(end, time.time() + PROBE_SECONDS), settings["sample_seconds"],
+                              f"pass{i}-probe"))
     now = time.time()
     pass_end = now + max(0.0, end - now) / (repeats - i)
     results, more = run_groups(jobs, settings, probe, pass_end, workdir, start, f"pass{i}-", i % 2 == 1, env)
@@ -421,7 +423,7 @@ def main(argv=None) -> dict:
   start = time.time()
   with tempfile.TemporaryDirectory(prefix="lightning-jax-bench-") as tmp:
     workdir = pathlib.Path(tmp)
-    probe = run_probe(workdir, start + min(PROBE_SECONDS, args.max_seconds))
+    probe = run_probe(workdir, start + min(PROBE_SECONDS, args.max_seconds), plan.settings["sample_seconds"])
     stem = args.name or cases.device_slug(probe.get("device_kind", "unknown"))
     earlier, commands = previous_run(args.out_dir / f"{stem}.json") if args.resume else ([], [])
     jobs = still_to_run(plan.jobs, earlier)

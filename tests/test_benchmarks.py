@@ -238,8 +238,6 @@ def test_time_left_goes_to_the_cases_skipped_for_time(monkeypatch, tmp_path):
 
 def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch, tmp_path):
   """`--repeats 3`: three passes, the middle one in reverse group order; each case keeps its median pass."""
-  from benchmarks import report, run  # noqa: PLC0415
-
   jobs = cases.make_jobs(["fla-chunk", "lj-xla"], [cases.Shape(1, 8, 1, 16, 16)], [True], ["fwd"], "bf16")
   times = {"fla": [3.0, 1.0, 2.0], "lj-xla": [5.0, 7.0, 6.0]}  # per pass; lj-xla's second pass fails
   calls, envs = [], []
@@ -252,7 +250,8 @@ def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch,
     return [worker.result(j, "fwd", status, time_ms=times[group][i], compile_s=10.0 - i, memory={"pass": i})
             for j in step_jobs], {}
 
-  def fake_run_probe(workdir, kill_at, name="probe"):
+  def fake_run_probe(workdir, kill_at, sample_seconds, name="probe"):
+    assert sample_seconds == 0.02  # the probe's samples last as long as the cases'
     calls.append(name)
     if name != "pass1-probe":
       return {"error": "probe failed"}
@@ -261,7 +260,8 @@ def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch,
   monkeypatch.setattr(run, "run_group", fake_run_group)
   monkeypatch.setattr(run, "run_probe", fake_run_probe)
   first = {"platform": "cpu", "copy_bandwidth": {"bandwidth_gbps": 3000.0, "bytes_moved": 4, "time_ms": 1.0}}
-  results, _, probes = run.run_repeats(jobs, {}, first, time.time() + 3600, tmp_path, time.time(), 3)
+  results, _, probes = run.run_repeats(jobs, {"sample_seconds": 0.02}, first, time.time() + 3600, tmp_path,
+                                       time.time(), 3)
   assert calls == ["pass0-fla-t0", "pass0-lj-xla-t0", "pass1-probe", "pass1-lj-xla-t0", "pass1-fla-t0",
                    "pass2-probe", "pass2-fla-t0", "pass2-lj-xla-t0"]
   # The floors use the median of the probes that measured (the third failed); the record keeps each.
