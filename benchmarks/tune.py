@@ -8,7 +8,8 @@ choose blocks for: the forward pass is one `forward` sweep, the backward pass a
 else a `forward`-like sweep) and a `dual` sweep (dk and dv). Every candidate
 that fits the device's shared-memory budget is compiled, checked against the
 output of the first that compiled (the default, unless it failed), and timed
-with `benchmarks.timing`; the JSON holds every row, and one line per (shape,
+with `benchmarks.timing` (samples of at least `--sample-seconds`, as in the
+benchmark CLI); the JSON holds every row, and one line per (shape,
 job, decay, variant) prints the default's time and status beside the best
 config's.
 """
@@ -85,6 +86,8 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"))
   parser.add_argument("--compile-threads", type=int, default=8)
   parser.add_argument("--max-seconds", type=float, default=420.0, help="stop starting new groups after this")
+  parser.add_argument("--sample-seconds", type=float, default=0.02,
+                      help="each timed sample lasts at least this long (see benchmarks.timing)")
   parser.add_argument("--out", default=None, help="JSON file for every row")
   args = parser.parse_args(argv)
 
@@ -134,7 +137,8 @@ def main(argv=None):
             want = out
           err = max(rel_err(a, w) for a, w in zip(jax.tree.leaves(out), jax.tree.leaves(want)))
           row.update(err=err, **timing.measure(lambda i: fn(*inputs[i]), jax.block_until_ready,
-                                               n_sets=len(inputs), max_iters=15, max_seconds=0.3))
+                                               n_sets=len(inputs), max_iters=15, max_seconds=0.3,
+                                               min_sample_seconds=args.sample_seconds))
           row["status"] = "ok" if err < 2e-2 else "wrong"
           if row["status"] == "ok" and (best is None or row["time_ms"] < best["time_ms"]):
             best = row
@@ -145,7 +149,8 @@ def main(argv=None):
             f"default {default.get('time_ms', float('nan')):.3f} ms ({default['status']})  {best_text}", flush=True)
       if args.out:
         with open(args.out, "w") as f:
-          json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
+          json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                         sample_seconds=args.sample_seconds, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -283,16 +283,26 @@ def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch,
   assert "fla-chunk 2.000 [1.000-3.000]" in loses and "| no |" in loses
 
 
-def test_tune_smoke(tmp_path):
+def test_tune_smoke(tmp_path, monkeypatch):
   """`benchmarks.tune` in interpret mode: every candidate compiles, agrees with the default, and is timed."""
   from benchmarks import tune
 
   out = tmp_path / "tune.json"
+  sample_lengths = []
+  measure = tune.timing.measure
+
+  def recording_measure(*args, **kwargs):
+    sample_lengths.append(kwargs["min_sample_seconds"])
+    return measure(*args, **kwargs)
+
+  monkeypatch.setattr(tune.timing, "measure", recording_measure)
   tune.main(["--shapes", "1x40x2x16x32", "--jobs", "forward,dual", "--variants", "parallel", "--decays", "on",
-             "--dtype", "f32", "--out", str(out)])
-  rows = json.loads(out.read_text())["rows"]
+             "--dtype", "f32", "--sample-seconds", "0.003", "--out", str(out)])
+  saved = json.loads(out.read_text())
+  rows = saved["rows"]
   assert {r["job"] for r in rows} == {"forward", "dual"}
   assert sum(r["default"] for r in rows) == 2 and len(rows) > 2
+  assert saved["sample_seconds"] == 0.003 and sample_lengths == [0.003] * len(rows)
   for r in rows:
     assert r["status"] == "ok" and r["err"] < 1e-5 and r["time_ms"] > 0, r
 
