@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
-from benchmarks.cases import parse_shapes
+from benchmarks.cases import GPU_SAMPLE_SECONDS, parse_shapes
 from lightning_jax.ops.lightning_attention import api
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import pallas_vjp
@@ -86,7 +86,7 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"))
   parser.add_argument("--compile-threads", type=int, default=8)
   parser.add_argument("--max-seconds", type=float, default=420.0, help="stop starting new groups after this")
-  parser.add_argument("--sample-seconds", type=float, default=0.02,
+  parser.add_argument("--sample-seconds", type=float, default=GPU_SAMPLE_SECONDS,
                       help="each timed sample lasts at least this long (see benchmarks.timing)")
   parser.add_argument("--out", default=None, help="JSON file for every row")
   args = parser.parse_args(argv)
