@@ -68,8 +68,10 @@ def _chunk_out(x, y, z, u, state, tangent, f, *, scale, reverse, exact):
   output (u z^T) y + u S^T, the same sweep seen from z's side (dk beside dv).
   With `tangent` (the state's decay tangent U), also out's decay tangent.
   """
-  state_in = state.astype(x.dtype)
   scores = _scores(x, y, f, reverse=reverse, exact=exact)
+  # The state is read after the first product (a no-op cast where the caller
+  # already cast it): see the two orders of `_chunk_loop_kernel`.
+  state_in = state.astype(x.dtype)
   inter = _dot(x, state_in, exact=exact)
   if f is not None:
     inter = inter * f.row[:, None]
@@ -136,12 +138,22 @@ def _chunk_loop_kernel(*refs, scale, chunk_size, seq_len, num_chunks, reverse, h
     x, y, z = x_ref[rows, :], y_ref[rows, :], z_ref[rows, :]
     u = u_ref[rows, :] if has_dual else None
     f = factors(n)
-    # The next state first: it needs only this chunk's loads and the carried
-    # state, so the next chunk's serial chain starts sooner (with 4 stages,
-    # 3-17% on the D128 forward; benchmarks/PERFORMANCE.md, item 8).
-    next_carry = _chunk_state(y, z, state, tangent, f, exact=exact)
-    out, dual, out_tangent = _chunk_out(x, y, z, u, state, tangent, f, scale=scale, reverse=reverse,
-                                        exact=exact)
+    if has_decay:
+      # The outputs first, reading the carried state only after the scores'
+      # product, then the state update: measured 0-3% faster than the order
+      # below on the H100 (the most at D128 and with the decay gradient),
+      # benchmarks/PERFORMANCE.md, item 19.
+      out, dual, out_tangent = _chunk_out(x, y, z, u, state, tangent, f, scale=scale, reverse=reverse,
+                                          exact=exact)
+      next_carry = _chunk_state(y, z, state, tangent, f, exact=exact)
+    else:
+      # The next state first: it needs only this chunk's loads and the carried
+      # state, so the next chunk's serial chain starts sooner (3-17% on the D128
+      # forward, item 8). The cast right after it: cast after the scores'
+      # product, this order ran 23% slower at D128 (item 19).
+      next_carry = _chunk_state(y, z, state, tangent, f, exact=exact)
+      out, dual, out_tangent = _chunk_out(x, y, z, u, state.astype(x.dtype), tangent, f, scale=scale,
+                                          reverse=reverse, exact=exact)
     out_ref[rows, :] = out.astype(out_ref.dtype)
     if has_dual:
       dual_ref[rows, :] = dual.astype(dual_ref.dtype)
@@ -185,7 +197,8 @@ def _chunk_output_kernel(*refs, scale, chunk_size, seq_len, reverse, has_decay, 
       refs, (has_decay, True, True, True, has_dual, True, has_tangent, has_tangent, True, has_dual, has_tangent))
   f = _sweep_factors(decay_ref, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)(pl.program_id(1))
   out, dual, out_tangent = _chunk_out(x_ref[...], y_ref[...], z_ref[...], u_ref[...] if has_dual else None,
-                                      states_ref[...], tangents_ref[...] if has_tangent else None, f,
+                                      states_ref[...].astype(x_ref.dtype),
+                                      tangents_ref[...] if has_tangent else None, f,
                                       scale=scale, reverse=reverse, exact=exact)
   out_ref[...] = out.astype(out_ref.dtype)
   if has_dual:
