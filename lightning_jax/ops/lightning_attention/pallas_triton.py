@@ -69,8 +69,10 @@ def _chunk_out(x, y, z, u, state, tangent, f, *, scale, reverse, exact):
   With `tangent` (the state's decay tangent U), also out's decay tangent.
   """
   scores = _scores(x, y, f, reverse=reverse, exact=exact)
-  # The state is read after the first product (a no-op cast where the caller
-  # already cast it): see the two orders of `_chunk_loop_kernel`.
+  # The state is read after the first product, which the chunk loop's
+  # outputs-first order needs (see `_chunk_loop_kernel`). Its state-first order
+  # and the parallel output kernel cast the state before the call, where this
+  # function always cast it; the cast here is then a no-op.
   state_in = state.astype(x.dtype)
   inter = _dot(x, state_in, exact=exact)
   if f is not None:
