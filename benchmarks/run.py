@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--iters", type=int, help="most timed samples per case")
   p.add_argument("--case-seconds", type=float, help="most seconds of timed samples per case (at least 3 samples)")
   p.add_argument("--sample-seconds", type=float,
-                 help="least seconds of one timed sample of back-to-back calls (at most 100 calls)")
+                 help="least seconds of one timed sample of back-to-back calls (at most 10000 calls)")
   p.add_argument("--max-seconds", type=float, help="time budget of the whole run")
   p.add_argument("--repeats", type=int, default=1,
                  help="passes over every case, split evenly from the time budget (default 1)")

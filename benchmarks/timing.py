@@ -13,7 +13,9 @@ implementation is timed the same way:
   `sync(output)` (block_until_ready / cuda.synchronize), timed on the host and
   divided by the number of calls. The count is chosen so that a sample lasts
   at least `min_sample_seconds`, which amortises the host's launch and sync
-  overhead for very short kernels; long kernels use one call per sample;
+  overhead for short kernels; long kernels use one call per sample. It is
+  sized from timed batches of calls, not from one call, whose launch and sync
+  latency would overstate a short kernel's time and cut its samples short;
 * samples are taken until `max_iters` samples or `max_seconds`, but at least
   `min_iters`; the result is their median (with min, p10, p90).
 """
@@ -38,23 +40,47 @@ def _quantile(sorted_values: list[float], q: float) -> float:
   return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
+MAX_CALLS_PER_SAMPLE = 10_000
+_SIZING_ROUNDS = 4
+
+
+def _calls_per_sample(call, sync, n_sets: int, one_call: float, min_sample_seconds: float) -> int:
+  """Back-to-back calls for a sample of at least `min_sample_seconds`.
+
+  Starts from one call's time and times batches of that many calls, growing
+  the batch until one spans the target: each batch's time per call still
+  carries its share of the fixed sync latency, so the count rises towards the
+  target from below. A batch is timed even when one call seemed to span the
+  target, since that call may have been the one that compiled or autotuned.
+  """
+  count = max(1, min(MAX_CALLS_PER_SAMPLE, math.ceil(min_sample_seconds / max(one_call, 1e-7))))
+  for _ in range(_SIZING_ROUNDS if min_sample_seconds > 0 else 0):
+    took = count * _sample(call, sync, 0, count, n_sets)
+    if took >= min_sample_seconds or count == MAX_CALLS_PER_SAMPLE:
+      break
+    # 10% over, so that the samples after it, often a little faster, still span the target.
+    count = min(MAX_CALLS_PER_SAMPLE, math.ceil(1.1 * count * min_sample_seconds / max(took, 1e-9)))
+  return count
+
+
 def measure(call, sync, *, n_sets: int = 1, warmup: int = 2, min_iters: int = 3, max_iters: int = 20,
             max_seconds: float = 0.5, min_sample_seconds: float = 1e-3) -> dict:
-  """Times `call`; returns milliseconds (median, min, p10, p90) and the sample counts."""
+  """Times `call`; returns milliseconds (median, min, p10, p90), the sample counts and lengths."""
   one_call = spent = 0.0
-  for i in range(max(1, warmup)):  # the last warm-up call calibrates the sample size
+  for i in range(max(1, warmup)):  # the last warm-up call starts the sample sizing
     if i and spent > max_seconds:
       break
     one_call = _sample(call, sync, i, 1, n_sets)
     spent += one_call
-  per_sample = max(1, min(100, math.ceil(min_sample_seconds / max(one_call, 1e-7))))
+  per_sample = _calls_per_sample(call, sync, n_sets, one_call, min_sample_seconds)
   samples, start = [], time.perf_counter()
   while len(samples) < max(1, min_iters) or (len(samples) < max_iters and time.perf_counter() - start < max_seconds):
     samples.append(_sample(call, sync, len(samples) * per_sample, per_sample, n_sets))
   ordered = sorted(samples)
   return dict(time_ms=1e3 * statistics.median(ordered), time_ms_min=1e3 * ordered[0],
               time_ms_p10=1e3 * _quantile(ordered, 0.1), time_ms_p90=1e3 * _quantile(ordered, 0.9),
-              samples=len(samples), calls_per_sample=per_sample, n_sets=n_sets)
+              samples=len(samples), calls_per_sample=per_sample, n_sets=n_sets,
+              sample_ms_min=1e3 * per_sample * ordered[0])
 
 
 def rotation_sets(set_bytes: int, rotate_bytes: int, max_sets: int = 8) -> int:

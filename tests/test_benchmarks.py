@@ -170,10 +170,33 @@ def test_samples_span_sample_seconds_of_back_to_back_calls(monkeypatch):
   stats = timing.measure(call, lambda _: None, warmup=1, min_iters=3, max_iters=3, max_seconds=10.0,
                          min_sample_seconds=0.02)
   assert stats["calls_per_sample"] == 7 and stats["samples"] == 3  # ceil(20 ms / 3 ms)
-  assert stats["time_ms"] == pytest.approx(3.0)
+  assert stats["time_ms"] == pytest.approx(3.0) and stats["sample_ms_min"] == pytest.approx(21.0)
   assert run.make_plan(run.parse_args(["--sample-seconds", "0.05"])).settings["sample_seconds"] == 0.05
   assert run.make_plan(run.parse_args([])).settings["sample_seconds"] == 0.02
   assert run.make_plan(run.parse_args(["--smoke"])).settings["sample_seconds"] == 0.001
+
+
+def test_samples_are_sized_past_sync_latency_and_a_slow_first_call(monkeypatch):
+  # 0.1 ms per call and 1 ms per sync: one call reads 1.1 ms, so sizing from it
+  # alone gives 19-call samples of 2.9 ms. The first call also took 5 s (as a
+  # compiling or autotuning call does), which alone would give 1-call samples.
+  now = [0.0]
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+  calls = []
+
+  def call(i):
+    now[0] += 5.0 if not calls else 1e-4
+    calls.append(i)
+
+  def sync(_):
+    now[0] += 1e-3
+  for warmup, max_seconds in ((2, 10.0), (2, 1.0)):  # two warm-up calls, and one (the slow one)
+    calls.clear()
+    stats = timing.measure(call, sync, warmup=warmup, min_iters=3, max_iters=3, max_seconds=max_seconds,
+                           min_sample_seconds=0.02)
+    assert stats["sample_ms_min"] >= 20.0 - 1e-6, stats  # (float sums on the fake clock)
+    assert stats["calls_per_sample"] <= 220  # 190 suffice (19 ms of calls at 0.1 ms), 10% over is the margin
+    assert stats["time_ms"] == pytest.approx(0.1 + 1.0 / stats["calls_per_sample"])
 
 
 class _Backend(worker.Backend):
