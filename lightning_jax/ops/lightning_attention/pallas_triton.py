@@ -142,9 +142,9 @@ def _chunk_loop_kernel(*refs, scale, chunk_size, seq_len, num_chunks, reverse, h
     f = factors(n)
     if has_decay:
       # The outputs first, reading the carried state only after the scores'
-      # product, then the state update: measured 0-3% faster than the order
-      # below on the H100 (the most at D128 and with the decay gradient),
-      # benchmarks/PERFORMANCE.md, item 19.
+      # product, then the state update: on the H100 up to 3% faster than the
+      # order below at D128 and with the decay gradient, within 0.4% elsewhere
+      # (benchmarks/PERFORMANCE.md, item 19).
       out, dual, out_tangent = _chunk_out(x, y, z, u, state, tangent, f, scale=scale, reverse=reverse,
                                           exact=exact)
       next_carry = _chunk_state(y, z, state, tangent, f, exact=exact)
