@@ -11,16 +11,28 @@ output of the first that compiled (the default, unless it failed), and timed
 with `benchmarks.timing` (samples of at least `--sample-seconds`, as in the
 benchmark CLI); the JSON holds every row, and one line per (shape,
 job, decay, variant) prints the default's time and status beside the best
-config's.
+config's. The default rows run the heuristics: tune ignores every tuning cache.
+
+    python -m benchmarks.tune --shapes 4x8192x32x64,2x8192x32x128 --write-cache my_gpu.json
+
+also writes a tuning cache for this device (see
+`lightning_jax.ops.lightning_attention.tuning_cache`), or updates the one at
+that path: per sweep, the config that `pick_configs` picks. It needs a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
+import datetime
 import itertools
 import json
+import math
+import os
+import shlex
+import sys
 import time
 
 import jax
@@ -32,6 +44,7 @@ from benchmarks.cases import GPU_SAMPLE_SECONDS, parse_shapes
 from lightning_jax.ops.lightning_attention import api
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import pallas_vjp
+from lightning_jax.ops.lightning_attention import tuning_cache
 
 # Explore a little past the heuristics' register limit, to check that limit.
 MAX_ACCUMULATOR_REGISTERS = config_lib.MAX_ACCUMULATOR_REGISTERS + 32
@@ -72,6 +85,78 @@ def job_fn(job, opts):
   return jax.jit(fn)
 
 
+def sweep_dims(d, e, job):
+  """The padded dims of `job`'s sweep for head dims D, E: the tangent (dq) sweep runs on (E, D)."""
+  dim_k, dim_v = (e, d) if job == "tangent" else (d, e)
+  return dict(dim_k=config_lib.padded_dim(dim_k), dim_v=config_lib.padded_dim(dim_v))
+
+
+# The kernel whose config each variant's candidates set (chunk_states keeps the heuristics).
+KERNEL_OF_VARIANT = {"chunk_loop": "chunk_loop", "parallel": "chunk_output"}
+
+
+def pick_configs(rows, *, compute_capability, itemsize, min_gain):
+  """Per sweep and kernel, the config a tuning cache should hold, from the rows of `main`.
+
+  A cache entry serves every B, T, H and decay of its padded dims, so a group is
+  every row of one (job, padded dims, variant), and the configs with status "ok"
+  in each of its (shape, decay) settings compete on their total time. The
+  heuristics' config (the default rows, and the candidate equal to it: the
+  faster per setting) keeps the sweep unless the fastest beats it by more than
+  the fraction `min_gain`: an entry that repeats the heuristics, or wins by
+  noise, would only pin this version's choice on this device.
+
+  Returns {(job, dim_k, dim_v, kernel): the config, or None where the heuristics
+  keep the sweep}; a group with no config ok in every setting is left out.
+  """
+  groups = collections.defaultdict(list)
+  for row in rows:
+    dims = sweep_dims(*row["shape"][3:], row["job"])
+    groups[row["job"], dims["dim_k"], dims["dim_v"], KERNEL_OF_VARIANT[row["variant"]]].append(row)
+  picks = {}
+  for (job, dim_k, dim_v, kernel), group in groups.items():
+    with tuning_cache.use_tuning_cache(None):  # what the default rows ran
+      heuristic = getattr(config_lib.resolve(None, dim_k=dim_k, dim_v=dim_v, itemsize=itemsize,
+                                             compute_capability=compute_capability, job=job), kernel)
+    settings = {(tuple(r["shape"]), r["decay"]) for r in group}
+    times = collections.defaultdict(dict)  # config -> {setting: time_ms}
+    for r in group:
+      if r["status"] == "ok":
+        cfg = heuristic if r["default"] else tuning_cache.KERNELS[kernel](**r["config"][kernel])
+        setting = (tuple(r["shape"]), r["decay"])
+        times[cfg][setting] = min(r["time_ms"], times[cfg].get(setting, math.inf))
+    totals = {cfg: sum(t.values()) for cfg, t in times.items() if len(t) == len(settings)}
+    if not totals:
+      continue
+    best = min(totals, key=totals.get)
+    keep = best == heuristic or (heuristic in totals and totals[best] > (1 - min_gain) * totals[heuristic])
+    picks[job, dim_k, dim_v, kernel] = None if keep else best
+  return picks
+
+
+def merge_picks(cache, picks, *, compute_capability, itemsize, **metadata):
+  """`cache` (None: an empty one) with the `picks` of `pick_configs` applied.
+
+  A pick sets its kernel's config in the entry of its sweep, or with None drops
+  it (the heuristics won on this device); an entry it changes takes `metadata`
+  (device, jax, date, command), and one left with no config goes. Entries of
+  other sweeps and devices stay as they were.
+  """
+  entries = {entry.key: entry for entry in (cache.entries if cache else ())}
+  cc = tuple(compute_capability)
+  for (job, dim_k, dim_v, kernel), cfg in picks.items():
+    key = (cc, job, dim_k, dim_v, itemsize)
+    old = entries.pop(key, None)
+    kernels = {name: getattr(old, name, None) for name in tuning_cache.KERNELS} | {kernel: cfg}
+    if old is not None and getattr(old, kernel) == cfg:
+      entries[key] = old  # unchanged, with the metadata of the run that measured it
+    elif any(value is not None for value in kernels.values()):
+      entries[key] = tuning_cache.TuningEntry(compute_capability=cc, job=job, dim_k=dim_k, dim_v=dim_v,
+                                              itemsize=itemsize, **kernels, **metadata)
+  return tuning_cache.TuningCache(entries=tuple(sorted(entries.values(), key=lambda entry: entry.key)),
+                                  path=cache.path if cache else None)
+
+
 def rel_err(x, y):
   x, y = (np.asarray(a, np.float64) for a in (x, y))
   return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
@@ -89,10 +174,21 @@ def main(argv=None):
   parser.add_argument("--sample-seconds", type=float, default=GPU_SAMPLE_SECONDS,
                       help="each timed sample lasts at least this long (see benchmarks.timing)")
   parser.add_argument("--out", default=None, help="JSON file for every row")
+  parser.add_argument("--write-cache", default=None, metavar="PATH",
+                      help="write the picked configs to this tuning cache (updated if it exists); needs a GPU")
+  parser.add_argument("--cache-min-gain", type=float, default=0.05,
+                      help="a config enters the cache where it takes this fraction less time than the heuristics'")
   args = parser.parse_args(argv)
 
   dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}[args.dtype]
+  itemsize = jnp.dtype(dtype).itemsize
   cc = api.gpu_compute_capability()  # None: interpret mode on the CPU (a smoke test, not a tuning)
+  if args.write_cache and cc is None:
+    parser.error("--write-cache needs an NVIDIA GPU: interpret-mode timings on the CPU say nothing about a "
+                 "device's blocks")
+  # A broken cache file fails now, not after the timings.
+  previous = (tuning_cache.TuningCache.load(args.write_cache)
+              if args.write_cache and os.path.exists(args.write_cache) else None)
   budget = config_lib.shared_memory_budget(cc)
   start = time.perf_counter()
   rows = []
@@ -109,17 +205,16 @@ def main(argv=None):
       if job == "tangent" and decay_on == "off":
         continue  # the tangent needs a decay; without one the dq sweep is a forward sweep
       decay = rates if decay_on == "on" else None
-      dims = dict(dim_k=config_lib.padded_dim(d if job != "tangent" else e),
-                  dim_v=config_lib.padded_dim(e if job != "tangent" else d))
       make = chunk_loop_candidates if variant == "chunk_loop" else parallel_candidates
-      configs = [None] + list(make(**dims, itemsize=jnp.dtype(dtype).itemsize, budget=budget, job=job))
+      configs = [None] + list(make(**sweep_dims(d, e, job), itemsize=itemsize, budget=budget, job=job))
       opts = [pallas_vjp.PallasOptions(scale=d ** -0.5, return_final_state=False, variant=variant, config=cfg,
                                        compute_capability=cc, interpret=cc is None) for cfg in configs]
       inputs = [(q, k, v, decay, do) for q, k, v, do in sets]
 
       def compile_one(o):
         try:
-          return job_fn(job, o).lower(*inputs[0]).compile()
+          with tuning_cache.use_tuning_cache(None):  # the default rows run the heuristics
+            return job_fn(job, o).lower(*inputs[0]).compile()
         except Exception as err:  # noqa: BLE001 - a config the compiler rejects is a result
           return err
 
@@ -151,6 +246,16 @@ def main(argv=None):
         with open(args.out, "w") as f:
           json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                          sample_seconds=args.sample_seconds, rows=rows), f, indent=1)
+  if args.write_cache:
+    picks = pick_configs(rows, compute_capability=cc, itemsize=itemsize, min_gain=args.cache_min_gain)
+    command = ["python", "-m", "benchmarks.tune", *(sys.argv[1:] if argv is None else argv)]
+    cache = merge_picks(previous, picks, compute_capability=cc, itemsize=itemsize,
+                        device=jax.devices()[0].device_kind, jax=jax.__version__,
+                        date=datetime.date.today().isoformat(), command=shlex.join(command))
+    cache.save(args.write_cache)
+    tuned = sum(cfg is not None for cfg in picks.values())
+    print(f"wrote {args.write_cache}: {tuned} of the {len(picks)} kernel configs measured are tuned, the others "
+          f"keep the heuristics; {len(cache.entries)} entries in all", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ from lightning_jax.ops.lightning_attention import (
     ChunkOutputConfig,
     ChunkStatesConfig,
     LightningConfig,
+    TuningCache,
+    TuningEntry,
     WarpSpecializedConfig,
     lightning_attention,
     lightning_attention_chunked,
     lightning_attention_quadratic,
     lightning_attention_recurrent,
+    use_tuning_cache,
 )
 from lightning_jax.attention_fn import attention_fn
 from lightning_jax.slopes import alibi_slopes, minimax_slopes
@@ -21,6 +24,8 @@ __all__ = [
     "ChunkOutputConfig",
     "ChunkStatesConfig",
     "LightningConfig",
+    "TuningCache",
+    "TuningEntry",
     "WarpSpecializedConfig",
     "alibi_slopes",
     "attention_fn",
@@ -29,6 +34,7 @@ __all__ = [
     "lightning_attention_quadratic",
     "lightning_attention_recurrent",
     "minimax_slopes",
+    "use_tuning_cache",
 ]
 
 

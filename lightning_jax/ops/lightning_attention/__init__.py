@@ -12,6 +12,7 @@ from lightning_jax.ops.lightning_attention.reference import (
     lightning_attention_quadratic,
     lightning_attention_recurrent,
 )
+from lightning_jax.ops.lightning_attention.tuning_cache import TuningCache, TuningEntry, use_tuning_cache
 from lightning_jax.ops.lightning_attention.xla import lightning_attention_chunked
 
 __all__ = [
@@ -19,9 +20,12 @@ __all__ = [
     "ChunkOutputConfig",
     "ChunkStatesConfig",
     "LightningConfig",
+    "TuningCache",
+    "TuningEntry",
     "WarpSpecializedConfig",
     "lightning_attention",
     "lightning_attention_chunked",
     "lightning_attention_quadratic",
     "lightning_attention_recurrent",
+    "use_tuning_cache",
 ]

@@ -261,13 +261,13 @@ def _clip(cfg, **maxima):
   return dataclasses.replace(cfg, **changes)
 
 
-def _check_budget(name, cfg, cost, *, budget, compute_capability, dims):
-  """`cfg` if its shared-memory `cost` fits `budget`, else a ValueError that names both."""
+def _check_budget(name, cfg, cost, *, budget, compute_capability, dims, origin="config."):
+  """`cfg` if its shared-memory `cost` fits `budget`, else a ValueError naming both and `cfg`'s origin."""
   if cost > budget:
     where = (f"compute capability {compute_capability[0]}.{compute_capability[1]}"
              if compute_capability else "an unknown device")
     raise ValueError(
-        f"config.{name}={cfg} needs about {cost} bytes of shared memory for dims ({dims}), over the "
+        f"{origin}{name}={cfg} needs about {cost} bytes of shared memory for dims ({dims}), over the "
         f"{budget}-byte per-block budget of {where}; use a smaller chunk_size, block or num_stages")
   return cfg
 
@@ -277,11 +277,16 @@ def resolve(config: LightningConfig | None, *, dim_k: int, dim_v: int, itemsize:
   """Fills the unset fields of `config` for one sweep and checks the budget.
 
   `dim_k`, `dim_v` are padded dims (powers of two >= 16); `job` one of
-  `SWEEP_JOBS` (see `sweep_job`).
+  `SWEEP_JOBS` (see `sweep_job`). A kernel's config is the one set in
+  `config`, else the active tuning cache's for this sweep (consulted at trace
+  time, see `tuning_cache`), else the heuristics'.
   """
+  from lightning_jax.ops.lightning_attention import tuning_cache  # noqa: PLC0415 -- it imports this module
+
   if job not in SWEEP_JOBS:
     raise ValueError(f"job must be one of {SWEEP_JOBS}, got {job!r}")
-  config = config or LightningConfig()
+  config, origins = tuning_cache.fill_from_cache(config or LightningConfig(), compute_capability=compute_capability,
+                                                 job=job, dim_k=dim_k, dim_v=dim_v, itemsize=itemsize)
   budget = shared_memory_budget(compute_capability)
   check = functools.partial(_check_budget, budget=budget, compute_capability=compute_capability,
                             dims=f"dim_k={dim_k}, dim_v={dim_v}, itemsize={itemsize}")
@@ -289,17 +294,20 @@ def resolve(config: LightningConfig | None, *, dim_k: int, dim_v: int, itemsize:
   loop = config.chunk_loop
   loop = (default_chunk_loop(dim_k, dim_v, itemsize, budget, job) if loop is None
           else check("chunk_loop", _clip(loop, block_e=dim_v),
-                     _clip(loop, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize, job)))
+                     _clip(loop, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize, job),
+                     origin=origins["chunk_loop"]))
   out = config.chunk_output
   out = (default_chunk_output(dim_k, dim_v, itemsize, budget, job) if out is None
          else check("chunk_output", _clip(out, block_e=dim_v),
-                    _clip(out, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize, job)))
+                    _clip(out, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize, job),
+                    origin=origins["chunk_output"]))
   states = config.chunk_states
   if states is None:
     states = default_chunk_states(dim_k, dim_v, itemsize, budget, out.chunk_size)
   else:
     states = _clip(states, block_d=dim_k, block_e=dim_v)
-    check("chunk_states", states, states.shared_memory_bytes(dim_k, dim_v, itemsize, out.chunk_size))
+    check("chunk_states", states, states.shared_memory_bytes(dim_k, dim_v, itemsize, out.chunk_size),
+          origin=origins["chunk_states"])
   return SweepConfigs(chunk_loop=loop, chunk_states=states, chunk_output=out)
 
 
