@@ -110,8 +110,8 @@ def lightning_unavailable(job: dict) -> str | None:
     return None
   cc = api.gpu_compute_capability()
   return mosaic_gpu_forward.unsupported_reason(
-      dim_k=job["dim_k"], dim_v=job["dim_v"], dtype=DTYPES[job["dtype"]], initial_state=False,
-      return_final_state=False, compute_capability=cc, interpret=not api.supported_gpu(cc))
+      dim_k=job["dim_k"], dim_v=job["dim_v"], dtype=DTYPES[job["dtype"]], compute_capability=cc,
+      interpret=not api.supported_gpu(cc))
 
 
 def mode_functions(attn):

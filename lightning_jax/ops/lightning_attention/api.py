@@ -96,12 +96,10 @@ def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, inter
     raise TypeError(f"return_final_state must be a bool, got {return_final_state!r}")
 
 
-def pallas_variant(variant, *, b, t, h, d, e, dtype, initial_state: bool, return_final_state: bool, config,
-                   compute_capability, interpret: bool) -> str:
+def pallas_variant(variant, *, b, t, h, d, e, dtype, config, compute_capability, interpret: bool) -> str:
   """The Pallas variant that runs: `variant`, checked, or the one "auto" picks for this call."""
   warp_specialized_unsupported = mosaic_gpu_forward.unsupported_reason(
-      dim_k=d, dim_v=e, dtype=dtype, initial_state=initial_state, return_final_state=return_final_state,
-      compute_capability=compute_capability, interpret=interpret)
+      dim_k=d, dim_v=e, dtype=dtype, compute_capability=compute_capability, interpret=interpret)
   if variant == "warp_specialized" and warp_specialized_unsupported:
     raise ValueError(f"variant='warp_specialized' {warp_specialized_unsupported}")
   if variant != "auto":
@@ -146,8 +144,8 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
       "auto" (pallas on NVIDIA GPUs with compute capability >= 8.0, else xla).
     variant: pallas only: "chunk_loop", "parallel", "warp_specialized" or
       "auto". "warp_specialized" is a Mosaic GPU forward for sm90 (bf16/fp16,
-      D <= 128, E <= 256, jax >= 0.11, no initial or final state; the backward
-      pass runs the chunk_loop sweeps); "auto" picks it where it is faster.
+      D <= 128, E <= 256, jax >= 0.11; the backward pass runs the chunk_loop
+      sweeps); "auto" picks it where it is faster.
     config: a `LightningConfig` overriding the per-device block heuristics.
     interpret: force (True) or forbid (False) Pallas interpret mode.
 
@@ -166,9 +164,8 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
 
   if impl == "pallas":
     interpret = (not supported_gpu(cc)) if interpret is None else interpret
-    variant = pallas_variant(variant, b=b, t=t, h=h, d=d, e=v.shape[-1], dtype=q.dtype,
-                             initial_state=initial_state is not None, return_final_state=return_final_state,
-                             config=config, compute_capability=cc, interpret=interpret)
+    variant = pallas_variant(variant, b=b, t=t, h=h, d=d, e=v.shape[-1], dtype=q.dtype, config=config,
+                             compute_capability=cc, interpret=interpret)
     opts = pallas_vjp.PallasOptions(
         scale=scale, return_final_state=return_final_state, variant=variant, config=config,
         compute_capability=cc, interpret=interpret)

@@ -147,11 +147,15 @@ class WarpSpecializedConfig:
       raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
 
   def shared_memory_bytes(self, dim_k: int, itemsize: int) -> int:
-    """The load ring, the published states (x2), the staged scores, key-scaled v and outputs (x2), the factors."""
+    """The load ring, the published states (x2), the staged scores, key-scaled v and outputs (x2), the factors.
+
+    The float32 initial/final state shares the published states' memory (the
+    same bytes at 16 bits).
+    """
     c, be = self.CHUNK_SIZE, self.BLOCK_E
     ring = self.num_stages * c * (2 * dim_k + be)
     staged = 2 * be * dim_k + 2 * c * c + 2 * c * be
-    return itemsize * (ring + staged) + 4 * (c * c + 3 * c)
+    return itemsize * (ring + staged) + 4 * (c * c + 5 * c)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

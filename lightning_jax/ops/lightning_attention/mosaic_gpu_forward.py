@@ -1,8 +1,9 @@
 """The warp-specialised forward sweep in Pallas Mosaic GPU (Hopper, sm90).
 
 Every Mosaic-GPU-specific import of the package lives in this file, beside the
-Triton kernels of `pallas_triton`. It computes the forward pass only (no
-initial or final state); the backward pass stays with the Triton sweeps.
+Triton kernels of `pallas_triton`. It computes the forward pass only, from an
+optional initial state and optionally returning the final one; the backward
+pass stays with the Triton sweeps.
 
 One CTA per (head, batch, block of 64 value columns) walks the chunks of 64
 tokens in order, split into three warpgroups that run concurrently:
@@ -11,7 +12,9 @@ tokens in order, split into three warpgroups that run concurrently:
           `num_stages` slots, refilling a slot once both others released it;
   state   carries S^T [64, K] (float32, in wgmma registers) down the chunks,
           S^T <- a^C S^T + (key * v)^T k, and publishes S_n (bf16/fp16, the
-          state before chunk n) in a double buffer;
+          state before chunk n) in a double buffer; it starts from the initial
+          state and writes the final one when asked, both float32 and staged
+          through the publishing buffer's shared memory, idle then;
   output  computes o = row * (q S_n) + (intra * q k^T) v for chunk n and
           stores it by TMA.
 
@@ -59,8 +62,8 @@ def jax_version() -> tuple[int, int]:
   return tuple(int(part) for part in jax.__version__.split(".")[:2])
 
 
-def unsupported_reason(*, dim_k: int, dim_v: int, dtype, initial_state: bool, return_final_state: bool,
-                       compute_capability: tuple[int, int] | None, interpret: bool) -> str | None:
+def unsupported_reason(*, dim_k: int, dim_v: int, dtype, compute_capability: tuple[int, int] | None,
+                       interpret: bool) -> str | None:
   """Why the kernel cannot run this call (None if it can). Dims are the unpadded D and E."""
   if jax_version() < MIN_JAX:
     return f"needs jax >= {MIN_JAX[0]}.{MIN_JAX[1]}, this is {jax.__version__}"
@@ -70,23 +73,24 @@ def unsupported_reason(*, dim_k: int, dim_v: int, dtype, initial_state: bool, re
     return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
   if dim_k > MAX_DIM_K or dim_v > MAX_DIM_V:
     return f"needs D <= {MAX_DIM_K} and E <= {MAX_DIM_V}, got D={dim_k}, E={dim_v}"
-  if initial_state or return_final_state:
-    return "computes the forward pass from a zero state only: no initial_state, no return_final_state"
   return None
 
 
-def decay_factors(decay, heads: int, *, scale: float):
-  """Per-head factors of a full chunk: intra [H, C, C] and vectors [H, 3, C] (row, key, state), float32.
+def decay_factors(decay, heads: int, *, scale: float, last_rows: int = CHUNK_SIZE):
+  """Per-head factors: intra [H, C, C] and vectors [H, 5, C] (row, key, state; last key, last state), float32.
 
   With scale folded in: intra = scale * a^(i-j) on j <= i, row = scale * a^(i+1),
-  key = a^(C-1-j), and the state factor a^C repeated along the last axis.
-  Without decay a = 1.
+  key = a^(C-1-j), and the state factor a^C repeated along the last axis; then
+  the key and state factors of a last chunk of `last_rows` real rows, which the
+  final state needs (a^(L-1-j) on j < L, else 0, and a^L). Without decay a = 1.
   """
   c = CHUNK_SIZE
   lam2 = (jnp.zeros((heads,), _F32) if decay is None else decay.astype(_F32)) * chunk_common.LOG2_E
-  f = jax.vmap(lambda l: chunk_common.chunk_decay_factors(l, c, chunk_size=c, reverse=False))(lam2)
-  vectors = jnp.stack([scale * f.row, f.key, jnp.broadcast_to(f.state[:, None], (heads, c))], axis=1)
-  return scale * f.intra, vectors
+  full, last = (jax.vmap(lambda l, end=end: chunk_common.chunk_decay_factors(l, end, chunk_size=c, reverse=False))(
+      lam2) for end in (c, last_rows))
+  repeat = lambda x: jnp.broadcast_to(x[:, None], (heads, c))  # noqa: E731
+  vectors = jnp.stack([scale * full.row, full.key, repeat(full.state), last.key, repeat(last.state)], axis=1)
+  return scale * full.intra, vectors
 
 
 def _smem(shape, dtype):
@@ -104,10 +108,21 @@ def _matmul(a, b, shape):
   return pl.run_scoped(body, plgpu.ACC(shape, _F32))
 
 
-def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, out_ref, buffers, barriers, *, num_chunks, num_stages,
-            has_decay):
+def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_stages, has_decay, has_initial,
+            has_final, last_rows):
+  refs = list(refs)
+  initial_ref = refs.pop(0) if has_initial else None
+  out_ref = refs.pop(0)
+  final_ref = refs.pop(0) if has_final else None
+  buffers, barriers = refs
   q_smem, k_smem, v_smem, state_smem, scores_smem, vk_smem, out_smem, intra_smem, vectors_smem = buffers
-  q_loaded, k_loaded, v_loaded, released, state_ready, state_read, factors_loaded = barriers
+  q_loaded, k_loaded, v_loaded, released, state_ready, state_read, factors_loaded = barriers[:7]
+  if has_initial or has_final:
+    # The float32 initial/final state shares memory with the published states:
+    # it is read before the first one is published and written after the last is read.
+    state_smem, state_f32_smem = state_smem
+  if has_initial:
+    (initial_loaded,) = barriers[7:]
   c, be = CHUNK_SIZE, BLOCK_E
   head, batch, col = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("value_blocks")
   cols = pl.ds(col * be, be)
@@ -150,11 +165,11 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, out_ref, buffers, barri
   @pl.when(wg == 1)
   def _state_chain():
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+    if has_initial:
+      plgpu.copy_gmem_to_smem(initial_ref.at[batch, head, cols], state_f32_smem, initial_loaded.at[0])
     plgpu.barrier_wait(factors_loaded.at[1])
-    key = vectors_smem[1]
-    state_decay = vectors_smem[2]
 
-    def body(n, state_t):
+    def body(n, state_t, key, state_decay):
       slot, buf = slot_of(n), lax.rem(n, 2)
       plgpu.barrier_wait(k_loaded.at[slot])
       plgpu.barrier_wait(v_loaded.at[slot])
@@ -178,11 +193,30 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, out_ref, buffers, barri
         return state_t * state_decay[:, None] + update
       return state_t + update
 
-    lax.fori_loop(0, num_chunks, body, jnp.zeros((be, q_smem.shape[-1]), _F32))
+    if has_initial:
+      plgpu.barrier_wait(initial_loaded.at[0])
+      state = state_f32_smem[...]
+      plgpu.commit_smem()  # every thread has read it before the first publish overwrites it
+    else:
+      state = jnp.zeros((be, q_smem.shape[-1]), _F32)
+    # A partial last chunk has its own key and state factors (padded rows are
+    # zeros, but they would still decay the state); only the final state sees them.
+    split = num_chunks - 1 if has_final and has_decay and last_rows != c else num_chunks
+    full_factors = vectors_smem[1], vectors_smem[2]
+    state = lax.fori_loop(0, split, lambda n, s: body(n, s, *full_factors), state)
+    if split < num_chunks:
+      last_factors = vectors_smem[3], vectors_smem[4]
+      state = lax.fori_loop(split, num_chunks, lambda n, s: body(n, s, *last_factors), state)
 
     @pl.loop(max(num_chunks - 2, 0), num_chunks)
     def _drain(n):
       plgpu.barrier_wait(state_read.at[lax.rem(n, 2)])
+
+    if has_final:  # the output warpgroup has read every published state (the drain above)
+      state_f32_smem[...] = state
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(state_f32_smem, final_ref.at[batch, head, cols])
+      plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
   def _outputs():
@@ -220,7 +254,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, out_ref, buffers, barri
     plgpu.wait_smem_to_gmem(0)
 
 
-def forward(q, k, v, decay, *, scale: float, num_stages: int, interpret: bool = False):
+def forward(q, k, v, decay, initial_state=None, *, scale: float, seq_len: int, return_final_state: bool = False,
+            num_stages: int, interpret: bool = False):
   """The forward pass on padded inputs.
 
   Args:
@@ -228,29 +263,46 @@ def forward(q, k, v, decay, *, scale: float, num_stages: int, interpret: bool = 
       `CHUNK_SIZE`, K = 64 or 128, V a multiple of `BLOCK_E` (see `padded_dims`).
       Padded rows must be zeros past the real tokens (they are: the caller pads).
     decay: [H] float32 rates or None.
+    initial_state: None, or S_0 transposed, [B, H, V, K] float32.
+    seq_len: the number of real tokens T (Tp - CHUNK_SIZE < T <= Tp).
+    return_final_state: also return S_T transposed, [B, H, V, K] float32.
     num_stages: chunks of q, k, v in flight (`config.WarpSpecializedConfig`).
     interpret: run in the Mosaic GPU interpreter (on any backend).
 
   Returns:
-    o: [B, Tp, H, V] in the input dtype.
+    o: [B, Tp, H, V] in the input dtype; with return_final_state, (o, S_T^T).
   """
   b, tp, h, dim_k = q.shape
   dim_v = v.shape[-1]
   c, be = CHUNK_SIZE, BLOCK_E
-  intra, vectors = decay_factors(decay, h, scale=scale)
+  if not tp - c < seq_len <= tp:
+    raise ValueError(f"seq_len must be in ({tp - c}, {tp}] for {tp} padded tokens, got {seq_len}")
+  last_rows = seq_len - (tp // c - 1) * c
+  intra, vectors = decay_factors(decay, h, scale=scale, last_rows=last_rows)
   dtype = q.dtype
+  with_states = initial_state is not None or return_final_state
+  state_smem = _smem((2, be, dim_k), dtype)
+  if with_states:  # the same bytes as the published states (see `config.WarpSpecializedConfig`)
+    state_smem = plgpu.RefUnion(state_smem, _smem((be, dim_k), _F32))
   scratch = (
       (_smem((num_stages, c, dim_k), dtype), _smem((num_stages, c, dim_k), dtype),
-       _smem((num_stages, c, be), dtype), _smem((2, be, dim_k), dtype), _smem((c, c), dtype),
-       _smem((c, be), dtype), _smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32), plgpu.SMEM((3, c), _F32)),
+       _smem((num_stages, c, be), dtype), state_smem, _smem((c, c), dtype),
+       _smem((c, be), dtype), _smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32), plgpu.SMEM(vectors.shape[1:], _F32)),
       (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
        plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
-       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)),
+       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
+      + ((plgpu.Barrier(num_barriers=1),) if initial_state is not None else ()),
   )
-  kernel = functools.partial(_kernel, num_chunks=tp // c, num_stages=num_stages, has_decay=decay is not None)
+  out_type = jax.ShapeDtypeStruct((b, tp, h, dim_v), dtype)
+  if return_final_state:
+    out_type = (out_type, jax.ShapeDtypeStruct((b, h, dim_v, dim_k), _F32))
+  kernel = functools.partial(_kernel, num_chunks=tp // c, num_stages=num_stages, has_decay=decay is not None,
+                             has_initial=initial_state is not None, has_final=return_final_state,
+                             last_rows=last_rows)
+  inputs = (intra, vectors, q, k, v) + (() if initial_state is None else (initial_state,))
   return plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((b, tp, h, dim_v), dtype),
+      out_type=out_type,
       scratch_types=scratch,
       grid=(h, b, dim_v // be),
       grid_names=("heads", "batch", "value_blocks"),
@@ -259,4 +311,4 @@ def forward(q, k, v, decay, *, scale: float, num_stages: int, interpret: bool = 
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name="lightning_warp_specialized",
-  )(intra, vectors, q, k, v)
+  )(*inputs)

@@ -99,24 +99,30 @@ class Needs(NamedTuple):
   d_initial: bool
 
 
-def warp_specialized_forward(q, k, v, decay, opts: PallasOptions):
-  """`mosaic_gpu_forward.forward` on unpadded [B, T, H, *] inputs (zero state in, no state out)."""
+def warp_specialized_forward(q, k, v, decay, initial_state, opts: PallasOptions):
+  """`mosaic_gpu_forward.forward` on unpadded [B, T, H, *] inputs: (o, the final state or None)."""
   t, dim_k, dim_v = q.shape[1], q.shape[-1], v.shape[-1]
   kp, vp = mosaic_gpu_forward.padded_dims(dim_k, dim_v)
   cfg = config_lib.resolve_warp_specialized(opts.config, dim_k=kp, itemsize=q.dtype.itemsize)
-  # Zero rows past T add nothing to the outputs before them, and the state
-  # after them is not returned, so every chunk can use full-chunk factors.
   tp = math.ceil(t / cfg.CHUNK_SIZE) * cfg.CHUNK_SIZE
-  o = mosaic_gpu_forward.forward(_pad_to(q, tp, kp), _pad_to(k, tp, kp), _pad_to(v, tp, vp), decay,
-                                 scale=opts.scale, num_stages=cfg.num_stages, interpret=opts.interpret)
-  return o[:, :t, :, :dim_v]
+  # The kernel carries the state transposed, S^T [V, K].
+  if initial_state is not None:
+    initial_state = jnp.swapaxes(_pad_axis(_pad_axis(initial_state, 2, kp), 3, vp), -1, -2)
+  result = mosaic_gpu_forward.forward(
+      _pad_to(q, tp, kp), _pad_to(k, tp, kp), _pad_to(v, tp, vp), decay, initial_state, scale=opts.scale,
+      seq_len=t, return_final_state=opts.return_final_state, num_stages=cfg.num_stages, interpret=opts.interpret)
+  o, final_state = result if opts.return_final_state else (result, None)
+  if final_state is not None:
+    final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :dim_k, :dim_v]
+  return o[:, :t, :, :dim_v], final_state
 
 
 def _primal(q, k, v, decay, initial_state, opts):
   if opts.variant == "warp_specialized":
-    return warp_specialized_forward(q, k, v, decay, opts)
-  o, _, final_state, _, _ = sweep(q, k, v, decay, initial_state, reverse=False,
-                                  with_final_state=opts.return_final_state, out_dtype=q.dtype, opts=opts)
+    o, final_state = warp_specialized_forward(q, k, v, decay, initial_state, opts)
+  else:
+    o, _, final_state, _, _ = sweep(q, k, v, decay, initial_state, reverse=False,
+                                    with_final_state=opts.return_final_state, out_dtype=q.dtype, opts=opts)
   return (o, final_state) if opts.return_final_state else o
 
 
