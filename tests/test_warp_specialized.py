@@ -75,19 +75,31 @@ def test_warp_specialized_matches_oracle(case, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_warp_specialized_under_vmap_jit_and_checkpoint(mode):
+@pytest.mark.parametrize("with_states", [False, True], ids=["no_state", "states"])
+def test_warp_specialized_under_vmap_jit_and_checkpoint(mode, with_states):
   b, t, h, d = 2, 150, 2, 128
-  keys = jax.random.split(jax.random.PRNGKey(11), 4)
+  keys = jax.random.split(jax.random.PRNGKey(11), 5)
   q, k, v = (jax.random.normal(key, (2, b, t, h, d), BF16) for key in keys[:3])
   decay = jax.random.uniform(keys[3], (h,), F32, 0.01, 1.0)
-  fn = lambda q, k, v: lj.lightning_attention(q, k, v, decay, impl="pallas", variant="warp_specialized",  # noqa: E731
-                                              interpret=mode == "interpret")
-  out = jax.jit(jax.vmap(jax.checkpoint(fn)))(q, k, v)
+  s0 = jax.random.normal(keys[4], (2, b, h, d, d), F32) if with_states else None
+  config = INTERPRETED_STATE_CONFIG if mode == "interpret" and with_states else None
+
+  def fn(q, k, v, s0):
+    return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=with_states,
+                                  impl="pallas", variant="warp_specialized", config=config,
+                                  interpret=mode == "interpret")
+
+  out = jax.jit(jax.vmap(jax.checkpoint(fn)))(q, k, v, s0)
+  out, final = out if with_states else (out, None)
   chex.assert_shape(out, (2, b, t, h, d))
   chex.assert_type(out, BF16)
   for i in range(2):
-    want, _ = reference.lightning_attention_quadratic(q[i], k[i], v[i], decay, scale=d ** -0.5)
+    want, want_final = reference.lightning_attention_quadratic(q[i], k[i], v[i], decay, scale=d ** -0.5,
+                                                               initial_state=None if s0 is None else s0[i])
     assert rel_err(out[i], want) < 2e-2
+    if with_states:
+      chex.assert_type(final, F32)
+      assert rel_err(final[i], want_final) < 2e-2
 
 
 @needs_new_jax
