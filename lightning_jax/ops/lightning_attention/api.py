@@ -146,7 +146,8 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
       "auto". "warp_specialized" is a Mosaic GPU forward for sm90 (bf16/fp16,
       D <= 128, E <= 256, jax >= 0.11; the backward pass runs the chunk_loop
       sweeps); "auto" picks it where it is faster.
-    config: a `LightningConfig` overriding the per-device block heuristics.
+    config: a `LightningConfig` overriding, field by field, the active tuning
+      cache (see `use_tuning_cache`) and the per-device block heuristics.
     interpret: force (True) or forbid (False) Pallas interpret mode.
 
   Returns:
