@@ -101,8 +101,9 @@ SHAPE_SETS = {
 
 # A sample of 20 ms of back-to-back calls: with 1 ms samples (2 calls of a
 # 0.7 ms kernel) the host's dispatch and sync latency, larger for JAX than for
-# torch, added 13% to a kernel's time (benchmarks/PERFORMANCE.md, item 15).
-# `benchmarks.tune` times with the same length.
+# torch, added 13% to a kernel's time (PERFORMANCE.md, "Timing method"). The
+# autotuner's `lightning_jax.tune.timing.GPU_SAMPLE_SECONDS`, repeated here (a
+# test checks) because the CLI's parent process imports no framework.
 GPU_SAMPLE_SECONDS = 0.02
 _GPU_SETTINGS = dict(dtype="bf16", warmup=2, iters=20, case_seconds=0.3, sample_seconds=GPU_SAMPLE_SECONDS,
                      compile_threads=4, rotate_bytes=256 << 20)

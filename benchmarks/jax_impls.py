@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 
 import lightning_jax
-from lightning_jax.ops.lightning_attention import api, mosaic_gpu_forward
-from benchmarks import cases, timing, worker
+from benchmarks import cases, worker
+from lightning_jax.tune import timing
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 # The compiled functions each mode runs: the first is timed, the others prepare its arguments.
@@ -105,13 +105,21 @@ def lightning_or_baseline(job: dict):
 
 
 def lightning_unavailable(job: dict) -> str | None:
-  """Why a variant of ours cannot run this job here (the warp-specialised forward has limits), else None."""
+  """Why a variant of ours cannot run this job here (the warp-specialised forward has limits), else None.
+
+  The op's own check, which raises a ValueError before any kernel is traced.
+  """
   if job["impl"] != "lj-pallas-warp_specialized":
     return None
-  cc = api.gpu_compute_capability()
-  return mosaic_gpu_forward.unsupported_reason(
-      dim_k=job["dim_k"], dim_v=job["dim_v"], dtype=DTYPES[job["dtype"]], compute_capability=cc,
-      interpret=not api.supported_gpu(cc))
+  dtype = DTYPES[job["dtype"]]
+  q = jax.ShapeDtypeStruct((1, 1, 1, job["dim_k"]), dtype)
+  v = jax.ShapeDtypeStruct((1, 1, 1, job["dim_v"]), dtype)
+  try:
+    jax.eval_shape(lambda q, k, v: lightning_jax.lightning_attention(q, k, v, impl="pallas",
+                                                                     variant="warp_specialized"), q, q, v)
+  except ValueError as err:
+    return str(err)
+  return None
 
 
 def mode_functions(attn):

@@ -12,12 +12,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from lightning_jax.ops.lightning_attention import api  # noqa: E402
+from lightning_jax.ops.lightning_attention import heuristics  # noqa: E402
 
 
 def gpu_available() -> bool:
   try:
-    cc = api.gpu_compute_capability(jax.devices()[0])
+    cc = heuristics.compute_capability(jax.devices()[0])
   except RuntimeError:
     return False
   return cc is not None and cc >= (8, 0)

@@ -10,6 +10,7 @@ import pytest
 
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import config as config_lib
+from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import reference
 
 B, T, H, D, E = 2, 37, 3, 16, 24
@@ -107,24 +108,28 @@ def test_default_configs_fit_budget(cc, itemsize):
   budget = config_lib.shared_memory_budget(cc)
   for dim_k in (16, 32, 64, 128, 256):
     for dim_v in (16, 32, 64, 128, 256):
-      cfgs = config_lib.resolve(None, dim_k=dim_k, dim_v=dim_v, itemsize=itemsize, compute_capability=cc)
-      assert cfgs.chunk_loop.shared_memory_bytes(dim_k, dim_v, itemsize) <= budget
-      assert cfgs.chunk_output.shared_memory_bytes(dim_k, dim_v, itemsize) <= budget
-      assert cfgs.chunk_states.shared_memory_bytes(dim_k, dim_v, itemsize, cfgs.chunk_output.chunk_size) <= budget
+      cfgs = heuristics.resolve(None, dim_k=dim_k, dim_v=dim_v, itemsize=itemsize, compute_capability=cc)
+      sweep = config_lib.SweepShape(dim_k=dim_k, dim_v=dim_v, itemsize=itemsize)
+      assert cfgs.chunk_loop.shared_memory_bytes(sweep) <= budget
+      assert cfgs.chunk_output.shared_memory_bytes(sweep) <= budget
+      states_sweep = config_lib.SweepShape(dim_k=dim_k, dim_v=dim_v, itemsize=itemsize,
+                                           chunk_size=cfgs.chunk_output.chunk_size)
+      assert cfgs.chunk_states.shared_memory_bytes(states_sweep) <= budget
       assert cfgs.chunk_loop.block_e <= dim_v and cfgs.chunk_states.block_d <= dim_k
 
 
 def test_shared_memory_estimate_bounds_what_triton_asked_for():
-  """The chunk-loop estimate stays above Triton's request measured on an H100 (PERFORMANCE.md, item 6).
+  """The chunk-loop estimate stays above Triton's request measured on an H100.
 
   Triton (3.6, through jax 0.11.2) asked for 245,760 bytes for the forward sweep
   with D = E = 128, chunks of 128, 64 value columns, 8 warps and 3 stages: the
   three stages of q, k and v tiles. 4 stages at chunks of 64 fit sm90's budget.
   """
   measured = config_lib.ChunkLoopConfig(chunk_size=128, block_e=64, num_warps=8, num_stages=3)
-  assert measured.shared_memory_bytes(128, 128, 2) >= 245_760 == 3 * 2 * (2 * 128 * 128 + 128 * 64)
+  sweep = config_lib.SweepShape(dim_k=128, dim_v=128, itemsize=2)
+  assert measured.shared_memory_bytes(sweep) >= 245_760 == 3 * 2 * (2 * 128 * 128 + 128 * 64)
   deep = config_lib.ChunkLoopConfig(chunk_size=64, block_e=64, num_warps=4, num_stages=4)
-  assert deep.shared_memory_bytes(128, 128, 2) <= config_lib.shared_memory_budget((9, 0))
+  assert deep.shared_memory_bytes(sweep) <= config_lib.shared_memory_budget((9, 0))
 
 
 def test_budgets_by_device():
@@ -137,7 +142,7 @@ def test_budgets_by_device():
 def test_user_config_over_budget_names_the_budget():
   big = lj.LightningConfig(chunk_loop=lj.ChunkLoopConfig(chunk_size=256, block_e=256, num_warps=8, num_stages=4))
   with pytest.raises(ValueError, match="101376-byte per-block budget of compute capability 12.0"):
-    config_lib.resolve(big, dim_k=256, dim_v=256, itemsize=4, compute_capability=(12, 0))
+    heuristics.resolve(big, dim_k=256, dim_v=256, itemsize=4, compute_capability=(12, 0))
 
 
 def test_config_dataclasses_are_frozen_and_validated():
@@ -153,7 +158,7 @@ def test_config_dataclasses_are_frozen_and_validated():
 
 
 def test_auto_variant_heuristic():
-  choose = config_lib.choose_variant
+  choose = heuristics.choose_variant
   assert choose(batch=1, heads=8, seq_len=16384, dim_v=64, block_e=64, num_sms=132) == "parallel"
   assert choose(batch=4, heads=32, seq_len=8192, dim_v=64, block_e=64, num_sms=132) == "chunk_loop"
   assert choose(batch=1, heads=8, seq_len=256, dim_v=64, block_e=64, num_sms=132) == "chunk_loop"

@@ -11,7 +11,7 @@ import pytest
 from conftest import GPU_ONLY
 
 import lightning_jax as lj
-from lightning_jax.ops.lightning_attention import api
+from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import reference
 
@@ -183,13 +183,13 @@ def test_other_devices_default_configs_compile_and_match_here(cc, variant, monke
   the heuristics pick for the other budgets are valid Triton programs that
   compute the right thing.
   """
-  here = api.gpu_compute_capability()
+  here = heuristics.compute_capability(jax.devices()[0])
   budget, budget_here = config_lib.shared_memory_budget(cc), config_lib.shared_memory_budget(here)
   if budget == budget_here:
     pytest.skip(f"every other GPU test runs the defaults of this device's {budget}-byte budget")
   if budget > budget_here:
     pytest.skip(f"the defaults of {cc} need more shared memory than this {here} device has")
-  monkeypatch.setattr(api, "gpu_compute_capability", lambda device=None: cc)
+  monkeypatch.setattr(heuristics, "compute_capability", lambda device: cc)
   for case in DEVICE_CASES:
     check_against_oracle(case, seed=zlib.crc32(f"{case}{cc}{variant}".encode()), impl="pallas", variant=variant,
                          interpret=False)

@@ -1,4 +1,4 @@
-"""The tuning cache: lookup and precedence in `config.resolve`, loading, and `benchmarks.tune --write-cache`."""
+"""The tuning cache: lookup and precedence in `heuristics.resolve`, loading, and `lightning_jax.tune --write-cache`."""
 
 import dataclasses
 import json
@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 import lightning_jax as lj
-from benchmarks import tune
-from lightning_jax.ops.lightning_attention import api
-from lightning_jax.ops.lightning_attention import config as config_lib
+from lightning_jax import tune
+from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import tuning_cache
 
 CC = (9, 0)
@@ -41,7 +40,7 @@ def write(path, *entries):
 
 
 def resolve(cc=CC, config=None, **key):
-  return config_lib.resolve(config, compute_capability=cc, **{**KEY, **key})
+  return heuristics.resolve(config, compute_capability=cc, **{**KEY, **key})
 
 
 def test_entry_changes_its_sweep_only(tmp_path):
@@ -148,7 +147,7 @@ def test_missing_env_var_file_raises(tmp_path, monkeypatch):
     resolve()
 
 
-# --- benchmarks.tune --write-cache ---------------------------------------------
+# --- lightning_jax.tune --write-cache ------------------------------------------
 
 SHAPE = [1, 64, 2, 40, 24]  # forward and dual sweeps on padded dims (64, 32), the tangent sweep on (32, 64)
 
@@ -205,7 +204,7 @@ def test_written_cache_round_trips_and_merges(tmp_path):
   lj.TuningCache(entries=(mixed, kept, beaten)).save(path)
   picks = {("forward", 64, 32, "chunk_loop"): TUNED, ("dual", 64, 32, "chunk_loop"): None,
            ("tangent", 32, 64, "chunk_loop"): None}
-  metadata = dict(device="an H100", jax=jax.__version__, date="2026-01-01", command="python -m benchmarks.tune")
+  metadata = dict(device="an H100", jax=jax.__version__, date="2026-01-01", command="python -m lightning_jax.tune")
   merged = tune.merge_picks(lj.TuningCache.load(path), picks, compute_capability=CC, itemsize=4, **metadata)
   merged.save(path)
   loaded = lj.TuningCache.load(path)
@@ -217,7 +216,7 @@ def test_written_cache_round_trips_and_merges(tmp_path):
 
 
 def test_write_cache_refuses_on_the_cpu(tmp_path, monkeypatch, capsys):
-  monkeypatch.setattr(api, "gpu_compute_capability", lambda device=None: None)
+  monkeypatch.setattr(heuristics, "compute_capability", lambda device: None)
   path = tmp_path / "cache.json"
   with pytest.raises(SystemExit):
     tune.main(["--shapes", "1x20x1x16x16", "--write-cache", str(path)])
@@ -235,15 +234,15 @@ def test_pallas_with_a_cache_matches_the_reference(tmp_path, monkeypatch):
                chunk_states=lj.ChunkStatesConfig(block_d=32, block_e=16, num_warps=4, num_stages=1))
   assert all(getattr(resolve(**key), name) != cfg for name, cfg in tuned.items())
   cache = lj.TuningCache(entries=(lj.TuningEntry(compute_capability=CC, **key, **tuned),))
-  monkeypatch.setattr(api, "gpu_compute_capability", lambda device=None: CC)
+  monkeypatch.setattr(heuristics, "compute_capability", lambda device: CC)
   resolved = []
-  config_resolve = config_lib.resolve
+  original_resolve = heuristics.resolve
 
   def recording_resolve(*args, **kwargs):
-    resolved.append(config_resolve(*args, **kwargs))
+    resolved.append(original_resolve(*args, **kwargs))
     return resolved[-1]
 
-  monkeypatch.setattr(config_lib, "resolve", recording_resolve)
+  monkeypatch.setattr(heuristics, "resolve", recording_resolve)
 
   ks = jax.random.split(jax.random.PRNGKey(0), 4)
   q, k = (jax.random.normal(key, (b, t, h, d)) for key in ks[:2])

@@ -15,18 +15,18 @@ from conftest import GPU_ONLY
 from test_ops import BF16, F16, F32, Case, check_against_oracle, rel_err
 
 import lightning_jax as lj
-from lightning_jax.ops.lightning_attention import api
-from lightning_jax.ops.lightning_attention import config as config_lib
-from lightning_jax.ops.lightning_attention import mosaic_gpu_forward
+from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu
 from lightning_jax.ops.lightning_attention import reference
 
-NEW_ENOUGH = mosaic_gpu_forward.jax_version() >= mosaic_gpu_forward.MIN_JAX
-needs_new_jax = pytest.mark.skipif(not NEW_ENOUGH, reason=f"needs jax >= {mosaic_gpu_forward.MIN_JAX}")
+WS = lj.WarpSpecializedConfig
+NEW_ENOUGH = heuristics.jax_version() >= WS.MIN_JAX
+needs_new_jax = pytest.mark.skipif(not NEW_ENOUGH, reason=f"needs jax >= {WS.MIN_JAX}")
 
 
 def _on_sm90():
   try:
-    return api.gpu_compute_capability() == mosaic_gpu_forward.COMPUTE_CAPABILITY
+    return heuristics.compute_capability(jax.devices()[0]) == WS.COMPUTE_CAPABILITY
   except RuntimeError:
     return False
 
@@ -115,8 +115,8 @@ def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, has_decay, with_states):
   v = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
   decay = jax.ShapeDtypeStruct((3,), F32) if has_decay else None
   s0 = jax.ShapeDtypeStruct((2, 3, dim_v, dim_k), F32) if with_states else None
-  cfg = config_lib.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2)
-  fn = jax.jit(lambda q, k, v, decay, s0: mosaic_gpu_forward.forward(
+  cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2)
+  fn = jax.jit(lambda q, k, v, decay, s0: pallas_mosaic_gpu.forward_padded(
       q, k, v, decay, s0, scale=0.125, seq_len=150, return_final_state=with_states, num_stages=cfg.num_stages))
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, decay, s0)
   assert "lightning_warp_specialized" in exported.mlir_module()
@@ -147,11 +147,11 @@ def test_warp_specialized_config_is_validated_and_budgeted():
   with pytest.raises(ValueError, match="num_stages must be an int >= 1"):
     lj.WarpSpecializedConfig(num_stages=0)
   # The shared-memory estimate: 3 stages fit sm90 at D = 128 in 16-bit, 4 do not.
-  assert config_lib.resolve_warp_specialized(None, dim_k=128, itemsize=2).num_stages == 3
-  assert config_lib.resolve_warp_specialized(None, dim_k=64, itemsize=2).num_stages == 4
+  assert heuristics.resolve_warp_specialized(None, dim_k=128, itemsize=2).num_stages == 3
+  assert heuristics.resolve_warp_specialized(None, dim_k=64, itemsize=2).num_stages == 4
   deep = lj.LightningConfig(warp_specialized=lj.WarpSpecializedConfig(num_stages=4))
   with pytest.raises(ValueError, match="config.warp_specialized=.* over the 232448-byte per-block budget"):
-    config_lib.resolve_warp_specialized(deep, dim_k=128, itemsize=2)
+    heuristics.resolve_warp_specialized(deep, dim_k=128, itemsize=2)
 
 
 @pytest.mark.parametrize("call,want", [
@@ -164,20 +164,20 @@ def test_warp_specialized_config_is_validated_and_budgeted():
     (dict(b=1, h=8, t=16384), "parallel"),  # too few programs for a sequential walk
 ])
 def test_auto_picks_warp_specialized_where_it_was_measured_faster(call, want):
-  kw = dict(b=2, t=8192, h=32, d=128, e=128, dtype=BF16, config=None, compute_capability=(9, 0),
+  kw = dict(b=2, t=8192, h=32, d=128, e=128, dtype=BF16, config=None, compute_capability=(9, 0), num_sms=132,
             interpret=False)
   kw.update(call)
   if not NEW_ENOUGH and want == "warp_specialized":
     want = "chunk_loop"
-  assert api.pallas_variant("auto", **kw) == want
+  assert heuristics.pallas_variant("auto", **kw) == want
 
 
 def test_factors_fold_the_scale_and_decay():
   """The per-head factors the kernel loads, against their definition."""
   decay = jnp.array([0.0, 0.3, 5.0], F32)
   last_rows = 13
-  intra, vectors = mosaic_gpu_forward.decay_factors(decay, 3, scale=0.5, last_rows=last_rows)
-  c = mosaic_gpu_forward.CHUNK_SIZE
+  intra, vectors = pallas_mosaic_gpu.decay_factors(decay, 3, scale=0.5, last_rows=last_rows)
+  c = pallas_mosaic_gpu.CHUNK_SIZE
   i = np.arange(c)
   for h, rate in enumerate(np.asarray(decay, np.float64)):
     gap = i[:, None] - i[None, :]

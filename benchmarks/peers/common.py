@@ -25,7 +25,8 @@ import contextlib
 import dataclasses
 import platform
 
-from benchmarks import cases, timing, worker
+from benchmarks import cases, worker
+from lightning_jax.tune import timing
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lightning_jax.ops.lightning_attention import config as config_lib
-from lightning_jax.ops.lightning_attention import mosaic_gpu_forward
-from lightning_jax.ops.lightning_attention import pallas_vjp
+from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import reference
+from lightning_jax.ops.lightning_attention import vjp
 from lightning_jax.ops.lightning_attention import xla
 
 IMPLS = ("auto", "pallas", "xla", "reference")
@@ -19,21 +19,6 @@ VARIANTS = ("auto", "chunk_loop", "parallel", "warp_specialized")
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256
 XLA_CHUNK_SIZE = 64
-
-
-def gpu_compute_capability(device=None) -> tuple[int, int] | None:
-  """(major, minor) of an NVIDIA GPU device, else None."""
-  device = device or jax.devices()[0]
-  cc = getattr(device, "compute_capability", None)
-  if device.platform != "gpu" or not cc:
-    return None
-  major, minor = str(cc).split(".")[:2]
-  return int(major), int(minor)
-
-
-def supported_gpu(cc) -> bool:
-  """Whether a device of compute capability `cc` (None: not an NVIDIA GPU) runs the Pallas kernels compiled."""
-  return cc is not None and cc >= config_lib.MIN_COMPUTE_CAPABILITY
 
 
 def _check_float(name, x):
@@ -96,27 +81,6 @@ def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, inter
     raise TypeError(f"return_final_state must be a bool, got {return_final_state!r}")
 
 
-def pallas_variant(variant, *, b, t, h, d, e, dtype, config, compute_capability, interpret: bool) -> str:
-  """The Pallas variant that runs: `variant`, checked, or the one "auto" picks for this call."""
-  warp_specialized_unsupported = mosaic_gpu_forward.unsupported_reason(
-      dim_k=d, dim_v=e, dtype=dtype, compute_capability=compute_capability, interpret=interpret)
-  if variant == "warp_specialized" and warp_specialized_unsupported:
-    raise ValueError(f"variant='warp_specialized' {warp_specialized_unsupported}")
-  if variant != "auto":
-    return variant
-  dim_v = config_lib.padded_dim(e)
-  configs = config_lib.resolve(config, dim_k=config_lib.padded_dim(d), dim_v=dim_v,
-                               itemsize=jnp.dtype(dtype).itemsize, compute_capability=compute_capability)
-  num_sms = getattr(jax.devices()[0], "core_count", None) or 132
-  variant = config_lib.choose_variant(batch=b, heads=h, seq_len=t, dim_v=dim_v,
-                                      block_e=configs.chunk_loop.block_e, num_sms=num_sms)
-  # Compiled only (its interpreter is for tests), and where it was measured faster.
-  if (variant == "chunk_loop" and not interpret and not warp_specialized_unsupported
-      and config_lib.prefer_warp_specialized(dim_k=d)):
-    return "warp_specialized"
-  return variant
-
-
 def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, return_final_state=False,
                         impl="auto", variant="auto", config=None, interpret=None):
   r"""Causal linear attention with optional per-head decay (Lightning Attention-2).
@@ -150,6 +114,9 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
       cache (see `use_tuning_cache`) and the per-device block heuristics.
     interpret: force (True) or forbid (False) Pallas interpret mode.
 
+  The kernels run on the device of q (under `jax.jit`, the default device);
+  their blocks and variant follow that device (see `heuristics`).
+
   Returns:
     o: [B, T, H, E] in the input dtype; with return_final_state, (o, S_T).
   """
@@ -159,18 +126,19 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
   decay = None if decay is None else decay.astype(jnp.float32)
   initial_state = None if initial_state is None else initial_state.astype(jnp.float32)
 
-  cc = gpu_compute_capability()
+  device = heuristics.device_of(q, k, v)
+  cc = heuristics.compute_capability(device)
   if impl == "auto":
-    impl = "pallas" if supported_gpu(cc) else "xla"
+    impl = "pallas" if heuristics.supported_gpu(cc) else "xla"
 
   if impl == "pallas":
-    interpret = (not supported_gpu(cc)) if interpret is None else interpret
-    variant = pallas_variant(variant, b=b, t=t, h=h, d=d, e=v.shape[-1], dtype=q.dtype, config=config,
-                             compute_capability=cc, interpret=interpret)
-    opts = pallas_vjp.PallasOptions(
-        scale=scale, return_final_state=return_final_state, variant=variant, config=config,
-        compute_capability=cc, interpret=interpret)
-    return pallas_vjp.lightning_attention_pallas(q, k, v, decay, initial_state, opts)
+    interpret = (not heuristics.supported_gpu(cc)) if interpret is None else interpret
+    variant = heuristics.pallas_variant(variant, b=b, t=t, h=h, d=d, e=v.shape[-1], dtype=q.dtype, config=config,
+                                        compute_capability=cc, num_sms=heuristics.num_sms(device),
+                                        interpret=interpret)
+    opts = config_lib.PallasOptions(scale=scale, return_final_state=return_final_state, variant=variant,
+                                    config=config, compute_capability=cc, interpret=interpret)
+    return vjp.lightning_attention_pallas(q, k, v, decay, initial_state, opts)
 
   if impl == "xla":
     o, final_state = xla.lightning_attention_chunked(q, k, v, decay, scale=scale, initial_state=initial_state,

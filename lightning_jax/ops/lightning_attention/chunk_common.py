@@ -36,6 +36,24 @@ import jax.numpy as jnp
 LOG2_E = math.log2(math.e)
 
 
+def _pad_axis(x, axis, size):
+  if x is None or x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def pad_tokens_and_features(x, num_tokens, dim):
+  """[B, T, H, D] zero-padded to [B, num_tokens, H, dim] (None stays None): kernels run whole chunks."""
+  return _pad_axis(_pad_axis(x, 1, num_tokens), 3, dim)
+
+
+def pad_state(state, dim_k, dim_v):
+  """[B, H, K, V] zero-padded to [B, H, dim_k, dim_v] (None stays None)."""
+  return _pad_axis(_pad_axis(state, 2, dim_k), 3, dim_v)
+
+
 def valid_rows(chunk_idx, *, chunk_size, seq_len):
   """Number of real rows in chunk `chunk_idx` (traced int32 scalar ok)."""
   return jnp.minimum(chunk_size, seq_len - chunk_idx * chunk_size)

@@ -1,22 +1,23 @@
-"""Block configurations of the Pallas kernels, chosen per device.
+"""Block configurations of the Pallas kernels and their resource models.
 
 One frozen, keyword-only dataclass per kernel; `LightningConfig` bundles them
-for the `config=` argument. Every field left `None` is filled by the heuristics
-of this module, which pick blocks by compute capability so that each kernel's
-shared-memory estimate stays within the device's per-block budget.
+for the `config=` argument. Each kernel config estimates what it costs a sweep
+(`shared_memory_bytes(sweep)`, and for the Triton kernels that keep tiles in
+registers, `accumulator_registers(sweep)`); `heuristics` picks configs whose
+cost fits the device. This module imports nothing else of the package.
 
-Kernel "dims" below are those of one sweep: `dim_k` is the feature dim of the
-query/key-like operands (the state's rows), `dim_v` the value-like dim (its
-columns). The backward pass runs sweeps with the roles of D and E swapped, so
-block sizes are clipped to the dims of each sweep.
+A sweep's dims (`SweepShape`): `dim_k` is the feature dim of the query/key-like
+operands (the state's rows), `dim_v` the value-like dim (its columns). The
+backward pass runs sweeps with the roles of D and E swapped, so block sizes are
+clipped to the dims of each sweep.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from typing import ClassVar
+
+import jax.numpy as jnp
 
 # Opt-in shared memory per thread block, in bytes, by compute capability.
 _KIB = 1024
@@ -33,6 +34,10 @@ SAFE_SHARED_MEMORY_BUDGET = min(SHARED_MEMORY_BUDGET.values())
 MIN_COMPUTE_CAPABILITY = (8, 0)
 # Triton's matrix instructions need every dot dimension >= 16.
 MIN_BLOCK = 16
+# What a sweep computes beside its outputs: nothing more ("forward"), the decay
+# tangent ("tangent", the dq sweep of a differentiated decay) or the dual output
+# ("dual", dk beside dv).
+SWEEP_JOBS = ("forward", "tangent", "dual")
 
 
 def shared_memory_budget(compute_capability: tuple[int, int] | None) -> int:
@@ -41,14 +46,56 @@ def shared_memory_budget(compute_capability: tuple[int, int] | None) -> int:
   return SHARED_MEMORY_BUDGET.get(tuple(compute_capability), SAFE_SHARED_MEMORY_BUDGET)
 
 
+def padded_dim(dim: int) -> int:
+  """Feature dims are padded to a power of two >= 16 for Triton's dots."""
+  return max(MIN_BLOCK, 1 << (dim - 1).bit_length())
+
+
+def sweep_job(*, tangent: bool, dual: bool) -> str:
+  """The `SWEEP_JOBS` entry of a sweep: plain, carrying the decay tangent, or with the dual output."""
+  if tangent and dual:
+    raise ValueError("a sweep computes the decay tangent or the dual output, not both")
+  return "tangent" if tangent else "dual" if dual else "forward"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SweepShape:
+  """What a kernel config's cost depends on.
+
+  Attributes:
+    dim_k, dim_v: the sweep's padded feature dims (see `padded_dim`).
+    itemsize: bytes per input element (2 or 4).
+    job: one of `SWEEP_JOBS`.
+    chunk_size: the chunk the parallel variant's states kernel walks in, set by
+      its output kernel's config (None where no such pairing applies).
+  """
+  dim_k: int
+  dim_v: int
+  itemsize: int
+  job: str = "forward"
+  chunk_size: int | None = None
+
+  def __post_init__(self):
+    if self.job not in SWEEP_JOBS:
+      raise ValueError(f"job must be one of {SWEEP_JOBS}, got {self.job!r}")
+
+  def describe(self) -> str:
+    return f"dim_k={self.dim_k}, dim_v={self.dim_v}, itemsize={self.itemsize}"
+
+
 def _check_pow2(name: str, value: int, lo: int, hi: int):
   if not isinstance(value, int) or isinstance(value, bool) or value < lo or value > hi or value & (value - 1):
     raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value!r}")
 
 
+def _check_stages(num_stages):
+  if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+    raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _LaunchConfig:
-  """Fields every kernel has; validates those of subclasses too."""
+class _TritonConfig:
+  """Fields every Triton kernel has; validates those of subclasses too."""
   num_warps: int
   num_stages: int
 
@@ -57,12 +104,16 @@ class _LaunchConfig:
       if hasattr(self, name):
         _check_pow2(name, getattr(self, name), MIN_BLOCK, 256)
     _check_pow2("num_warps", self.num_warps, 1, 16)
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
-      raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+    _check_stages(self.num_stages)
+
+  def clipped(self, sweep: SweepShape):
+    """This config with its blocks clipped to the sweep's dims (a block wider than its dim means the dim)."""
+    maxima = {"block_d": sweep.dim_k, "block_e": sweep.dim_v}
+    return dataclasses.replace(self, **{f: min(getattr(self, f), m) for f, m in maxima.items() if hasattr(self, f)})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ChunkLoopConfig(_LaunchConfig):
+class ChunkLoopConfig(_TritonConfig):
   """`variant="chunk_loop"`: one program per (batch, head, value block) walks all chunks.
 
   Attributes:
@@ -73,67 +124,71 @@ class ChunkLoopConfig(_LaunchConfig):
   chunk_size: int
   block_e: int
 
-  def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int, job: str = "forward") -> int:
-    c, be = self.chunk_size, min(self.block_e, dim_v)
+  def shared_memory_bytes(self, sweep: SweepShape) -> int:
+    c, be, dim_k, job = self.chunk_size, min(self.block_e, sweep.dim_v), sweep.dim_k, sweep.job
     extra = int(job in ("tangent", "dual"))  # the tangent weights, or the dual's u
     # Pipelined loads (x, y, z and the extra input), then a margin for the
     # operands produced in registers and re-laid out for the dots or the store
     # (a second score tile for the dual output). On an H100 Triton asked for the
-    # pipelined loads alone (benchmarks/PERFORMANCE.md, item 6).
+    # pipelined loads alone (benchmarks/PERFORMANCE.md, "Block heuristics and
+    # shared-memory model").
     staged = self.num_stages * (2 * c * dim_k + (1 + extra) * c * be)
-    return itemsize * (staged + (1 + (job == "dual")) * c * c + dim_k * be + c * dim_k + c * be)
+    return sweep.itemsize * (staged + (1 + (job == "dual")) * c * c + dim_k * be + c * dim_k + c * be)
 
-  def accumulator_registers(self, dim_k: int, dim_v: int, job: str = "forward") -> int:
+  def accumulator_registers(self, sweep: SweepShape) -> int:
     """float32 registers per thread for the carried state(s), score tile(s) and output tile(s).
 
     Triton keeps these in registers; past about 160 of a thread's 255 the
     kernel spills.
     """
-    c, be = self.chunk_size, min(self.block_e, dim_v)
+    c, be, dim_k, job = self.chunk_size, min(self.block_e, sweep.dim_v), sweep.dim_k, sweep.job
     words = (dim_k * be * (1 + (job == "tangent")) + c * c * (1 + (job == "dual")) + c * be
              + (c * dim_k if job == "dual" else 0))
     return words // (32 * self.num_warps)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ChunkStatesConfig(_LaunchConfig):
+class ChunkStatesConfig(_TritonConfig):
   """`variant="parallel"`, pass 1: materialise the state before every chunk.
 
   One program per (batch, head, key block, value block) sweeps the chunks; the
-  chunk size is `ChunkOutputConfig.chunk_size`.
+  chunk size is `ChunkOutputConfig.chunk_size` (`SweepShape.chunk_size`).
   """
   block_d: int
   block_e: int
 
-  def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int, chunk_size: int) -> int:
-    bd, be = min(self.block_d, dim_k), min(self.block_e, dim_v)
-    return itemsize * (self.num_stages * chunk_size * (bd + be) + chunk_size * bd)
+  def shared_memory_bytes(self, sweep: SweepShape) -> int:
+    if sweep.chunk_size is None:
+      raise ValueError("the chunk_states kernel's cost needs the sweep's chunk_size (the chunk_output config's)")
+    bd, be, c = min(self.block_d, sweep.dim_k), min(self.block_e, sweep.dim_v), sweep.chunk_size
+    return sweep.itemsize * (self.num_stages * c * (bd + be) + c * bd)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ChunkOutputConfig(_LaunchConfig):
+class ChunkOutputConfig(_TritonConfig):
   """`variant="parallel"`, pass 2: every (batch, head, chunk, value block) in parallel."""
   chunk_size: int
   block_e: int
 
-  def shared_memory_bytes(self, dim_k: int, dim_v: int, itemsize: int, job: str = "forward") -> int:
-    c, be = self.chunk_size, min(self.block_e, dim_v)
+  def shared_memory_bytes(self, sweep: SweepShape) -> int:
+    c, be, dim_k, job = self.chunk_size, min(self.block_e, sweep.dim_v), sweep.dim_k, sweep.job
     extra = int(job in ("tangent", "dual"))
-    return itemsize * (2 * c * dim_k + (2 + extra) * c * be + (1 + (job == "dual")) * c * c + dim_k * be)
+    return sweep.itemsize * (2 * c * dim_k + (2 + extra) * c * be + (1 + (job == "dual")) * c * c + dim_k * be)
 
-  def accumulator_registers(self, dim_k: int, dim_v: int, job: str = "forward") -> int:
+  def accumulator_registers(self, sweep: SweepShape) -> int:
     """float32 registers per thread for the score tile(s) and output tile(s) (see ChunkLoopConfig)."""
-    c, be = self.chunk_size, min(self.block_e, dim_v)
+    c, be, dim_k, job = self.chunk_size, min(self.block_e, sweep.dim_v), sweep.dim_k, sweep.job
     words = c * c * (1 + (job == "dual")) + c * be * (1 + (job == "tangent")) + (c * dim_k if job == "dual" else 0)
     return words // (32 * self.num_warps)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WarpSpecializedConfig:
-  """`variant="warp_specialized"`: the Mosaic GPU forward (sm90), see `mosaic_gpu_forward`.
+  """`variant="warp_specialized"`: the Mosaic GPU forward (sm90), see `pallas_mosaic_gpu`.
 
   One CTA per (batch, head, 64 value columns) walks chunks of 64 tokens; its
-  memory warpgroup keeps `num_stages` chunks of q, k, v in flight.
+  memory warpgroup keeps `num_stages` chunks of q, k, v in flight. The class
+  constants say where the kernel runs (`heuristics.warp_specialized_unsupported`).
   """
   num_stages: int
 
@@ -141,28 +196,40 @@ class WarpSpecializedConfig:
   BLOCK_E: ClassVar[int] = 64
   # wgmma exists on sm90 alone (sm100 has tcgen05 instead).
   COMPUTE_CAPABILITY: ClassVar[tuple[int, int]] = (9, 0)
+  MAX_DIM_K: ClassVar[int] = 128
+  MAX_DIM_V: ClassVar[int] = 256
+  DTYPES: ClassVar[tuple] = (jnp.bfloat16, jnp.float16)
+  # Older JAX cannot lower the kernel (its Mosaic GPU layout inference finds no
+  # layouts) and has no GPU interpreter.
+  MIN_JAX: ClassVar[tuple[int, int]] = (0, 11)
 
   def __post_init__(self):
-    if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
-      raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+    _check_stages(self.num_stages)
 
-  def shared_memory_bytes(self, dim_k: int, itemsize: int) -> int:
+  @classmethod
+  def padded_dims(cls, dim_k: int, dim_v: int) -> tuple[int, int]:
+    """(K, V) the kernel runs at: K = 64 or 128, V a multiple of `BLOCK_E`."""
+    return (64 if dim_k <= 64 else 128), -(-dim_v // cls.BLOCK_E) * cls.BLOCK_E
+
+  def shared_memory_bytes(self, sweep: SweepShape) -> int:
     """The load ring, the published states (x2), the staged scores, key-scaled v and outputs (x2), the factors.
 
     The float32 initial/final state shares the published states' memory (the
-    same bytes at 16 bits).
+    same bytes at 16 bits). The kernel's tiles are BLOCK_E values wide whatever
+    `sweep.dim_v`.
     """
-    c, be = self.CHUNK_SIZE, self.BLOCK_E
+    c, be, dim_k = self.CHUNK_SIZE, self.BLOCK_E, sweep.dim_k
     ring = self.num_stages * c * (2 * dim_k + be)
     staged = 2 * be * dim_k + 2 * c * c + 2 * c * be
-    return itemsize * (ring + staged) + 4 * (c * c + 5 * c)
+    return sweep.itemsize * (ring + staged) + 4 * (c * c + 5 * c)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LightningConfig:
   """Explicit kernel configuration for `lightning_attention(config=...)`.
 
-  Fields left None are chosen by the per-device heuristics.
+  Fields left None come from the active tuning cache, else the per-device
+  heuristics.
   """
   chunk_loop: ChunkLoopConfig | None = None
   chunk_states: ChunkStatesConfig | None = None
@@ -177,186 +244,29 @@ class LightningConfig:
         raise TypeError(f"LightningConfig.{name} must be a {cls.__name__} or None, got {type(value).__name__}")
 
 
-SWEEP_JOBS = ("forward", "tangent", "dual")
-
-
-def sweep_job(*, tangent: bool, dual: bool) -> str:
-  """The kind of sweep, for the heuristics: plain, carrying the decay tangent, or with the dual output."""
-  if tangent and dual:
-    raise ValueError("a sweep computes the decay tangent or the dual output, not both")
-  return "tangent" if tangent else "dual" if dual else "forward"
-
-
-def padded_dim(dim: int) -> int:
-  """Feature dims are padded to a power of two >= 16 for Triton's dots."""
-  return max(MIN_BLOCK, 1 << (dim - 1).bit_length())
-
-
-# The heuristics below follow `python -m benchmarks.tune` on an H100 (bf16, T 8K,
-# D = E = 64 and 128; the numbers are in benchmarks/PERFORMANCE.md): chunks of
-# 64 tokens, 4 warps and the deepest software pipeline that fits the shared
-# memory beat every other shape of the chunk_loop kernel, by up to 2x over a
-# 2-stage pipeline; the decay-tangent sweep prefers 32 value columns per program
-# (twice the programs, half the carried state). Devices with less shared memory
-# get shallower pipelines or smaller blocks from the same preference order.
-MAX_ACCUMULATOR_REGISTERS = 160
-MAX_STAGES = {"forward": 4, "tangent": 3, "dual": 3}
-
-
-def fuse_dk_dv(*, dim_k: int, dim_v: int) -> bool:
-  """Whether the backward pass computes dk as the dual output of the dv sweep.
-
-  It saves one pass over q, k, v, do, but holds two score tiles and two
-  output tiles per chunk. On an H100 the fused sweep is 1.2-1.5x faster than
-  two sweeps at D = E = 64, and 2x slower at 128, where it spills.
-  """
-  return dim_k <= 64 and dim_v <= 64
-
-
-def default_chunk_loop(dim_k: int, dim_v: int, itemsize: int, budget: int, job: str = "forward") -> ChunkLoopConfig:
-  block_es = (32, 16) if job == "tangent" else (64, 32, 16)
-  for chunk_size in (64, 32, 16):
-    for pipelined in (True, False):
-      for block_e in block_es:
-        for stages in range(MAX_STAGES[job], 1, -1) if pipelined else (1,):
-          for warps in (4, 8):
-            cfg = ChunkLoopConfig(chunk_size=chunk_size, block_e=min(block_e, dim_v), num_warps=warps,
-                                  num_stages=stages)
-            if (cfg.accumulator_registers(dim_k, dim_v, job) <= MAX_ACCUMULATOR_REGISTERS
-                and cfg.shared_memory_bytes(dim_k, dim_v, itemsize, job) <= budget):
-              return cfg
-  raise AssertionError("unreachable: the smallest chunk_loop config fits every budget")
-
-
-def default_chunk_output(dim_k: int, dim_v: int, itemsize: int, budget: int,
-                         job: str = "forward") -> ChunkOutputConfig:
-  # Chunks of 128 halve the float32 states the states kernel writes.
-  for chunk_size in (128, 64, 32, 16):
-    for block_e in (128, 64, 32, 16):
-      for warps in (4, 8):
-        cfg = ChunkOutputConfig(chunk_size=chunk_size, block_e=min(block_e, dim_v), num_warps=warps,
-                                num_stages=1)
-        if (cfg.accumulator_registers(dim_k, dim_v, job) <= MAX_ACCUMULATOR_REGISTERS
-            and cfg.shared_memory_bytes(dim_k, dim_v, itemsize, job) <= budget):
-          return cfg
-  raise AssertionError("unreachable: the smallest chunk_output config fits every budget")
-
-
-def default_chunk_states(dim_k: int, dim_v: int, itemsize: int, budget: int, chunk_size: int) -> ChunkStatesConfig:
-  for block in (64, 32, 16):
-    bd, be = min(block, dim_k), min(block, dim_v)
-    for stages in (3, 2, 1):
-      cfg = ChunkStatesConfig(block_d=bd, block_e=be, num_warps=4, num_stages=stages)
-      if cfg.shared_memory_bytes(dim_k, dim_v, itemsize, chunk_size) <= budget:
-        return cfg
-  raise AssertionError("unreachable: the smallest chunk_states config fits every budget")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SweepConfigs:
-  """The resolved configs of one sweep (dims already padded and clipped)."""
+  """The resolved Triton configs of one sweep (dims already padded and clipped)."""
   chunk_loop: ChunkLoopConfig
   chunk_states: ChunkStatesConfig
   chunk_output: ChunkOutputConfig
 
 
-def _clip(cfg, **maxima):
-  changes = {f: min(getattr(cfg, f), m) for f, m in maxima.items()}
-  return dataclasses.replace(cfg, **changes)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasOptions:
+  """The static options of one Pallas call, as the custom VJP and the kernels' wrappers take them.
 
-
-def _check_budget(name, cfg, cost, *, budget, compute_capability, dims, origin="config."):
-  """`cfg` if its shared-memory `cost` fits `budget`, else a ValueError naming both and `cfg`'s origin."""
-  if cost > budget:
-    where = (f"compute capability {compute_capability[0]}.{compute_capability[1]}"
-             if compute_capability else "an unknown device")
-    raise ValueError(
-        f"{origin}{name}={cfg} needs about {cost} bytes of shared memory for dims ({dims}), over the "
-        f"{budget}-byte per-block budget of {where}; use a smaller chunk_size, block or num_stages")
-  return cfg
-
-
-def resolve(config: LightningConfig | None, *, dim_k: int, dim_v: int, itemsize: int,
-            compute_capability: tuple[int, int] | None, job: str = "forward") -> SweepConfigs:
-  """Fills the unset fields of `config` for one sweep and checks the budget.
-
-  `dim_k`, `dim_v` are padded dims (powers of two >= 16); `job` one of
-  `SWEEP_JOBS` (see `sweep_job`). A kernel's config is the one set in
-  `config`, else the active tuning cache's for this sweep (consulted at trace
-  time, see `tuning_cache`), else the heuristics'.
+  Attributes:
+    scale: multiplies q.
+    return_final_state: the forward pass also returns S_T.
+    variant: "chunk_loop", "parallel" or "warp_specialized" (already chosen).
+    config: the user's `LightningConfig` or None (resolved per sweep).
+    compute_capability: of the device that runs the kernels, None for none.
+    interpret: run the kernels in Pallas interpret mode.
   """
-  from lightning_jax.ops.lightning_attention import tuning_cache  # noqa: PLC0415 -- it imports this module
-
-  if job not in SWEEP_JOBS:
-    raise ValueError(f"job must be one of {SWEEP_JOBS}, got {job!r}")
-  config, origins = tuning_cache.fill_from_cache(config or LightningConfig(), compute_capability=compute_capability,
-                                                 job=job, dim_k=dim_k, dim_v=dim_v, itemsize=itemsize)
-  budget = shared_memory_budget(compute_capability)
-  check = functools.partial(_check_budget, budget=budget, compute_capability=compute_capability,
-                            dims=f"dim_k={dim_k}, dim_v={dim_v}, itemsize={itemsize}")
-
-  loop = config.chunk_loop
-  loop = (default_chunk_loop(dim_k, dim_v, itemsize, budget, job) if loop is None
-          else check("chunk_loop", _clip(loop, block_e=dim_v),
-                     _clip(loop, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize, job),
-                     origin=origins["chunk_loop"]))
-  out = config.chunk_output
-  out = (default_chunk_output(dim_k, dim_v, itemsize, budget, job) if out is None
-         else check("chunk_output", _clip(out, block_e=dim_v),
-                    _clip(out, block_e=dim_v).shared_memory_bytes(dim_k, dim_v, itemsize, job),
-                    origin=origins["chunk_output"]))
-  states = config.chunk_states
-  if states is None:
-    states = default_chunk_states(dim_k, dim_v, itemsize, budget, out.chunk_size)
-  else:
-    states = _clip(states, block_d=dim_k, block_e=dim_v)
-    check("chunk_states", states, states.shared_memory_bytes(dim_k, dim_v, itemsize, out.chunk_size),
-          origin=origins["chunk_states"])
-  return SweepConfigs(chunk_loop=loop, chunk_states=states, chunk_output=out)
-
-
-def choose_variant(*, batch: int, heads: int, seq_len: int, dim_v: int, block_e: int, num_sms: int) -> str:
-  """`variant="auto"`: the parallel variant when the chunk_loop grid cannot fill the device.
-
-  chunk_loop runs batch*heads*ceil(dim_v/block_e) programs, each walking
-  seq_len/chunk_size chunks in order; with far fewer programs than SMs most of
-  the chip idles while they walk, and materialising chunk states (an extra
-  float32 round trip through HBM) buys parallelism. Measured on an H100 (132
-  SMs, bf16, T 8K-16K): 8 programs favour parallel by 2x, 128 favour chunk_loop
-  by 1.4-1.8x; the threshold sits between.
-  """
-  programs = batch * heads * math.ceil(dim_v / block_e)
-  return "parallel" if 2 * programs <= num_sms and seq_len >= 1024 else "chunk_loop"
-
-
-def prefer_warp_specialized(*, dim_k: int) -> bool:
-  """Whether `variant="auto"` takes the warp-specialised forward over chunk_loop (where both can run).
-
-  On an H100 (bf16, B2 H32 D128 and B4 H32 D64, T 8K and 32K, side by side in
-  one process; benchmarks/PERFORMANCE.md, item 13) it took 8-10% less time
-  than chunk_loop at D = 128 and T = 32K and tied at 8K (-3% to +1%); at
-  D = 64 it was 2-11% slower.
-  """
-  return dim_k > 64
-
-
-# Deeper rings than 4 chunks bought nothing in the chunk_loop kernel (MAX_STAGES).
-MAX_WARP_SPECIALIZED_STAGES = 4
-
-
-def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, itemsize: int) -> WarpSpecializedConfig:
-  """The `warp_specialized` config: the user's (checked against the budget) or the deepest ring that fits.
-
-  The kernel runs on sm90 alone (also when interpreted), so the budget is sm90's.
-  """
-  budget = shared_memory_budget(WarpSpecializedConfig.COMPUTE_CAPABILITY)
-  cfg = config.warp_specialized if config is not None else None
-  if cfg is not None:
-    return _check_budget("warp_specialized", cfg, cfg.shared_memory_bytes(dim_k, itemsize), budget=budget,
-                         compute_capability=WarpSpecializedConfig.COMPUTE_CAPABILITY,
-                         dims=f"dim_k={dim_k}, itemsize={itemsize}")
-  for stages in range(MAX_WARP_SPECIALIZED_STAGES, 0, -1):
-    cfg = WarpSpecializedConfig(num_stages=stages)
-    if cfg.shared_memory_bytes(dim_k, itemsize) <= budget:
-      return cfg
-  raise AssertionError("unreachable: one stage fits sm90 at every dim_k <= 128")
+  scale: float
+  return_final_state: bool
+  variant: str
+  config: LightningConfig | None
+  compute_capability: tuple[int, int] | None
+  interpret: bool

@@ -1,11 +1,11 @@
 """An optional tuning cache: block configs measured on a device, preferred to the heuristics.
 
-`config.resolve` takes each kernel's config from, in order: the field set in
+`heuristics.resolve` takes each kernel's config from, in order: the field set in
 `config=`, the active tuning cache's entry for the sweep (compute capability,
-job, dim_k, dim_v, itemsize), the heuristics of `config`. The active cache is
+job, dim_k, dim_v, itemsize), the defaults of `heuristics`. The active cache is
 that of the innermost `use_tuning_cache` block, else the file named by
 $LIGHTNING_JAX_TUNING_CACHE, else none. Without a compute capability (the CPU,
-interpret mode) no entry matches. `python -m benchmarks.tune --write-cache`
+interpret mode) no entry matches. `python -m lightning_jax.tune --write-cache`
 writes a cache from timings on the device at hand.
 
 The cache is consulted when a function is traced: a function already traced
@@ -17,10 +17,10 @@ The file (JSON):
       {"compute_capability": [9, 0], "job": "forward", "dim_k": 64, "dim_v": 64, "itemsize": 2,
        "chunk_loop": {"chunk_size": 64, "block_e": 64, "num_warps": 4, "num_stages": 4},
        "device": "NVIDIA H100 80GB HBM3", "jax": "0.11.2", "date": "2026-11-22",
-       "command": "python -m benchmarks.tune ..."}]}
+       "command": "python -m lightning_jax.tune ..."}]}
 
 `job` is one of `config.SWEEP_JOBS`, `dim_k` and `dim_v` the sweep's padded
-dims (see `config.resolve`), `itemsize` 2 (bf16, f16) or 4 (f32). An entry
+dims (see `heuristics.resolve`), `itemsize` 2 (bf16, f16) or 4 (f32). An entry
 holds any of `chunk_loop`, `chunk_output`, `chunk_states` (the fields of their
 dataclasses); `device`, `jax`, `date` and `command` say where it was measured
 and are optional (lookup ignores them).
@@ -234,7 +234,7 @@ def use_tuning_cache(cache: TuningCache | str | os.PathLike | None):
 
 
 def active_tuning_cache() -> TuningCache | None:
-  """The cache `config.resolve` consults now: the innermost `use_tuning_cache`, else $LIGHTNING_JAX_TUNING_CACHE."""
+  """The cache `heuristics.resolve` consults now: the innermost `use_tuning_cache`, else $LIGHTNING_JAX_TUNING_CACHE."""
   cache = _ACTIVE.get()
   if cache is not _NO_CONTEXT:
     return cache

@@ -1,19 +1,19 @@
-"""Times one sweep of the Pallas kernels over a grid of block configs, per job.
+"""The autotuner: times one sweep of the Pallas kernels over a grid of block configs, per job.
 
-    python -m benchmarks.tune --shapes 4x8192x32x64,2x8192x32x128 --out tune.json
+    python -m lightning_jax.tune --shapes 4x8192x32x64,2x8192x32x128 --out tune.json
 
-A sweep is the unit the heuristics of `lightning_jax.ops.lightning_attention.config`
+A sweep is the unit the heuristics of `lightning_jax.ops.lightning_attention.heuristics`
 choose blocks for: the forward pass is one `forward` sweep, the backward pass a
 `tangent` sweep (dq, with the decay tangent when the decay is differentiated,
 else a `forward`-like sweep) and a `dual` sweep (dk and dv). Every candidate
 that fits the device's shared-memory budget is compiled, checked against the
 output of the first that compiled (the default, unless it failed), and timed
-with `benchmarks.timing` (samples of at least `--sample-seconds`, as in the
-benchmark CLI); the JSON holds every row, and one line per (shape,
+with `lightning_jax.tune.timing` (samples of at least `--sample-seconds`, as in
+the benchmark CLI); the JSON holds every row, and one line per (shape,
 job, decay, variant) prints the default's time and status beside the best
 config's. The default rows run the heuristics: tune ignores every tuning cache.
 
-    python -m benchmarks.tune --shapes 4x8192x32x64,2x8192x32x128 --write-cache my_gpu.json
+    python -m lightning_jax.tune --shapes 4x8192x32x64,2x8192x32x128 --write-cache my_gpu.json
 
 also writes a tuning cache for this device (see
 `lightning_jax.ops.lightning_attention.tuning_cache`), or updates the one at
@@ -31,6 +31,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -39,49 +40,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
-from benchmarks.cases import GPU_SAMPLE_SECONDS, parse_shapes
-from lightning_jax.ops.lightning_attention import api
 from lightning_jax.ops.lightning_attention import config as config_lib
-from lightning_jax.ops.lightning_attention import pallas_vjp
+from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention import pallas_triton
 from lightning_jax.ops.lightning_attention import tuning_cache
+from lightning_jax.ops.lightning_attention.pallas_triton import SweepOperands
+from lightning_jax.tune import timing
 
 # Explore a little past the heuristics' register limit, to check that limit.
-MAX_ACCUMULATOR_REGISTERS = config_lib.MAX_ACCUMULATOR_REGISTERS + 32
+MAX_ACCUMULATOR_REGISTERS = heuristics.MAX_ACCUMULATOR_REGISTERS + 32
 
 
-def chunk_loop_candidates(dim_k, dim_v, itemsize, budget, job):
+def parse_shapes(text: str) -> list[tuple[int, int, int, int, int]]:
+  """Comma-separated "BxTxHxD" or "BxTxHxDxE" (E = D if left out) -> [(B, T, H, D, E)]."""
+  shapes = []
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    if not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){3,4}", part):
+      raise ValueError(f"bad shape {part!r}: use BxTxHxD[xE] with every dim >= 1, e.g. 4x8192x32x64")
+    dims = [int(x) for x in part.split("x")]
+    shapes.append(tuple(dims) if len(dims) == 5 else (*dims, dims[3]))
+  return shapes
+
+
+def chunk_loop_candidates(sweep: config_lib.SweepShape, budget: int):
   for c, be, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
-    if be > dim_v:
+    if be > sweep.dim_v:
       continue
     cfg = config_lib.ChunkLoopConfig(chunk_size=c, block_e=be, num_warps=warps, num_stages=stages)
-    if (cfg.shared_memory_bytes(dim_k, dim_v, itemsize, job) <= budget
-        and cfg.accumulator_registers(dim_k, dim_v, job) <= MAX_ACCUMULATOR_REGISTERS):
+    if cfg.shared_memory_bytes(sweep) <= budget and cfg.accumulator_registers(sweep) <= MAX_ACCUMULATOR_REGISTERS:
       yield config_lib.LightningConfig(chunk_loop=cfg)
 
 
-def parallel_candidates(dim_k, dim_v, itemsize, budget, job):
+def parallel_candidates(sweep: config_lib.SweepShape, budget: int):
   for c, be, warps in itertools.product((64, 128), (32, 64, 128), (4, 8)):
-    if be > dim_v:
+    if be > sweep.dim_v:
       continue
     cfg = config_lib.ChunkOutputConfig(chunk_size=c, block_e=be, num_warps=warps, num_stages=1)
-    if cfg.shared_memory_bytes(dim_k, dim_v, itemsize, job) <= budget:
+    if cfg.shared_memory_bytes(sweep) <= budget:
       yield config_lib.LightningConfig(chunk_output=cfg)
 
 
 def job_fn(job, opts):
   """The sweep of `job` as a function of (q, k, v, decay, do), as the op runs it."""
   def fn(q, k, v, decay, do):
+    sweep = lambda ins, reverse: pallas_triton.sweep(  # noqa: E731
+        ins, reverse=reverse, with_final_state=False, out_dtype=q.dtype, opts=opts)
     if job == "forward":
-      return pallas_vjp.sweep(q, k, v, decay, None, reverse=False, with_final_state=False, out_dtype=q.dtype,
-                              opts=opts)[0]
+      return sweep(SweepOperands(decay=decay, x=q, y=k, z=v), False).out
     if job == "tangent":
-      out, _, _, row_dots, _ = pallas_vjp.sweep(do, v, k, decay, None, q, reverse=False, with_final_state=False,
-                                                out_dtype=q.dtype, opts=opts)
-      return out, row_dots
-    dv, dk, _, _, _ = pallas_vjp.sweep(k, q, do, decay, None, dual_with=v, reverse=True, with_final_state=False,
-                                       out_dtype=q.dtype, opts=opts)
-    return dv, dk
+      res = sweep(SweepOperands(decay=decay, x=do, y=v, z=k, tangent_with=q), False)
+      return res.out, res.row_dots
+    res = sweep(SweepOperands(decay=decay, x=k, y=q, z=do, dual_with=v), True)
+    return res.out, res.dual
   return jax.jit(fn)
 
 
@@ -116,7 +126,7 @@ def pick_configs(rows, *, compute_capability, itemsize, min_gain):
   picks = {}
   for (job, dim_k, dim_v, kernel), group in groups.items():
     with tuning_cache.use_tuning_cache(None):  # what the default rows ran
-      heuristic = getattr(config_lib.resolve(None, dim_k=dim_k, dim_v=dim_v, itemsize=itemsize,
+      heuristic = getattr(heuristics.resolve(None, dim_k=dim_k, dim_v=dim_v, itemsize=itemsize,
                                              compute_capability=compute_capability, job=job), kernel)
     settings = {(tuple(r["shape"]), r["decay"]) for r in group}
     times = collections.defaultdict(dict)  # config -> {setting: time_ms}
@@ -171,8 +181,8 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"))
   parser.add_argument("--compile-threads", type=int, default=8)
   parser.add_argument("--max-seconds", type=float, default=420.0, help="stop starting new groups after this")
-  parser.add_argument("--sample-seconds", type=float, default=GPU_SAMPLE_SECONDS,
-                      help="each timed sample lasts at least this long (see benchmarks.timing)")
+  parser.add_argument("--sample-seconds", type=float, default=timing.GPU_SAMPLE_SECONDS,
+                      help="each timed sample lasts at least this long (see lightning_jax.tune.timing)")
   parser.add_argument("--out", default=None, help="JSON file for every row")
   parser.add_argument("--write-cache", default=None, metavar="PATH",
                       help="write the picked configs to this tuning cache (updated if it exists); needs a GPU")
@@ -182,7 +192,8 @@ def main(argv=None):
 
   dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}[args.dtype]
   itemsize = jnp.dtype(dtype).itemsize
-  cc = api.gpu_compute_capability()  # None: interpret mode on the CPU (a smoke test, not a tuning)
+  # None: interpret mode on the CPU (a smoke test, not a tuning).
+  cc = heuristics.compute_capability(jax.devices()[0])
   if args.write_cache and cc is None:
     parser.error("--write-cache needs an NVIDIA GPU: interpret-mode timings on the CPU say nothing about a "
                  "device's blocks")
@@ -206,8 +217,9 @@ def main(argv=None):
         continue  # the tangent needs a decay; without one the dq sweep is a forward sweep
       decay = rates if decay_on == "on" else None
       make = chunk_loop_candidates if variant == "chunk_loop" else parallel_candidates
-      configs = [None] + list(make(**sweep_dims(d, e, job), itemsize=itemsize, budget=budget, job=job))
-      opts = [pallas_vjp.PallasOptions(scale=d ** -0.5, return_final_state=False, variant=variant, config=cfg,
+      sweep = config_lib.SweepShape(**sweep_dims(d, e, job), itemsize=itemsize, job=job)
+      configs = [None] + list(make(sweep, budget))
+      opts = [config_lib.PallasOptions(scale=d ** -0.5, return_final_state=False, variant=variant, config=cfg,
                                        compute_capability=cc, interpret=cc is None) for cfg in configs]
       inputs = [(q, k, v, decay, do) for q, k, v, do in sets]
 
@@ -248,7 +260,7 @@ def main(argv=None):
                          sample_seconds=args.sample_seconds, rows=rows), f, indent=1)
   if args.write_cache:
     picks = pick_configs(rows, compute_capability=cc, itemsize=itemsize, min_gain=args.cache_min_gain)
-    command = ["python", "-m", "benchmarks.tune", *(sys.argv[1:] if argv is None else argv)]
+    command = ["python", "-m", "lightning_jax.tune", *(sys.argv[1:] if argv is None else argv)]
     cache = merge_picks(previous, picks, compute_capability=cc, itemsize=itemsize,
                         device=jax.devices()[0].device_kind, jax=jax.__version__,
                         date=datetime.date.today().isoformat(), command=shlex.join(command))
@@ -257,6 +269,3 @@ def main(argv=None):
     print(f"wrote {args.write_cache}: {tuned} of the {len(picks)} kernel configs measured are tuned, the others "
           f"keep the heuristics; {len(cache.entries)} entries in all", flush=True)
 
-
-if __name__ == "__main__":
-  main()

@@ -19,15 +19,16 @@ tokens in order, split into three warpgroups that run concurrently:
           stores it by TMA.
 
 So the serial state chain, the output matmuls and the loads overlap, which a
-Triton program (one instruction stream) cannot do; at D = 128 this is what the
-fastest peer does (benchmarks/PERFORMANCE.md, items 10-11 and 13). The decay
-factors (`chunk_common`, with scale folded into the row and intra factors) are
-computed outside, per head, and loaded once.
+Triton program (one instruction stream) cannot do (benchmarks/PERFORMANCE.md,
+"Warp-specialised forward (sm90)"). The decay factors (`chunk_common`, with
+scale folded into the row and intra factors) are computed outside, per head,
+and loaded once. Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,44 +37,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lightning_jax.ops.lightning_attention import chunk_common
-from lightning_jax.ops.lightning_attention import config as config_lib
+from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention.config import PallasOptions, WarpSpecializedConfig
 
-CHUNK_SIZE = config_lib.WarpSpecializedConfig.CHUNK_SIZE
-BLOCK_E = config_lib.WarpSpecializedConfig.BLOCK_E
-MAX_DIM_K = 128
-MAX_DIM_V = 256
-DTYPES = (jnp.bfloat16, jnp.float16)
-COMPUTE_CAPABILITY = config_lib.WarpSpecializedConfig.COMPUTE_CAPABILITY
-# Older JAX cannot lower the kernel (its Mosaic GPU layout inference finds no
-# layouts) and has no GPU interpreter.
-MIN_JAX = (0, 11)
+CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
+BLOCK_E = WarpSpecializedConfig.BLOCK_E
 _F32 = jnp.float32
 # Registers per thread: the memory warpgroup gives its share to the two that
 # compute (3 x 128 threads share 64K registers).
 _MEMORY_REGISTERS, _COMPUTE_REGISTERS = 40, 232
-
-
-def padded_dims(dim_k: int, dim_v: int) -> tuple[int, int]:
-  """(K, V) the kernel runs at: K = 64 or 128, V a multiple of `BLOCK_E`."""
-  return (64 if dim_k <= 64 else 128), -(-dim_v // BLOCK_E) * BLOCK_E
-
-
-def jax_version() -> tuple[int, int]:
-  return tuple(int(part) for part in jax.__version__.split(".")[:2])
-
-
-def unsupported_reason(*, dim_k: int, dim_v: int, dtype, compute_capability: tuple[int, int] | None,
-                       interpret: bool) -> str | None:
-  """Why the kernel cannot run this call (None if it can). Dims are the unpadded D and E."""
-  if jax_version() < MIN_JAX:
-    return f"needs jax >= {MIN_JAX[0]}.{MIN_JAX[1]}, this is {jax.__version__}"
-  if not interpret and compute_capability != COMPUTE_CAPABILITY:
-    return f"needs a compute capability 9.0 GPU (wgmma), this device has {compute_capability}"
-  if not any(jnp.dtype(dtype) == d for d in DTYPES):
-    return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
-  if dim_k > MAX_DIM_K or dim_v > MAX_DIM_V:
-    return f"needs D <= {MAX_DIM_K} and E <= {MAX_DIM_V}, got D={dim_k}, E={dim_v}"
-  return None
 
 
 def decay_factors(decay, heads: int, *, scale: float, last_rows: int = CHUNK_SIZE):
@@ -254,19 +226,20 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     plgpu.wait_smem_to_gmem(0)
 
 
-def forward(q, k, v, decay, initial_state=None, *, scale: float, seq_len: int, return_final_state: bool = False,
-            num_stages: int, interpret: bool = False):
-  """The forward pass on padded inputs.
+def forward_padded(q, k, v, decay, initial_state=None, *, scale: float, seq_len: int,
+                   return_final_state: bool = False, num_stages: int, interpret: bool = False):
+  """The forward pass on padded inputs (see `forward` for unpadded ones).
 
   Args:
     q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; bf16 or fp16, Tp a multiple of
-      `CHUNK_SIZE`, K = 64 or 128, V a multiple of `BLOCK_E` (see `padded_dims`).
+      `CHUNK_SIZE`, K = 64 or 128, V a multiple of `BLOCK_E`
+      (`WarpSpecializedConfig.padded_dims`).
       Padded rows must be zeros past the real tokens (they are: the caller pads).
     decay: [H] float32 rates or None.
     initial_state: None, or S_0 transposed, [B, H, V, K] float32.
     seq_len: the number of real tokens T (Tp - CHUNK_SIZE < T <= Tp).
     return_final_state: also return S_T transposed, [B, H, V, K] float32.
-    num_stages: chunks of q, k, v in flight (`config.WarpSpecializedConfig`).
+    num_stages: chunks of q, k, v in flight (`WarpSpecializedConfig`).
     interpret: run in the Mosaic GPU interpreter (on any backend).
 
   Returns:
@@ -282,7 +255,7 @@ def forward(q, k, v, decay, initial_state=None, *, scale: float, seq_len: int, r
   dtype = q.dtype
   with_states = initial_state is not None or return_final_state
   state_smem = _smem((2, be, dim_k), dtype)
-  if with_states:  # the same bytes as the published states (see `config.WarpSpecializedConfig`)
+  if with_states:  # the same bytes as the published states (see `WarpSpecializedConfig`)
     state_smem = plgpu.RefUnion(state_smem, _smem((be, dim_k), _F32))
   scratch = (
       (_smem((num_stages, c, dim_k), dtype), _smem((num_stages, c, dim_k), dtype),
@@ -312,3 +285,28 @@ def forward(q, k, v, decay, initial_state=None, *, scale: float, seq_len: int, r
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name="lightning_warp_specialized",
   )(*inputs)
+
+
+def forward(q, k, v, decay, initial_state, opts: PallasOptions):
+  """The forward pass on unpadded inputs: (o [B, T, H, E], the final state [B, H, D, E] float32 or None).
+
+  q, k: [B, T, H, D]; v: [B, T, H, E]; decay: [H] float32 or None;
+  initial_state: [B, H, D, E] float32 or None. Pads T and the dims, runs
+  `forward_padded` with the config of `heuristics.resolve_warp_specialized`,
+  and slices the padding off.
+  """
+  t, dim_k, dim_v = q.shape[1], q.shape[-1], v.shape[-1]
+  kp, vp = WarpSpecializedConfig.padded_dims(dim_k, dim_v)
+  cfg = heuristics.resolve_warp_specialized(opts.config, dim_k=kp, itemsize=q.dtype.itemsize)
+  tp = math.ceil(t / CHUNK_SIZE) * CHUNK_SIZE
+  # The kernel carries the state transposed, S^T [V, K].
+  if initial_state is not None:
+    initial_state = jnp.swapaxes(chunk_common.pad_state(initial_state, kp, vp), -1, -2)
+  pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
+  result = forward_padded(pad_rows(q, dim=kp), pad_rows(k, dim=kp), pad_rows(v, dim=vp), decay, initial_state,
+                          scale=opts.scale, seq_len=t, return_final_state=opts.return_final_state,
+                          num_stages=cfg.num_stages, interpret=opts.interpret)
+  o, final_state = result if opts.return_final_state else (result, None)
+  if final_state is not None:
+    final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :dim_k, :dim_v]
+  return o[:, :t, :, :dim_v], final_state

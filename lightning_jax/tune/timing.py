@@ -1,6 +1,7 @@
 """Framework-agnostic timing: warm-up, then the median of device-synchronised samples.
 
-`measure(call, sync, ...)` is shared by the JAX and the torch workers, so every
+`measure(call, sync, ...)` times the autotuner's candidates and, in the
+benchmark CLI (`benchmarks/`), both the JAX and the torch workers, so that every
 implementation is timed the same way:
 
 * compilation (and autotuning) happens before: the caller passes compiled
@@ -25,6 +26,11 @@ from __future__ import annotations
 import math
 import statistics
 import time
+
+# A GPU sample lasts at least this long: spread over so many back-to-back
+# calls, the host's dispatch and sync latency adds under 1% (benchmarks/
+# PERFORMANCE.md, "Timing method"). The benchmark CLI's GPU profiles use the same.
+GPU_SAMPLE_SECONDS = 0.02
 
 
 def _sample(call, sync, start: int, count: int, n_sets: int) -> float:

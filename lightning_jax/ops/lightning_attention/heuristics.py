@@ -1,0 +1,255 @@
+"""Kernel policy: which device runs what, with which blocks, in which variant.
+
+Everything the Pallas path decides from the device and the shapes lives here:
+the device of a call and its compute capability, the per-device default block
+configs (filled in behind `config=` and the tuning cache by `resolve`), where
+the warp-specialised forward can run, the `variant="auto"` choice and whether
+the backward pass fuses dk into the dv sweep. The measurements behind each
+choice are in benchmarks/PERFORMANCE.md, under the section each docstring
+names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from lightning_jax.ops.lightning_attention import config as config_lib
+from lightning_jax.ops.lightning_attention import tuning_cache
+from lightning_jax.ops.lightning_attention.config import (
+    ChunkLoopConfig,
+    ChunkOutputConfig,
+    ChunkStatesConfig,
+    LightningConfig,
+    SweepConfigs,
+    SweepShape,
+    WarpSpecializedConfig,
+)
+
+# Measured on an H100 (132 SMs); a device that does not say its SM count is taken as one.
+DEFAULT_NUM_SMS = 132
+
+
+def device_of(*arrays) -> jax.Device:
+  """The device the kernels of a call run on.
+
+  The device of the first concrete array among `arrays` (the first of its
+  devices if it is sharded); for traced arrays (under `jax.jit`) the default
+  device, `jax.default_device` included.
+  """
+  for x in arrays:
+    if x is not None and not isinstance(x, jax.core.Tracer) and hasattr(x, "devices"):
+      return min(x.devices(), key=lambda device: device.id)
+  default = jax.config.jax_default_device
+  if isinstance(default, jax.Device):
+    return default
+  return jax.devices(default)[0] if isinstance(default, str) else jax.devices()[0]
+
+
+def compute_capability(device: jax.Device) -> tuple[int, int] | None:
+  """(major, minor) of an NVIDIA GPU device, else None."""
+  cc = getattr(device, "compute_capability", None)
+  if device.platform != "gpu" or not cc:
+    return None
+  major, minor = str(cc).split(".")[:2]
+  return int(major), int(minor)
+
+
+def supported_gpu(cc: tuple[int, int] | None) -> bool:
+  """Whether a device of compute capability `cc` (None: not an NVIDIA GPU) runs the Pallas kernels compiled."""
+  return cc is not None and cc >= config_lib.MIN_COMPUTE_CAPABILITY
+
+
+# The defaults below follow the autotuner (`python -m lightning_jax.tune`) on an
+# H100 (bf16, T 8K, D = E = 64 and 128; PERFORMANCE.md, "Block heuristics and
+# shared-memory model"): chunks of 64 tokens, 4 warps and the deepest software
+# pipeline that fits the shared memory beat every other shape of the chunk_loop
+# kernel, by up to 2x over a 2-stage pipeline; the decay-tangent sweep prefers
+# 32 value columns per program (twice the programs, half the carried state).
+# Devices with less shared memory get shallower pipelines or smaller blocks from
+# the same preference order.
+MAX_ACCUMULATOR_REGISTERS = 160
+MAX_STAGES = {"forward": 4, "tangent": 3, "dual": 3}
+# Deeper rings than 4 chunks bought nothing in the chunk_loop kernel (MAX_STAGES).
+MAX_WARP_SPECIALIZED_STAGES = 4
+
+
+def _fits(cfg, sweep: SweepShape, budget: int) -> bool:
+  registers = getattr(cfg, "accumulator_registers", None)
+  return (cfg.shared_memory_bytes(sweep) <= budget
+          and (registers is None or registers(sweep) <= MAX_ACCUMULATOR_REGISTERS))
+
+
+def default_chunk_loop(sweep: SweepShape, budget: int) -> ChunkLoopConfig:
+  block_es = (32, 16) if sweep.job == "tangent" else (64, 32, 16)
+  for chunk_size in (64, 32, 16):
+    for pipelined in (True, False):
+      for block_e in block_es:
+        for stages in range(MAX_STAGES[sweep.job], 1, -1) if pipelined else (1,):
+          for warps in (4, 8):
+            cfg = ChunkLoopConfig(chunk_size=chunk_size, block_e=min(block_e, sweep.dim_v), num_warps=warps,
+                                  num_stages=stages)
+            if _fits(cfg, sweep, budget):
+              return cfg
+  raise AssertionError("unreachable: the smallest chunk_loop config fits every budget")
+
+
+def default_chunk_output(sweep: SweepShape, budget: int) -> ChunkOutputConfig:
+  # Chunks of 128 halve the float32 states the states kernel writes.
+  for chunk_size in (128, 64, 32, 16):
+    for block_e in (128, 64, 32, 16):
+      for warps in (4, 8):
+        cfg = ChunkOutputConfig(chunk_size=chunk_size, block_e=min(block_e, sweep.dim_v), num_warps=warps,
+                                num_stages=1)
+        if _fits(cfg, sweep, budget):
+          return cfg
+  raise AssertionError("unreachable: the smallest chunk_output config fits every budget")
+
+
+def default_chunk_states(sweep: SweepShape, budget: int) -> ChunkStatesConfig:
+  for block in (64, 32, 16):
+    for stages in (3, 2, 1):
+      cfg = ChunkStatesConfig(block_d=min(block, sweep.dim_k), block_e=min(block, sweep.dim_v), num_warps=4,
+                              num_stages=stages)
+      if _fits(cfg, sweep, budget):
+        return cfg
+  raise AssertionError("unreachable: the smallest chunk_states config fits every budget")
+
+
+def _check_budget(name, cfg, sweep: SweepShape, *, budget, compute_capability, origin="config."):
+  """`cfg` if its shared memory fits `budget`, else a ValueError naming both and `cfg`'s origin."""
+  cost = cfg.shared_memory_bytes(sweep)
+  if cost > budget:
+    where = (f"compute capability {compute_capability[0]}.{compute_capability[1]}"
+             if compute_capability else "an unknown device")
+    raise ValueError(
+        f"{origin}{name}={cfg} needs about {cost} bytes of shared memory for dims ({sweep.describe()}), over the "
+        f"{budget}-byte per-block budget of {where}; use a smaller chunk_size, block or num_stages")
+  return cfg
+
+
+def resolve(config: LightningConfig | None, *, dim_k: int, dim_v: int, itemsize: int,
+            compute_capability: tuple[int, int] | None, job: str = "forward") -> SweepConfigs:
+  """The Triton configs of one sweep: `config`'s fields, else the tuning cache's, else the defaults.
+
+  `dim_k`, `dim_v` are padded dims (powers of two >= 16); `job` one of
+  `config.SWEEP_JOBS` (see `config.sweep_job`). The active tuning cache is
+  consulted at trace time (see `tuning_cache`). Set and cached configs are
+  clipped to the dims and checked against the device's shared-memory budget.
+  """
+  sweep = SweepShape(dim_k=dim_k, dim_v=dim_v, itemsize=itemsize, job=job)
+  config, origins = tuning_cache.fill_from_cache(config or LightningConfig(), compute_capability=compute_capability,
+                                                 job=job, dim_k=dim_k, dim_v=dim_v, itemsize=itemsize)
+  budget = config_lib.shared_memory_budget(compute_capability)
+
+  def pick(name, default, sweep):
+    cfg = getattr(config, name)
+    if cfg is None:
+      return default(sweep, budget)
+    return _check_budget(name, cfg.clipped(sweep), sweep, budget=budget, compute_capability=compute_capability,
+                         origin=origins[name])
+
+  loop = pick("chunk_loop", default_chunk_loop, sweep)
+  out = pick("chunk_output", default_chunk_output, sweep)
+  states = pick("chunk_states", default_chunk_states, dataclasses.replace(sweep, chunk_size=out.chunk_size))
+  return SweepConfigs(chunk_loop=loop, chunk_states=states, chunk_output=out)
+
+
+def fuse_dk_dv(*, dim_k: int, dim_v: int) -> bool:
+  """Whether the backward pass computes dk as the dual output of the dv sweep.
+
+  It saves one pass over q, k, v, do, but holds two score tiles and two output
+  tiles per chunk. On an H100 the fused sweep is 1.2-1.5x faster than two
+  sweeps at D = E = 64, and 2x slower at 128, where it spills (PERFORMANCE.md,
+  "Fused dk and dv sweep").
+  """
+  return dim_k <= 64 and dim_v <= 64
+
+
+def choose_variant(*, batch: int, heads: int, seq_len: int, dim_v: int, block_e: int, num_sms: int) -> str:
+  """The Triton variant for `variant="auto"`: parallel when the chunk_loop grid cannot fill the device.
+
+  chunk_loop runs batch*heads*ceil(dim_v/block_e) programs, each walking
+  seq_len/chunk_size chunks in order; with far fewer programs than SMs most of
+  the chip idles while they walk, and materialising chunk states (an extra
+  float32 round trip through HBM) buys parallelism. Measured on an H100 (132
+  SMs, bf16, T 8K-16K; PERFORMANCE.md, "Variant choice"): 8 programs favour
+  parallel by 2x, 128 favour chunk_loop by 1.4-1.8x; the threshold sits between.
+  """
+  programs = batch * heads * math.ceil(dim_v / block_e)
+  return "parallel" if 2 * programs <= num_sms and seq_len >= 1024 else "chunk_loop"
+
+
+def prefer_warp_specialized(*, dim_k: int) -> bool:
+  """Whether `variant="auto"` takes the warp-specialised forward over chunk_loop (where both can run).
+
+  On an H100 (bf16, B2 H32 D128 and B4 H32 D64, T 8K and 32K; PERFORMANCE.md,
+  "Warp-specialised forward (sm90)") it took 8-10% less time than chunk_loop at
+  D = 128 and T = 32K and tied at 8K; at D = 64 it was 2-11% slower.
+  """
+  return dim_k > 64
+
+
+def jax_version() -> tuple[int, int]:
+  return tuple(int(part) for part in jax.__version__.split(".")[:2])
+
+
+def warp_specialized_unsupported(*, dim_k: int, dim_v: int, dtype, compute_capability: tuple[int, int] | None,
+                                 interpret: bool) -> str | None:
+  """Why the warp-specialised forward cannot run a call (None if it can). Dims are the unpadded D and E."""
+  ws = WarpSpecializedConfig
+  if jax_version() < ws.MIN_JAX:
+    return f"needs jax >= {ws.MIN_JAX[0]}.{ws.MIN_JAX[1]}, this is {jax.__version__}"
+  if not interpret and compute_capability != ws.COMPUTE_CAPABILITY:
+    return f"needs a compute capability 9.0 GPU (wgmma), this device has {compute_capability}"
+  if not any(jnp.dtype(dtype) == d for d in ws.DTYPES):
+    return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+  if dim_k > ws.MAX_DIM_K or dim_v > ws.MAX_DIM_V:
+    return f"needs D <= {ws.MAX_DIM_K} and E <= {ws.MAX_DIM_V}, got D={dim_k}, E={dim_v}"
+  return None
+
+
+def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, itemsize: int) -> WarpSpecializedConfig:
+  """The `warp_specialized` config: the user's (checked against the budget) or the deepest ring that fits.
+
+  The kernel runs on sm90 alone (also when interpreted), so the budget is sm90's.
+  """
+  cc = WarpSpecializedConfig.COMPUTE_CAPABILITY
+  budget = config_lib.shared_memory_budget(cc)
+  sweep = SweepShape(dim_k=dim_k, dim_v=WarpSpecializedConfig.BLOCK_E, itemsize=itemsize)
+  cfg = config.warp_specialized if config is not None else None
+  if cfg is not None:
+    return _check_budget("warp_specialized", cfg, sweep, budget=budget, compute_capability=cc)
+  for stages in range(MAX_WARP_SPECIALIZED_STAGES, 0, -1):
+    cfg = WarpSpecializedConfig(num_stages=stages)
+    if cfg.shared_memory_bytes(sweep) <= budget:
+      return cfg
+  raise AssertionError("unreachable: one stage fits sm90 at every dim_k <= 128")
+
+
+def pallas_variant(variant: str, *, b: int, t: int, h: int, d: int, e: int, dtype, config: LightningConfig | None,
+                   compute_capability: tuple[int, int] | None, num_sms: int, interpret: bool) -> str:
+  """The Pallas variant that runs: `variant`, checked, or the one "auto" picks for this call."""
+  ws_unsupported = warp_specialized_unsupported(dim_k=d, dim_v=e, dtype=dtype, compute_capability=compute_capability,
+                                                interpret=interpret)
+  if variant == "warp_specialized" and ws_unsupported:
+    raise ValueError(f"variant='warp_specialized' {ws_unsupported}")
+  if variant != "auto":
+    return variant
+  dim_v = config_lib.padded_dim(e)
+  configs = resolve(config, dim_k=config_lib.padded_dim(d), dim_v=dim_v, itemsize=jnp.dtype(dtype).itemsize,
+                    compute_capability=compute_capability)
+  variant = choose_variant(batch=b, heads=h, seq_len=t, dim_v=dim_v, block_e=configs.chunk_loop.block_e,
+                           num_sms=num_sms)
+  # Compiled only (its interpreter is for tests), and where it was measured faster.
+  if variant == "chunk_loop" and not interpret and not ws_unsupported and prefer_warp_specialized(dim_k=d):
+    return "warp_specialized"
+  return variant
+
+
+def num_sms(device: jax.Device) -> int:
+  """The device's streaming multiprocessors (`DEFAULT_NUM_SMS` where it does not say)."""
+  return getattr(device, "core_count", None) or DEFAULT_NUM_SMS

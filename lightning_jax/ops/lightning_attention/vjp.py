@@ -1,0 +1,130 @@
+"""`jax.custom_vjp` of the Pallas path: one sweep forward, two (or three) backward.
+
+The forward pass is a Triton sweep (`pallas_triton`), or with
+`variant="warp_specialized"` the Mosaic GPU kernel of `pallas_mosaic_gpu`; the
+backward sweeps are Triton's.
+
+With q' = scale * q, a = exp(-lambda) and G_t = dL/dS_t (the state gradient,
+G_t = a G_{t+1} + q'_t^T do_t, G_{T-1} also receiving the final-state cotangent),
+written with the intra-chunk terms left out,
+
+    dq_t = scale * do_t S_t^T      forward sweep (x=do, y=v, z=k, S_0^T)
+    dv_t = k_t G_t                 reverse sweep (x=k, y=q, z=do, dS_T / scale), and
+    dk_t = v_t G_t^T               its dual output (u=v), from the same G, or for
+                                   large head dims a reverse sweep of its own
+                                   (x=v, y=do, z=q, dS_T^T / scale)
+    d initial_state = a G_0        the state the dv sweep ends with, times scale
+
+The decay gradient is taken in forward mode inside the dq sweep, which already
+walks S_t: with U_t = -dS_t/dlambda carried beside S_t (see `chunk_common`),
+
+    dL/dlambda = -( sum_t q_t . (scale do_t U_t^T) + <dS_T, U_T> ).
+
+All of U's terms carry non-negative distance weights, so no large terms cancel
+(a reverse-mode reduction such as sum_t t (q_t . dq_t - k_t . dk_t) is exact in
+real arithmetic but loses every digit to cancellation in bfloat16). Residuals
+are the inputs: nothing of size O(T D E) is kept. Cotangents nobody asked for
+(`symbolic_zeros`) are not computed: a decay that is not differentiated costs
+no tangent, unused q or k, v gradients no sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from lightning_jax.ops.lightning_attention import config as config_lib
+from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu
+from lightning_jax.ops.lightning_attention import pallas_triton
+from lightning_jax.ops.lightning_attention.config import PallasOptions
+from lightning_jax.ops.lightning_attention.pallas_triton import SweepOperands
+
+
+class Needs(NamedTuple):
+  """Which cotangents the caller differentiates (the others are symbolic zeros)."""
+  dq: bool
+  dk: bool
+  dv: bool
+  d_decay: bool
+  d_initial: bool
+
+
+def _primal(q, k, v, decay, initial_state, opts):
+  if opts.variant == "warp_specialized":
+    o, final_state = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts)
+  else:
+    res = pallas_triton.sweep(SweepOperands(decay=decay, x=q, y=k, z=v, initial_state=initial_state),
+                              reverse=False, with_final_state=opts.return_final_state, out_dtype=q.dtype, opts=opts)
+    o, final_state = res.out, res.final_state
+  return (o, final_state) if opts.return_final_state else o
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def lightning_attention_pallas(q, k, v, decay, initial_state, opts: PallasOptions):
+  """q, k: [B, T, H, D], v: [B, T, H, E], decay: [H] float32 or None, initial_state float32 or None."""
+  return _primal(q, k, v, decay, initial_state, opts)
+
+
+def _forward(q, k, v, decay, initial_state, opts):
+  # With symbolic_zeros the primals arrive wrapped, saying whether each one is
+  # differentiated: a fixed decay (the usual ALiBi slopes) skips the tangent.
+  perturbed = lambda x: x is not None and x.perturbed  # noqa: E731
+  needs = Needs(dq=perturbed(q), dk=perturbed(k), dv=perturbed(v), d_decay=perturbed(decay),
+                d_initial=perturbed(initial_state))
+  q, k, v, decay, initial_state = (None if x is None else x.value for x in (q, k, v, decay, initial_state))
+  return _primal(q, k, v, decay, initial_state, opts), (q, k, v, decay, initial_state, needs)
+
+
+def _backward(opts, residuals, cotangents):
+  q, k, v, decay, initial_state, needs = residuals
+  if opts.variant == "warp_specialized":  # a forward kernel only: the backward sweeps are chunk_loop's
+    opts = dataclasses.replace(opts, variant="chunk_loop")
+  do, d_final = cotangents if opts.return_final_state else (cotangents, None)
+  if isinstance(d_final, SymbolicZero):
+    d_final = None
+  if isinstance(do, SymbolicZero):
+    do = jnp.zeros(do.shape, q.dtype)  # only the final state is used downstream
+  scale = opts.scale
+  transpose = lambda s: None if s is None else jnp.swapaxes(s, -1, -2)  # noqa: E731
+  d_final_scaled = None if d_final is None else d_final / scale
+  with_tangent = needs.d_decay and decay is not None
+
+  sweep = functools.partial(pallas_triton.sweep, opts=opts)
+  dq = d_decay = d_initial = dk = dv = None
+  if needs.dq or with_tangent:
+    # The dq sweep carries S^T; for the decay gradient it also carries
+    # U^T = -dS^T/dlambda and reduces q_t . (scale do_t U_t^T) per token.
+    res = sweep(SweepOperands(decay=decay, x=do, y=v, z=k, initial_state=transpose(initial_state),
+                              tangent_with=q if with_tangent else None),
+                reverse=False, with_final_state=with_tangent and d_final is not None, out_dtype=q.dtype)
+    dq = res.out
+    if with_tangent:
+      d_decay = -jnp.sum(res.row_dots, axis=(0, 2))
+      if d_final is not None:
+        d_decay = d_decay - jnp.sum(d_final * transpose(res.final_tangent), axis=(0, 2, 3))
+  # Reverse sweeps over G (the state gradient): dv = k G + ..., and
+  # dk = v G^T + ..., the dv sweep's dual output or a sweep of its own (see
+  # `heuristics.fuse_dk_dv`). The state the dv sweep ends with gives d initial_state.
+  fuse = needs.dk and heuristics.fuse_dk_dv(dim_k=config_lib.padded_dim(q.shape[-1]),
+                                            dim_v=config_lib.padded_dim(v.shape[-1]))
+  with_initial = needs.d_initial and initial_state is not None
+  if needs.dv or with_initial or fuse:
+    res = sweep(SweepOperands(decay=decay, x=k, y=q, z=do, initial_state=d_final_scaled,
+                              dual_with=v if fuse else None),
+                reverse=True, with_final_state=with_initial, out_dtype=v.dtype)
+    dv, dk = res.out, res.dual
+    if with_initial:
+      d_initial = scale * res.final_state
+  if needs.dk and not fuse:
+    dk = sweep(SweepOperands(decay=decay, x=v, y=do, z=q, initial_state=transpose(d_final_scaled)),
+               reverse=True, with_final_state=False, out_dtype=k.dtype).out
+  return dq, dk, dv, d_decay, d_initial
+
+
+lightning_attention_pallas.defvjp(_forward, _backward, symbolic_zeros=True)
