@@ -506,13 +506,16 @@ MANIFEST_NAME = "MANIFEST.md"
 
 
 def _shapes_label(md: dict) -> str:
-  """The plan's shapes by family: "B4 H32 D64: T 2K-32K (4)"."""
+  """The plan's shapes by family, dtype and decay settings: "B4 H32 D64: T 2K-32K (4); bf16; decay"."""
   families = {}
   for shape in md.get("plan", {}).get("shapes", []):
     shape = cases.Shape(*shape)
     families.setdefault(shape._replace(seq_len=0).family(), []).append(shape.seq_len)
-  return "; ".join(f"{name}: T {fmt_t(min(ts))}-{fmt_t(max(ts))} ({len(ts)})" if len(ts) > 1
-                   else f"{name}: T {fmt_t(ts[0])}" for name, ts in families.items())
+  decays = {True: "decay", False: "no decay"}
+  return "; ".join([*(f"{name}: T {fmt_t(min(ts))}-{fmt_t(max(ts))} ({len(ts)})" if len(ts) > 1
+                      else f"{name}: T {fmt_t(ts[0])}" for name, ts in families.items()),
+                    str(md.get("plan", {}).get("dtype")),
+                    " and ".join(decays[d] for d in md.get("plan", {}).get("decays", []))])
 
 
 def manifest(runs: dict[str, dict]) -> str:
@@ -533,8 +536,8 @@ def manifest(runs: dict[str, dict]) -> str:
         *(f"  - earlier command (`--resume`): `{c}`" for c in md.get("previous_commands", [])),
         f"  - versions: {versions}",
         *([f"  - note: {md['note']}"] if md.get("note") else [])]))
-  header = ["run (report)", "device", "modes", "implementations", "shapes (bf16 unless the report says)",
-            "date (UTC)", "commit", "passes", "copy bandwidth"]
+  header = ["run (report)", "device", "modes", "implementations", "shapes", "date (UTC)", "commit", "repeats",
+            "copy bandwidth"]
   return "\n\n".join([
       "# Benchmark results",
       "The current run per device and mode, each as `<run>.json` (metadata and every result), `<run>.md` "
