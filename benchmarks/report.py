@@ -1,10 +1,13 @@
-"""Markdown report and PNG plots from a results JSON of `benchmarks.run`.
+"""Markdown report and PNG plots from results JSONs of `benchmarks.run`, and the results manifest.
 
-    python -m benchmarks.report benchmarks/results/nvidia-h100-80gb-hbm3.json [--plot] [--report] [--summary]
+    python -m benchmarks.report RUN.json [RUN.json ...] [--plot] [--report] [--summary] [--manifest]
 
-writes, next to the JSON (or into --out-dir), `<stem>.md` and
-`<stem>-{time,speedup,memory,split}.png`; `--summary` prints the headline
-table (with the date and versions of the run) in Markdown, as for README.md.
+For each JSON, `--plot` and `--report` write, next to it (or into --out-dir),
+`<stem>.md` and `<stem>-{time,speedup,memory,split}.png`. `--summary` prints
+one headline table in Markdown, as for README.md, with the device, date,
+commit and versions of each run; several runs of one device (e.g. its fwd
+run and its fwdbwd run) make one table. `--manifest` writes `MANIFEST.md`
+(one row per run, from the JSONs' metadata) next to the JSONs.
 `benchmarks.run --plot --report` calls the same functions.
 """
 
@@ -129,8 +132,24 @@ def _fastest(index: Index, impls, mode, shape, dtype, decay) -> dict | None:
   return min(rows, key=lambda r: r["time_ms"], default=None)
 
 
-def summary_table(data: dict) -> str:
-  """Headline table: our default implementation against cuDNN and the fastest peer, per shape."""
+def _peer_ratio(mine: dict | None, peer: dict | None) -> str:
+  """The fastest peer's time over ours ("†" where the ranges over the passes overlap), or "–"."""
+  if not (ok(mine) and ok(peer)):
+    return "–"
+  ratio = peer["time_ms"] / mine["time_ms"]
+  digits = 3 if abs(ratio - 1) < 0.005 else 2  # so that a loss never reads 1.00x
+  return f"{ratio:.{digits}f}x" + ("†" if overlap(mine, peer) else "")
+
+
+_EMPTY_CELLS = {"", "–", "– / –"}
+
+
+def summary_table(data: dict, drop_empty: bool = False) -> str:
+  """Headline table: our default implementation against cuDNN and the fastest peer, per shape.
+
+  `drop_empty` leaves out the columns with no value in any row (e.g. cuDNN's
+  when it was not run).
+  """
   index = Index(data)
   ours = index.headline()
   if ours is None:
@@ -138,7 +157,7 @@ def summary_table(data: dict) -> str:
   peers = [i for i in index.impls if cases.IMPL_BY_NAME[i].kind == "peer"]
   header = ["shape", "T", f"{ours} fwd ms", f"{ours} fwd+bwd ms", "cuDNN fwd ms", "cuDNN fwd+bwd ms",
             "fastest peer fwd (ms)", "fastest peer fwd+bwd (ms)", "speedup vs cuDNN fwd / fwd+bwd",
-            "x HBM floor fwd / fwd+bwd"]
+            "x HBM floor fwd / fwd+bwd", "fastest peer / ours fwd / fwd+bwd"]
   rows = []
   for family, dtype, decay in index.panels:
     for t in index.seq_lens(family, dtype):
@@ -151,18 +170,66 @@ def summary_table(data: dict) -> str:
       rows.append([panel_title(family, dtype, decay), fmt_t(t), fmt_cell(mine["fwd"]), fmt_cell(mine["fwdbwd"]),
                    fmt_cell(cudnn["fwd"]), fmt_cell(cudnn["fwdbwd"]),
                    *(f"{peer[m]['impl']} ({fmt_cell(peer[m])})" if peer[m] else "–" for m in ("fwd", "fwdbwd")),
-                   speedups, floors])
+                   speedups, floors, " / ".join(_peer_ratio(mine[m], peer[m]) for m in ("fwd", "fwdbwd"))])
+  if drop_empty:
+    keep = [i for i in range(len(header)) if any(row[i] not in _EMPTY_CELLS for row in rows)]
+    header, rows = [header[i] for i in keep], [[row[i] for i in keep] for row in rows]
   return md_table(header, rows)
 
 
-def summary_with_provenance(data: dict) -> str:
-  """The headline table under one line saying where, when and with what it was measured."""
-  md = data["metadata"]
+def merge_runs(runs: list[dict]) -> dict:
+  """Several runs of one device (e.g. its fwd run and its fwdbwd run) as one, for the summary table.
+
+  Each result keeps its own floors; a case measured by two of the runs is an error.
+  """
+  kinds = {run["metadata"].get("device_kind") for run in runs}
+  if len(kinds) > 1:
+    raise ValueError(f"the runs of one summary must share a device, got {sorted(map(str, kinds))}")
+  seen = set()
+  for run in runs:
+    for r in run["results"]:
+      key = Index._key(r["impl"], r["mode"], cases.job_shape(r), r["dtype"], r["decay"])
+      if key in seen:
+        raise ValueError(f"two of the runs measured the same case {key}")
+      seen.add(key)
+  return {"metadata": runs[0]["metadata"], "results": [r for run in runs for r in run["results"]]}
+
+
+_VERSIONS_SHOWN = ("jax", "jaxlib", "torch", "triton", "fla-core", "lightning-attn", "jax-linear-attention")
+
+
+def _modes_label(md: dict) -> str:
+  return ", ".join(m.replace("fwdbwd", "fwd+bwd") for m in md.get("plan", {}).get("modes", []))
+
+
+def _versions_label(md: dict) -> str:
   versions = md.get("versions", {})
-  used = ", ".join(f"{k} {versions[k]}" for k in ("jax", "jaxlib", "torch", "triton", "fla-core", "lightning-attn",
-                                                   "jax-linear-attention") if versions.get(k))
-  return (f"{md.get('device_kind')}, {md.get('date_utc', '')[:10]}, commit {str(md.get('git_commit'))[:10]}; "
-          f"{used}; median ms.\n\n" + summary_table(data))
+  return ", ".join(f"{k} {versions[k]}" for k in _VERSIONS_SHOWN if versions.get(k))
+
+
+def _run_label(md: dict) -> str:
+  repeats = md.get("plan", {}).get("repeats", 1)
+  passes = f", {repeats} passes" if repeats > 1 else ""
+  return f"{md.get('date_utc', '')[:10]}, commit {str(md.get('git_commit'))[:10]}{passes}"
+
+
+def summary_with_provenance(*runs: dict) -> str:
+  """The headline table of one or several runs of one device, under a line saying where, when and with
+  what each was measured."""
+  mds = [run["metadata"] for run in runs]
+  if len(runs) == 1:
+    head = f"{mds[0].get('device_kind')}, {_run_label(mds[0])}; {_versions_label(mds[0])}; median ms"
+  else:
+    versions = {_versions_label(md) for md in mds}
+    head = f"{mds[0].get('device_kind')}; " + "; ".join(
+        f"{_modes_label(md)}: {_run_label(md)}" + ("" if len(versions) == 1 else f", {_versions_label(md)}")
+        for md in mds) + (f"; {versions.pop()}" if len(versions) == 1 else "") + "; median ms"
+  if any(md.get("plan", {}).get("repeats", 1) > 1 for md in mds):
+    head += " [min-max over the passes]"
+  table = summary_table(merge_runs(list(runs)), drop_empty=True)
+  note = ("\n\nfastest peer / ours: above 1, ours is faster; † the ranges over the passes overlap."
+          if "fastest peer / ours" in table.partition("\n")[0] else "")
+  return f"{head}.\n\n{table}{note}"
 
 
 def _floor_note(data: dict) -> str:
@@ -206,6 +273,8 @@ def _metadata_section(data: dict) -> str:
   if repeats > 1:
     lines.append(f"- Repeats: {repeats} passes over every case, the order of the groups reversed on every other "
                  "pass; a time is the median pass, [min-max] over the passes.")
+  if md.get("note"):
+    lines.append(f"- Note: {md['note']}")
   return "\n".join(lines)
 
 
@@ -431,25 +500,85 @@ def write_report(data: dict, path, plots: dict | None = None) -> pathlib.Path:
   return path
 
 
+# ----------------------------------------------------------------------------- manifest
+
+MANIFEST_NAME = "MANIFEST.md"
+
+
+def _shapes_label(md: dict) -> str:
+  """The plan's shapes by family, dtype and decay settings: "B4 H32 D64: T 2K-32K (4); bf16; decay"."""
+  families = {}
+  for shape in md.get("plan", {}).get("shapes", []):
+    shape = cases.Shape(*shape)
+    families.setdefault(shape._replace(seq_len=0).family(), []).append(shape.seq_len)
+  decays = {True: "decay", False: "no decay"}
+  return "; ".join([*(f"{name}: T {fmt_t(min(ts))}-{fmt_t(max(ts))} ({len(ts)})" if len(ts) > 1
+                      else f"{name}: T {fmt_t(ts[0])}" for name, ts in families.items()),
+                    str(md.get("plan", {}).get("dtype")),
+                    " and ".join(decays[d] for d in md.get("plan", {}).get("decays", []))])
+
+
+def manifest(runs: dict[str, dict]) -> str:
+  """`MANIFEST.md` of a results folder: one row per run (stem -> its JSON's data), from the metadata alone."""
+  rows, details = [], []
+  for stem, data in sorted(runs.items()):
+    md = data["metadata"]
+    plan = md.get("plan", {})
+    bw = (md.get("copy_bandwidth") or {}).get("bandwidth_gbps")
+    cc = md.get("compute_capability")
+    rows.append([f"[{stem}]({stem}.md)", f"{md.get('device_kind')}" + (f" (sm{cc.replace('.', '')})" if cc else ""),
+                 _modes_label(md), ", ".join(plan.get("impls", [])), _shapes_label(md),
+                 md.get("date_utc", "")[:10], f"`{str(md.get('git_commit'))[:10]}`",
+                 str(plan.get("repeats", 1)), "–" if bw is None else f"{bw:.0f} GB/s"])
+    versions = ", ".join(f"{k} {v}" for k, v in md.get("versions", {}).items() if v)
+    details.append("\n".join([
+        f"- `{stem}`: `{md.get('command')}`",
+        *(f"  - earlier command (`--resume`): `{c}`" for c in md.get("previous_commands", [])),
+        f"  - versions: {versions}",
+        *([f"  - note: {md['note']}"] if md.get("note") else [])]))
+  header = ["run (report)", "device", "modes", "implementations", "shapes", "date (UTC)", "commit", "repeats",
+            "copy bandwidth"]
+  return "\n\n".join([
+      "# Benchmark results",
+      "The current run per device and mode, each as `<run>.json` (metadata and every result), `<run>.md` "
+      "(the report) and `<run>-*.png` (plots). Superseded runs are in git history. This file is generated "
+      "from the JSONs' metadata: `python -m benchmarks.report --manifest benchmarks/results/*.json` "
+      "(`tests/test_results_manifest.py` checks that it is current).",
+      md_table(header, rows) if rows else "No runs.",
+      "## Commands and versions",
+      "\n".join(details) if details else "No runs."]) + "\n"
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(description="Plots and report from a benchmarks.run JSON.")
-  parser.add_argument("json")
-  parser.add_argument("--out-dir", help="default: the JSON's folder")
+  parser = argparse.ArgumentParser(description="Plots, reports, the summary table and the manifest "
+                                               "from benchmarks.run JSONs.")
+  parser.add_argument("json", nargs="+", help="results JSONs; for --summary, runs of one device")
+  parser.add_argument("--out-dir", help="default: each JSON's folder")
   parser.add_argument("--plot", action="store_true")
   parser.add_argument("--report", action="store_true")
-  parser.add_argument("--summary", action="store_true", help="print the headline table")
+  parser.add_argument("--summary", action="store_true", help="print the headline table of the runs")
+  parser.add_argument("--manifest", action="store_true",
+                      help=f"write {MANIFEST_NAME}, one row per JSON, into their folder (or --out-dir)")
   args = parser.parse_args(argv)
-  src = pathlib.Path(args.json)
-  data = json.loads(src.read_text())
-  out = pathlib.Path(args.out_dir or src.parent)
-  out.mkdir(parents=True, exist_ok=True)
-  plots = write_plots(data, out, src.stem) if args.plot else None
-  if args.report:
-    print(write_report(data, out / f"{src.stem}.md", plots))
-  for p in (plots or {}).values():
-    print(p)
+  sources = [pathlib.Path(p) for p in args.json]
+  runs = {src: json.loads(src.read_text()) for src in sources}
+  for src, data in runs.items():
+    out = pathlib.Path(args.out_dir or src.parent)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(data, out, src.stem) if args.plot else None
+    if args.report:
+      print(write_report(data, out / f"{src.stem}.md", plots))
+    for p in (plots or {}).values():
+      print(p)
+  if args.manifest:
+    folders = {src.parent.resolve() for src in sources}
+    if len(folders) > 1 and not args.out_dir:
+      parser.error("--manifest needs the JSONs of one folder (or --out-dir)")
+    path = pathlib.Path(args.out_dir or sources[0].parent) / MANIFEST_NAME
+    path.write_text(manifest({src.stem: data for src, data in runs.items()}))
+    print(path)
   if args.summary:
-    print(summary_with_provenance(data))
+    print(summary_with_provenance(*runs.values()))
 
 
 if __name__ == "__main__":
