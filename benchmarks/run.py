@@ -1,7 +1,7 @@
 """Benchmark CLI: lightning_jax against cuDNN FlashAttention, XLA softmax attention and the peers.
 
     python -m benchmarks.run --smoke --save --plot --report --out-dir /tmp/bench   # CPU, seconds
-    python -m benchmarks.run --profile full --save --plot --report                  # the H100 run
+    python -m benchmarks.run --profile full --save --plot --report                  # a full GPU run
 
 Every implementation group runs in its own subprocess (`benchmarks.jax_impls`,
 `benchmarks.peers.*`), one after the other; this process imports neither JAX

@@ -67,8 +67,9 @@ def supported_gpu(cc: tuple[int, int] | None) -> bool:
 # H100 (bf16, T 8K, D = E = 64 and 128; PERFORMANCE.md, "Block heuristics and
 # shared-memory model"): chunks of 64 tokens, 4 warps and the deepest software
 # pipeline that fits the shared memory beat every other shape of the chunk_loop
-# kernel, by up to 2x over a 2-stage pipeline; the decay-tangent sweep prefers
-# 32 value columns per program (twice the programs, half the carried state).
+# kernel (the forward 1.5x and 2.0x faster than the earlier defaults); the
+# decay-tangent sweep prefers 32 value columns per program (twice the programs,
+# half the carried state).
 # Devices with less shared memory get shallower pipelines or smaller blocks from
 # the same preference order.
 MAX_ACCUMULATOR_REGISTERS = 160
@@ -162,9 +163,9 @@ def fuse_dk_dv(*, dim_k: int, dim_v: int) -> bool:
   """Whether the backward pass computes dk as the dual output of the dv sweep.
 
   It saves one pass over q, k, v, do, but holds two score tiles and two output
-  tiles per chunk. On an H100 the fused sweep is 1.2-1.5x faster than two
-  sweeps at D = E = 64, and 2x slower at 128, where it spills (PERFORMANCE.md,
-  "Fused dk and dv sweep").
+  tiles per chunk. On an H100 the fused sweep is 1.23x (with decay) and 1.37x
+  (without) faster than two sweeps at D = E = 64, and 2x slower at 128, where it
+  spills (PERFORMANCE.md, "Fused dk and dv sweep").
   """
   return dim_k <= 64 and dim_v <= 64
 
@@ -188,7 +189,7 @@ def prefer_warp_specialized(*, dim_k: int) -> bool:
 
   On an H100 (bf16, B2 H32 D128 and B4 H32 D64, T 8K and 32K; PERFORMANCE.md,
   "Warp-specialised forward (sm90)") it took 8-10% less time than chunk_loop at
-  D = 128 and T = 32K and tied at 8K; at D = 64 it was 2-11% slower.
+  D = 128 and T = 32K and was within 4% at 8K; at D = 64 it was 2-11% slower.
   """
   return dim_k > 64
 
