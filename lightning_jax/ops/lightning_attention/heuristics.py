@@ -63,6 +63,11 @@ def supported_gpu(cc: tuple[int, int] | None) -> bool:
   return cc is not None and cc >= config_lib.MIN_COMPUTE_CAPABILITY
 
 
+def num_sms(device: jax.Device) -> int:
+  """The device's streaming multiprocessors (`DEFAULT_NUM_SMS` where it does not say)."""
+  return getattr(device, "core_count", None) or DEFAULT_NUM_SMS
+
+
 # The defaults below follow the autotuner (`python -m lightning_jax.tune`) on an
 # H100 (bf16, T 8K, D = E = 64 and 128; PERFORMANCE.md, "Block heuristics and
 # shared-memory model"): chunks of 64 tokens, 4 warps and the deepest software
@@ -249,8 +254,3 @@ def pallas_variant(variant: str, *, b: int, t: int, h: int, d: int, e: int, dtyp
   if variant == "chunk_loop" and not interpret and not ws_unsupported and prefer_warp_specialized(dim_k=d):
     return "warp_specialized"
   return variant
-
-
-def num_sms(device: jax.Device) -> int:
-  """The device's streaming multiprocessors (`DEFAULT_NUM_SMS` where it does not say)."""
-  return getattr(device, "core_count", None) or DEFAULT_NUM_SMS
