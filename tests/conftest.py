@@ -9,25 +9,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_exces
 # instead of each reserving 75% of it up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
+from helpers import GPU_ONLY  # noqa: E402
 
-from lightning_jax.ops.lightning_attention import api  # noqa: E402
-
-
-def gpu_available() -> bool:
-  try:
-    cc = api.gpu_compute_capability(jax.devices()[0])
-  except RuntimeError:
-    return False
-  return cc is not None and cc >= (8, 0)
-
-
-# The marks of a test (or parameter) that runs compiled kernels on an NVIDIA GPU.
-GPU_ONLY = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not gpu_available(), reason="needs an NVIDIA GPU with compute capability >= 8.0"),
-]
 # Every kernel case runs twice: through Pallas interpret mode (CPU CI) and
 # compiled through Triton when an NVIDIA GPU (sm80+) is present.
 KERNEL_MODES = [pytest.param("interpret", id="interpret"), pytest.param("gpu", id="gpu", marks=GPU_ONLY)]

@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GPU_ONLY
-from test_ops import BF16, F16, F32, Case, check_against_oracle, rel_err
+from helpers import BF16, F16, F32, GPU_ONLY, Case, check_against_oracle, rel_err
 
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import api
