@@ -14,6 +14,13 @@ from lightning_jax.ops.lightning_attention import api
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import reference
 
+# The cases of 420 tokens walk many chunks and end on a partial one: 4 to 14
+# chunks of every chunk size the configs of the CPU and of the GPUs pick, more
+# than the stages of any software pipeline over them. The two of 2048 tokens
+# check the error of long sequences (the rounding of the state, the decay
+# gradient's position-weighted sum, which grows with T): `slow`. Batch and
+# heads are small where the interpreter's run time grows with the grid (at
+# head dims of 256).
 CASES = [
     Case(1, 1, 1, 16, 16),
     Case(2, 17, 3, 48, 80),
@@ -21,11 +28,11 @@ CASES = [
     Case(3, 64, 1, 80, 48, F16, decay=None, scale=1.0),
     Case(2, 65, 3, 128, 16, BF16, scale=0.3),
     Case(1, 65, 3, 16, 48, F32, decay="extreme"),
-    Case(2, 1000, 1, 48, 64, F32, initial_state=False, final_state=False),
-    Case(1, 1000, 3, 256, 48, BF16, decay="extreme"),
-    Case(1, 2048, 1, 64, 128, BF16),
-    Case(1, 2048, 2, 16, 256, F16, decay=None, initial_state=False),
-    Case(3, 17, 8, 256, 256, BF16),
+    Case(2, 420, 1, 48, 64, F32, initial_state=False, final_state=False),
+    Case(1, 420, 3, 256, 48, BF16, decay="extreme"),
+    pytest.param(Case(1, 2048, 1, 64, 128, BF16), marks=pytest.mark.slow),
+    pytest.param(Case(1, 2048, 2, 16, 256, F16, decay=None, initial_state=False), marks=pytest.mark.slow),
+    Case(2, 17, 3, 256, 256, BF16),
     Case(2, 1, 3, 64, 48, F16, final_state=False),
     Case(2, 33, 2, 1, 3, F32, scale=0.5),
 ]
