@@ -50,15 +50,18 @@ def test_xla_matches_oracle(case):
   check_against_oracle(case, seed=zlib.crc32(str(case).encode()) + 1, impl="xla")
 
 
-def test_auto_variant_and_explicit_config(kernel_mode):
+SMALL_CONFIG = lj.LightningConfig(
+    chunk_loop=lj.ChunkLoopConfig(chunk_size=16, block_e=16, num_warps=2, num_stages=1),
+    chunk_states=lj.ChunkStatesConfig(block_d=16, block_e=16, num_warps=2, num_stages=1),
+    chunk_output=lj.ChunkOutputConfig(chunk_size=32, block_e=32, num_warps=4, num_stages=1))
+
+
+@pytest.mark.parametrize("variant,config,seed", [("auto", None, 3), ("chunk_loop", SMALL_CONFIG, 4),
+                                                 ("parallel", SMALL_CONFIG, 4)], ids=["auto", "chunk_loop-small",
+                                                                                      "parallel-small"])
+def test_auto_variant_and_explicit_config(variant, config, seed, kernel_mode):
   case = Case(2, 130, 3, 32, 64, BF16)
-  check_against_oracle(case, seed=3, impl="pallas", variant="auto", interpret=kernel_mode)
-  small = lj.LightningConfig(
-      chunk_loop=lj.ChunkLoopConfig(chunk_size=16, block_e=16, num_warps=2, num_stages=1),
-      chunk_states=lj.ChunkStatesConfig(block_d=16, block_e=16, num_warps=2, num_stages=1),
-      chunk_output=lj.ChunkOutputConfig(chunk_size=32, block_e=32, num_warps=4, num_stages=1))
-  for variant in ("chunk_loop", "parallel"):
-    check_against_oracle(case, seed=4, impl="pallas", variant=variant, config=small, interpret=kernel_mode)
+  check_against_oracle(case, seed=seed, impl="pallas", variant=variant, config=config, interpret=kernel_mode)
 
 
 # The defaults depend on the device only through its shared-memory budget: one
@@ -89,14 +92,19 @@ def test_other_devices_default_configs_compile_and_match_here(cc, variant, monke
                          interpret=False)
 
 
+@jax.jit
+def _both_oracles(q, k, v, decay, s0):
+  return (reference.lightning_attention_recurrent(q, k, v, decay, scale=0.7, initial_state=s0),
+          reference.lightning_attention_quadratic(q, k, v, decay, scale=0.7, initial_state=s0))
+
+
 @pytest.mark.parametrize("t", [1, 17, 64, 65])
 @pytest.mark.parametrize("decay", [False, True])
 def test_oracles_agree(t, decay):
   """The two oracles (token-serial scan and masked quadratic form) agree."""
   case = Case(2, t, 3, 16, 24, decay="random" if decay else None)
   q, k, v, dec, s0, _, _ = make_inputs(case, seed=t)
-  o1, f1 = reference.lightning_attention_recurrent(q, k, v, dec, scale=0.7, initial_state=s0)
-  o2, f2 = reference.lightning_attention_quadratic(q, k, v, dec, scale=0.7, initial_state=s0)
+  (o1, f1), (o2, f2) = _both_oracles(q, k, v, dec, s0)
   assert rel_err(o1, o2) < 1e-5 and rel_err(f1, f2) < 1e-5
 
 
@@ -121,8 +129,8 @@ def test_reference_by_hand():
 def test_reference_check_grads():
   case = Case(1, 9, 2, 4, 3)
   q, k, v, decay, s0, _, _ = make_inputs(case, seed=0)
-  fn = lambda q, k, v, decay, s0: reference.lightning_attention_recurrent(  # noqa: E731
-      q, k, v, decay, scale=0.5, initial_state=s0)
+  fn = jax.jit(lambda q, k, v, decay, s0: reference.lightning_attention_recurrent(
+      q, k, v, decay, scale=0.5, initial_state=s0))
   # The oracle computes in float32, so finite differences need a float32-sized step.
   jax.test_util.check_grads(fn, (q, k, v, decay, s0), order=1, modes=("fwd", "rev"), eps=1e-2,
                             atol=2e-2, rtol=2e-2)
