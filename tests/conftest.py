@@ -1,4 +1,4 @@
-"""Shared test fixtures: kernel execution modes (interpret on any backend, compiled on a GPU)."""
+"""Shared test fixtures and settings: kernel execution modes (interpret on any backend, compiled on a GPU)."""
 
 import os
 
@@ -9,8 +9,32 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_exces
 # instead of each reserving 75% of it up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
-from helpers import GPU_ONLY  # noqa: E402
+from helpers import GPU_ONLY, gpu_available  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def unoptimized_compiles():
+  """Compiles the module's programs without LLVM's optimisations (on the CPU).
+
+  Most of the time of the kernel tests is XLA compiling interpret-mode kernels,
+  oracles and their gradients, each for a single run; LLVM's optimisation of
+  the generated code is half of that. XLA's own passes, which decide what is
+  fused and where values are rounded, still run. The float32 results move by a
+  few ulps, so the modules that take this compare with tolerances well above
+  float32 rounding (`pytestmark = pytest.mark.usefixtures("unoptimized_compiles")`).
+  JAX_DISABLE_MOST_OPTIMIZATIONS=0 compiles as a user would; a GPU always does.
+  """
+  if "JAX_DISABLE_MOST_OPTIMIZATIONS" in os.environ or gpu_available():
+    yield
+    return
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", False)
+
 
 # Every kernel case runs twice: through Pallas interpret mode (CPU CI) and
 # compiled through Triton when an NVIDIA GPU (sm80+) is present.

@@ -30,6 +30,7 @@ DECAY_TOL = {F32: 1e-3, BF16: 5e-2, F16: 2e-2}
 ARG_NAMES = ("q", "k", "v", "decay", "initial_state")
 
 
+@functools.cache
 def gpu_available() -> bool:
   try:
     cc = api.gpu_compute_capability(jax.devices()[0])
