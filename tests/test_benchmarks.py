@@ -30,6 +30,7 @@ def smoke(tmp_path_factory):
   return out, json.loads(path.read_text()), proc.stdout
 
 
+@pytest.mark.slow  # one end-to-end run in a subprocess
 def test_smoke_writes_json_plots_and_report(smoke):
   out, data, stdout = smoke
   stem = data["metadata"]["device_slug"]
@@ -44,6 +45,7 @@ def test_smoke_writes_json_plots_and_report(smoke):
   assert "| shape | T |" in stdout  # the summary table
 
 
+@pytest.mark.slow  # one end-to-end run in a subprocess
 def test_smoke_metadata(smoke):
   _, data, _ = smoke
   md = data["metadata"]
@@ -56,6 +58,7 @@ def test_smoke_metadata(smoke):
   assert md["device_slug"] == cases.device_slug(md["device_kind"])
 
 
+@pytest.mark.slow  # one end-to-end run in a subprocess
 def test_smoke_results_are_complete_and_consistent(smoke):
   _, data, _ = smoke
   plan = data["metadata"]["plan"]

@@ -15,6 +15,7 @@ def test_notebooks_are_found():
   assert {"quickstart.ipynb", "benchmarks.ipynb"} <= {p.name for p in NOTEBOOKS}
 
 
+@pytest.mark.slow  # each in a kernel of its own
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
   monkeypatch.setenv("LIGHTNING_JAX_SMOKE", "1")
