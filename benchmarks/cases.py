@@ -92,7 +92,12 @@ def _families(seq_lens) -> list[Shape]:
   return [Shape(b, t, 32, d, d) for b, d in ((4, 64), (2, 128)) for t in seq_lens]
 
 
+# Long context: few (batch, head) pairs, B * H from 8 to 64 (the sequence split's
+# territory), each family at T = 32K and 128K.
+LONG_FAMILIES = ((1, 8, 64), (1, 16, 128), (1, 32, 64), (2, 8, 128), (1, 64, 128), (2, 32, 64))
+
 SHAPE_SETS = {
+    "long": [Shape(b, t, h, d, d) for b, h, d in LONG_FAMILIES for t in (32768, 131072)],
     "la3": _families(_seq_lens(1024, 16384)),
     "la3-long": _families(_seq_lens(1024, 131072)),
     "quick": _families([1024, 4096, 16384]),
@@ -113,6 +118,9 @@ PROFILES = {
                  **_GPU_SETTINGS),
     "quick": dict(shapes="quick", impls="all", modes="fwd,bwd,fwdbwd", decay="on", max_seconds=180.0,
                   **_GPU_SETTINGS),
+    # Long context against every peer (the quadratic baselines would take minutes a call there).
+    "long": dict(shapes="long", impls="lj-pallas-auto,peer", modes="fwd,fwdbwd", decay="on,off",
+                 max_seconds=540.0, **_GPU_SETTINGS),
     # Tiny shapes that run on a CPU in seconds (Pallas in interpret mode).
     "smoke": dict(shapes="smoke", impls="lj-pallas-auto,lj-xla,baseline,peer", modes="fwd,bwd,fwdbwd",
                   decay="on", dtype="bf16", warmup=1, iters=3, case_seconds=0.05, sample_seconds=0.001,

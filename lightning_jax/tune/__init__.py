@@ -220,7 +220,8 @@ def main(argv=None):
       sweep = config_lib.SweepShape(**sweep_dims(d, e, job), itemsize=itemsize, job=job)
       configs = [None] + list(make(sweep, budget))
       opts = [config_lib.PallasOptions(scale=d ** -0.5, return_final_state=False, variant=variant, config=cfg,
-                                       compute_capability=cc, interpret=cc is None) for cfg in configs]
+                                       compute_capability=cc, num_sms=heuristics.num_sms(jax.devices()[0]),
+                                       interpret=cc is None) for cfg in configs]
       inputs = [(q, k, v, decay, do) for q, k, v, do in sets]
 
       def compile_one(o):

@@ -133,11 +133,11 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
 
   if impl == "pallas":
     interpret = (not heuristics.supported_gpu(cc)) if interpret is None else interpret
-    variant = heuristics.pallas_variant(variant, b=b, t=t, h=h, d=d, e=v.shape[-1], dtype=q.dtype, config=config,
-                                        compute_capability=cc, num_sms=heuristics.num_sms(device),
+    variant = heuristics.pallas_variant(variant, d=d, e=v.shape[-1], dtype=q.dtype, compute_capability=cc,
                                         interpret=interpret)
     opts = config_lib.PallasOptions(scale=scale, return_final_state=return_final_state, variant=variant,
-                                    config=config, compute_capability=cc, interpret=interpret)
+                                    config=config, compute_capability=cc, num_sms=heuristics.num_sms(device),
+                                    interpret=interpret)
     return vjp.lightning_attention_pallas(q, k, v, decay, initial_state, opts)
 
   if impl == "xla":

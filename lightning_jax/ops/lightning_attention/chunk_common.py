@@ -23,6 +23,11 @@ U = -dS/dlambda (a distance-weighted state),
     out'_i  = row_i q_i U + row_exp_i row_i q_i S + sum_j gap_ij intra_ij (q_i . k_j) v_j
 
 Every term has a non-negative weight, so nothing large cancels.
+
+A sweep can also be split into slices of consecutive chunks that run in
+parallel, each from the state before it (`combine_slice_states`): the same
+combine serves slices of one sequence on one GPU and, across devices, the
+slices of a sequence-parallel program.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 LOG2_E = math.log2(math.e)
 
@@ -57,6 +63,80 @@ def pad_state(state, dim_k, dim_v):
 def valid_rows(chunk_idx, *, chunk_size, seq_len):
   """Number of real rows in chunk `chunk_idx` (traced int32 scalar ok)."""
   return jnp.minimum(chunk_size, seq_len - chunk_idx * chunk_size)
+
+
+def slice_lengths(*, seq_len: int, chunk_size: int, slice_chunks: int, reverse: bool) -> tuple[int, ...]:
+  """Real tokens in each slice of `slice_chunks` chunks, in the order of the sweep.
+
+  A forward sweep's slices start at token 0 (its last one holds the partial
+  last chunk); a reverse sweep's start at the last chunk, so its first slice
+  holds the partial chunk.
+  """
+  num_chunks = -(-seq_len // chunk_size)
+  bounds = []
+  for first in range(0, num_chunks, slice_chunks):
+    last = min(first + slice_chunks, num_chunks)  # chunks [first, last) in sweep order
+    lo, hi = (num_chunks - last, num_chunks - first) if reverse else (first, last)
+    bounds.append(min(hi * chunk_size, seq_len) - lo * chunk_size)
+  return tuple(bounds)
+
+
+def combine_slice_states(local_states, lengths, decay=None, initial_state=None, local_tangents=None):
+  """The state before each slice of a sweep, and after the last, from each slice's own contribution.
+
+  A sweep of consecutive slices s = 0, 1, ... (in sweep order) of `lengths[s]`
+  real tokens, where L_s is slice s's state at its end when started from zeros:
+
+      P_0 = S_0,   P_{s+1} = a^{len_s} P_s + L_s,
+
+  computed in closed form, P_s = a^{G_s} S_0 + sum_{r<s} a^{G_s - G_{r+1}} L_r
+  with G_s the tokens before slice s: one small matmul over the slice axis, no
+  serial scan. With `local_tangents` (V_s = -dL_s/dlambda), also the decay
+  tangent U_s = -dP_s/dlambda (the initial state does not depend on lambda):
+
+      U_s = G_s a^{G_s} S_0 + sum_{r<s} a^{G_s - G_{r+1}} ((G_s - G_{r+1}) L_r + V_r).
+
+  Args:
+    local_states: [B, H, S, K, V] float32, L_s.
+    lengths: S static ints.
+    decay: [H] float32 rates or None (a = 1).
+    initial_state: [B, H, K, V] float32 or None (zeros).
+    local_tangents: [B, H, S, K, V] float32 or None.
+
+  Returns:
+    (states, tangents): [B, H, S + 1, K, V] float32 P_0..P_S, and U likewise
+    (None without `local_tangents`).
+  """
+  num_slices = len(lengths)
+  if local_states.shape[2] != num_slices:
+    raise ValueError(f"local_states must be [B, H, S={num_slices}, K, V], got shape {local_states.shape}")
+  starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.float32)  # G_0 .. G_S
+  # gap[s, r] = tokens between the end of slice r and the start of slice s, r < s.
+  earlier = np.arange(num_slices)[None, :] < np.arange(num_slices + 1)[:, None]
+  gap = np.where(earlier, starts[:, None] - starts[None, 1:], 0.0).astype(np.float32)
+  if decay is None:
+    weights = jnp.broadcast_to(jnp.asarray(earlier, jnp.float32), (local_states.shape[1],) + earlier.shape)
+    start_decay = None
+  else:
+    lam = decay.astype(jnp.float32)[:, None, None]
+    weights = jnp.where(earlier, jnp.exp(-lam * gap), 0.0)  # [H, S + 1, S]
+    start_decay = jnp.exp(-decay.astype(jnp.float32)[:, None] * starts)  # [H, S + 1]
+
+  def over_slices(w, x):
+    return jnp.einsum("hsr,bhrkv->bhskv", w, x, precision=jax.lax.Precision.HIGHEST)
+
+  states = over_slices(weights, local_states)
+  if initial_state is not None:
+    init = initial_state.astype(jnp.float32)[:, :, None]
+    states = states + (init if start_decay is None else start_decay[None, :, :, None, None] * init)
+  if local_tangents is None:
+    return states, None
+  if decay is None:
+    raise ValueError("the decay tangent needs a decay")
+  tangents = over_slices(weights * gap, local_states) + over_slices(weights, local_tangents)
+  if initial_state is not None:
+    tangents = tangents + (starts * start_decay)[None, :, :, None, None] * init
+  return states, tangents
 
 
 class ChunkFactors(NamedTuple):

@@ -230,13 +230,27 @@ class LightningConfig:
 
   Fields left None come from the active tuning cache, else the per-device
   heuristics.
+
+  Attributes:
+    chunk_loop, chunk_states, chunk_output, warp_specialized: the kernels'
+      block configs (`chunk_states` also serves the sequence split's first
+      pass).
+    slice_size: tokens per slice of the sequence split (rounded up to whole
+      chunks; see `heuristics.slice_chunks`): chunk_loop and warp_specialized
+      sweeps run the slices of a sequence in parallel, each from the state
+      before it. None: the heuristic, which splits only where (batch, head)
+      programs alone leave the GPU idle; a value >= T: no split.
   """
   chunk_loop: ChunkLoopConfig | None = None
   chunk_states: ChunkStatesConfig | None = None
   chunk_output: ChunkOutputConfig | None = None
   warp_specialized: WarpSpecializedConfig | None = None
+  slice_size: int | None = None
 
   def __post_init__(self):
+    if self.slice_size is not None and (not isinstance(self.slice_size, int) or isinstance(self.slice_size, bool)
+                                        or self.slice_size < 1):
+      raise ValueError(f"LightningConfig.slice_size must be None or an int >= 1 (tokens), got {self.slice_size!r}")
     for name, cls in (("chunk_loop", ChunkLoopConfig), ("chunk_states", ChunkStatesConfig),
                       ("chunk_output", ChunkOutputConfig), ("warp_specialized", WarpSpecializedConfig)):
       value = getattr(self, name)
@@ -246,10 +260,15 @@ class LightningConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SweepConfigs:
-  """The resolved Triton configs of one sweep (dims already padded and clipped)."""
+  """The resolved Triton configs of one sweep (dims already padded and clipped).
+
+  `slice_states` is the states kernel at the chunk loop's chunk size: the
+  first pass of a sequence split (`chunk_states` is at the output kernel's).
+  """
   chunk_loop: ChunkLoopConfig
   chunk_states: ChunkStatesConfig
   chunk_output: ChunkOutputConfig
+  slice_states: ChunkStatesConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -262,6 +281,8 @@ class PallasOptions:
     variant: "chunk_loop", "parallel" or "warp_specialized" (already chosen).
     config: the user's `LightningConfig` or None (resolved per sweep).
     compute_capability: of the device that runs the kernels, None for none.
+    num_sms: that device's streaming multiprocessors (the sequence split
+      fills them).
     interpret: run the kernels in Pallas interpret mode.
   """
   scale: float
@@ -269,4 +290,5 @@ class PallasOptions:
   variant: str
   config: LightningConfig | None
   compute_capability: tuple[int, int] | None
+  num_sms: int
   interpret: bool

@@ -12,7 +12,6 @@ names.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -138,11 +137,14 @@ def _check_budget(name, cfg, sweep: SweepShape, *, budget, compute_capability, o
 
 
 def resolve(config: LightningConfig | None, *, dim_k: int, dim_v: int, itemsize: int,
-            compute_capability: tuple[int, int] | None, job: str = "forward") -> SweepConfigs:
+            compute_capability: tuple[int, int] | None, job: str = "forward",
+            split_chunk_size: int | None = None) -> SweepConfigs:
   """The Triton configs of one sweep: `config`'s fields, else the tuning cache's, else the defaults.
 
   `dim_k`, `dim_v` are padded dims (powers of two >= 16); `job` one of
-  `config.SWEEP_JOBS` (see `config.sweep_job`). The active tuning cache is
+  `config.SWEEP_JOBS` (see `config.sweep_job`); `split_chunk_size` the chunk
+  of a sequence split's states pass (default: the chunk loop's; the
+  warp-specialised forward's is its own). The active tuning cache is
   consulted at trace time (see `tuning_cache`). Set and cached configs are
   clipped to the dims and checked against the device's shared-memory budget.
   """
@@ -161,7 +163,45 @@ def resolve(config: LightningConfig | None, *, dim_k: int, dim_v: int, itemsize:
   loop = pick("chunk_loop", default_chunk_loop, sweep)
   out = pick("chunk_output", default_chunk_output, sweep)
   states = pick("chunk_states", default_chunk_states, dataclasses.replace(sweep, chunk_size=out.chunk_size))
-  return SweepConfigs(chunk_loop=loop, chunk_states=states, chunk_output=out)
+  slice_states = pick("chunk_states", default_chunk_states,
+                      dataclasses.replace(sweep, chunk_size=split_chunk_size or loop.chunk_size))
+  return SweepConfigs(chunk_loop=loop, chunk_states=states, chunk_output=out, slice_states=slice_states)
+
+
+# The sequence split (PERFORMANCE.md, "Sequence split"): a sweep whose
+# (batch, head, value block) programs fill at most half the SMs runs slices of
+# the sequence in parallel, SLICE_PROGRAMS_PER_SM programs per SM in all, each
+# slice at least MIN_SLICE_CHUNKS chunks (shorter slices pay their state's
+# round trip and the pipeline's fill for too few chunks). Measured on an H200
+# (bf16, B*H 8-64, T 8K-128K): 2 programs per SM beat 1 and 4 for the
+# backward sweeps at D = 64 and 128 and are within noise of 1 for the forward;
+# splitting 128 programs in two lost 30%.
+SLICE_PROGRAMS_PER_SM = 2
+MIN_SLICE_CHUNKS = 8
+
+
+def slice_chunks(*, programs: int, num_chunks: int, chunk_size: int, num_sms: int,
+                 slice_size: int | None = None) -> int:
+  """Chunks per slice of a chunk_loop or warp_specialized sweep; `num_chunks` means no split.
+
+  Args:
+    programs: the sweep's programs without a split (batch * heads * value blocks).
+    num_chunks: chunks in the (padded) sequence.
+    chunk_size: tokens per chunk.
+    num_sms: the device's SMs.
+    slice_size: `LightningConfig.slice_size` (tokens), overriding the heuristic.
+  """
+  if slice_size is not None:
+    return min(num_chunks, -(-slice_size // chunk_size))
+  slices = min(SLICE_PROGRAMS_PER_SM * num_sms // programs, num_chunks // MIN_SLICE_CHUNKS)
+  if 2 * programs > num_sms or slices < 2:
+    return num_chunks
+  # Equal slices where a count down to half the target gives them: no shorter
+  # last slice (whose programs finish early) and no padding to whole slices.
+  for count in range(slices, (slices + 1) // 2 - 1, -1):
+    if num_chunks % count == 0:
+      return num_chunks // count
+  return -(-num_chunks // slices)
 
 
 def fuse_dk_dv(*, dim_k: int, dim_v: int) -> bool:
@@ -173,20 +213,6 @@ def fuse_dk_dv(*, dim_k: int, dim_v: int) -> bool:
   spills (PERFORMANCE.md, "Fused dk and dv sweep").
   """
   return dim_k <= 64 and dim_v <= 64
-
-
-def choose_variant(*, batch: int, heads: int, seq_len: int, dim_v: int, block_e: int, num_sms: int) -> str:
-  """The Triton variant for `variant="auto"`: parallel when the chunk_loop grid cannot fill the device.
-
-  chunk_loop runs batch*heads*ceil(dim_v/block_e) programs, each walking
-  seq_len/chunk_size chunks in order; with far fewer programs than SMs most of
-  the chip idles while they walk, and materialising chunk states (an extra
-  float32 round trip through HBM) buys parallelism. Measured on an H100 (132
-  SMs, bf16, T 8K-16K; PERFORMANCE.md, "Variant choice"): 8 programs favour
-  parallel by 2x, 128 favour chunk_loop by 1.4-1.8x; the threshold sits between.
-  """
-  programs = batch * heads * math.ceil(dim_v / block_e)
-  return "parallel" if 2 * programs <= num_sms and seq_len >= 1024 else "chunk_loop"
 
 
 def prefer_warp_specialized(*, dim_k: int) -> bool:
@@ -236,8 +262,8 @@ def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, item
   raise AssertionError("unreachable: one stage fits sm90 at every dim_k <= 128")
 
 
-def pallas_variant(variant: str, *, b: int, t: int, h: int, d: int, e: int, dtype, config: LightningConfig | None,
-                   compute_capability: tuple[int, int] | None, num_sms: int, interpret: bool) -> str:
+def pallas_variant(variant: str, *, d: int, e: int, dtype, compute_capability: tuple[int, int] | None,
+                   interpret: bool) -> str:
   """The Pallas variant that runs: `variant`, checked, or the one "auto" picks for this call."""
   ws_unsupported = warp_specialized_unsupported(dim_k=d, dim_v=e, dtype=dtype, compute_capability=compute_capability,
                                                 interpret=interpret)
@@ -245,12 +271,10 @@ def pallas_variant(variant: str, *, b: int, t: int, h: int, d: int, e: int, dtyp
     raise ValueError(f"variant='warp_specialized' {ws_unsupported}")
   if variant != "auto":
     return variant
-  dim_v = config_lib.padded_dim(e)
-  configs = resolve(config, dim_k=config_lib.padded_dim(d), dim_v=dim_v, itemsize=jnp.dtype(dtype).itemsize,
-                    compute_capability=compute_capability)
-  variant = choose_variant(batch=b, heads=h, seq_len=t, dim_v=dim_v, block_e=configs.chunk_loop.block_e,
-                           num_sms=num_sms)
   # Compiled only (its interpreter is for tests), and where it was measured faster.
-  if variant == "chunk_loop" and not interpret and not ws_unsupported and prefer_warp_specialized(dim_k=d):
+  if not interpret and not ws_unsupported and prefer_warp_specialized(dim_k=d):
     return "warp_specialized"
-  return variant
+  # With the sequence split filling the GPU where few (batch, head) programs
+  # would not, chunk_loop beat parallel at every shape measured (PERFORMANCE.md,
+  # "Variant choice").
+  return "chunk_loop"

@@ -28,7 +28,6 @@ and loaded once. Where the kernel runs is `heuristics.warp_specialized_unsupport
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention import pallas_triton
 from lightning_jax.ops.lightning_attention.config import PallasOptions, WarpSpecializedConfig
 
 CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
@@ -80,8 +80,8 @@ def _matmul(a, b, shape):
   return pl.run_scoped(body, plgpu.ACC(shape, _F32))
 
 
-def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_stages, has_decay, has_initial,
-            has_final, last_rows):
+def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, has_decay,
+            has_initial, has_final, last_rows):
   refs = list(refs)
   initial_ref = refs.pop(0) if has_initial else None
   out_ref = refs.pop(0)
@@ -96,12 +96,16 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   if has_initial:
     (initial_loaded,) = barriers[7:]
   c, be = CHUNK_SIZE, BLOCK_E
-  head, batch, col = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("value_blocks")
+  head, col = lax.axis_index("heads"), lax.axis_index("value_blocks")
+  # A CTA walks `num_chunks` chunks of one slice of the sequence (see `forward`).
+  batch, sequence_slice = lax.div(lax.axis_index("batch_slices"), num_slices), lax.rem(lax.axis_index("batch_slices"),
+                                                                              num_slices)
+  first_row = sequence_slice * (num_chunks * c)
   cols = pl.ds(col * be, be)
   wg = lax.axis_index("wg")
 
   def chunk_rows(n):
-    return pl.ds(n * c if isinstance(n, int) else pl.multiple_of(n * c, c), c)
+    return pl.ds(pl.multiple_of(first_row + n * c, c), c)
 
   def slot_of(n):
     return lax.rem(n, num_stages)
@@ -138,7 +142,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   def _state_chain():
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     if has_initial:
-      plgpu.copy_gmem_to_smem(initial_ref.at[batch, head, cols], state_f32_smem, initial_loaded.at[0])
+      plgpu.copy_gmem_to_smem(initial_ref.at[batch, head, sequence_slice, cols], state_f32_smem,
+                              initial_loaded.at[0])
     plgpu.barrier_wait(factors_loaded.at[1])
 
     def body(n, state_t, key, state_decay):
@@ -227,19 +232,22 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
 
 def forward_padded(q, k, v, decay, initial_state=None, *, scale: float, seq_len: int,
-                   return_final_state: bool = False, num_stages: int, interpret: bool = False):
+                   return_final_state: bool = False, num_stages: int, num_slices: int = 1, interpret: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
 
   Args:
     q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; bf16 or fp16, Tp a multiple of
-      `CHUNK_SIZE`, K = 64 or 128, V a multiple of `BLOCK_E`
+      `num_slices * CHUNK_SIZE`, K = 64 or 128, V a multiple of `BLOCK_E`
       (`WarpSpecializedConfig.padded_dims`).
       Padded rows must be zeros past the real tokens (they are: the caller pads).
     decay: [H] float32 rates or None.
-    initial_state: None, or S_0 transposed, [B, H, V, K] float32.
-    seq_len: the number of real tokens T (Tp - CHUNK_SIZE < T <= Tp).
-    return_final_state: also return S_T transposed, [B, H, V, K] float32.
+    initial_state: None, or the transposed state before each slice, [B, H,
+      num_slices, V, K] float32.
+    seq_len: the number of real tokens T (with one slice, Tp - CHUNK_SIZE < T <= Tp).
+    return_final_state: also return S_T transposed, [B, H, V, K] float32 (one slice only).
     num_stages: chunks of q, k, v in flight (`WarpSpecializedConfig`).
+    num_slices: slices of Tp / num_slices tokens, each walked by its own CTAs
+      from its initial state (the sequence split; see `forward`).
     interpret: run in the Mosaic GPU interpreter (on any backend).
 
   Returns:
@@ -248,9 +256,19 @@ def forward_padded(q, k, v, decay, initial_state=None, *, scale: float, seq_len:
   b, tp, h, dim_k = q.shape
   dim_v = v.shape[-1]
   c, be = CHUNK_SIZE, BLOCK_E
-  if not tp - c < seq_len <= tp:
+  if tp % (num_slices * c):
+    raise ValueError(f"the padded length {tp} must be a multiple of num_slices * {c} = {num_slices * c}")
+  if num_slices == 1 and not tp - c < seq_len <= tp:
     raise ValueError(f"seq_len must be in ({tp - c}, {tp}] for {tp} padded tokens, got {seq_len}")
-  last_rows = seq_len - (tp // c - 1) * c
+  if num_slices > 1 and (return_final_state or not 0 < seq_len <= tp):
+    raise ValueError(f"with {num_slices} slices seq_len must be in (0, {tp}] and the final state comes from the "
+                     f"slices' combine, got seq_len={seq_len}, return_final_state={return_final_state}")
+  if initial_state is not None and initial_state.shape != (b, h, num_slices, dim_v, dim_k):
+    raise ValueError(f"initial_state must be [B, H, S, V, K] = {(b, h, num_slices, dim_v, dim_k)}, "
+                     f"got {initial_state.shape}")
+  num_chunks = tp // c // num_slices
+  # The last chunk's own factors serve the final state alone (one slice).
+  last_rows = seq_len - (tp // c - 1) * c if num_slices == 1 else c
   intra, vectors = decay_factors(decay, h, scale=scale, last_rows=last_rows)
   dtype = q.dtype
   with_states = initial_state is not None or return_final_state
@@ -269,16 +287,16 @@ def forward_padded(q, k, v, decay, initial_state=None, *, scale: float, seq_len:
   out_type = jax.ShapeDtypeStruct((b, tp, h, dim_v), dtype)
   if return_final_state:
     out_type = (out_type, jax.ShapeDtypeStruct((b, h, dim_v, dim_k), _F32))
-  kernel = functools.partial(_kernel, num_chunks=tp // c, num_stages=num_stages, has_decay=decay is not None,
-                             has_initial=initial_state is not None, has_final=return_final_state,
-                             last_rows=last_rows)
+  kernel = functools.partial(_kernel, num_chunks=num_chunks, num_slices=num_slices, num_stages=num_stages,
+                             has_decay=decay is not None, has_initial=initial_state is not None,
+                             has_final=return_final_state, last_rows=last_rows)
   inputs = (intra, vectors, q, k, v) + (() if initial_state is None else (initial_state,))
   return plgpu.kernel(
       kernel,
       out_type=out_type,
       scratch_types=scratch,
-      grid=(h, b, dim_v // be),
-      grid_names=("heads", "batch", "value_blocks"),
+      grid=(h, b * num_slices, dim_v // be),
+      grid_names=("heads", "batch_slices", "value_blocks"),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -294,19 +312,45 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions):
   initial_state: [B, H, D, E] float32 or None. Pads T and the dims, runs
   `forward_padded` with the config of `heuristics.resolve_warp_specialized`,
   and slices the padding off.
+
+  Where (batch, head, value block) CTAs alone leave SMs idle, the sequence is
+  split (`heuristics.slice_chunks`) into equal slices (T padded to whole
+  slices): the Triton states kernel writes each slice's own state and
+  `pallas_triton.slice_starts` combines them into the state before each slice.
   """
-  t, dim_k, dim_v = q.shape[1], q.shape[-1], v.shape[-1]
+  b, t, h, dim_k = q.shape
+  dim_v = v.shape[-1]
+  c = CHUNK_SIZE
   kp, vp = WarpSpecializedConfig.padded_dims(dim_k, dim_v)
   cfg = heuristics.resolve_warp_specialized(opts.config, dim_k=kp, itemsize=q.dtype.itemsize)
-  tp = math.ceil(t / CHUNK_SIZE) * CHUNK_SIZE
+  num_chunks = -(-t // c)
+  slice_chunks = heuristics.slice_chunks(programs=b * h * (vp // BLOCK_E), num_chunks=num_chunks, chunk_size=c,
+                                         num_sms=opts.num_sms,
+                                         slice_size=None if opts.config is None else opts.config.slice_size)
+  num_slices = -(-num_chunks // slice_chunks)
+  tp = num_slices * slice_chunks * c
+  pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
+  q, k, v = pad_rows(q, dim=kp), pad_rows(k, dim=kp), pad_rows(v, dim=vp)
+  initial_state = chunk_common.pad_state(initial_state, kp, vp)
+  final_state = None
+  if num_slices > 1:
+    configs = heuristics.resolve(opts.config, dim_k=kp, dim_v=vp, itemsize=q.dtype.itemsize,
+                                 compute_capability=opts.compute_capability, split_chunk_size=c)
+    (initial_state, _), (final_state, _) = pallas_triton.slice_starts(
+        pallas_triton.SweepOperands(decay=decay, y=k, z=v, initial_state=initial_state), cfg=configs.slice_states,
+        chunk_size=c, seq_len=t, reverse=False, slice_chunks=slice_chunks,
+        with_final_state=opts.return_final_state, interpret=opts.interpret)
+  elif initial_state is not None:
+    initial_state = initial_state[:, :, None]
   # The kernel carries the state transposed, S^T [V, K].
   if initial_state is not None:
-    initial_state = jnp.swapaxes(chunk_common.pad_state(initial_state, kp, vp), -1, -2)
-  pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
-  result = forward_padded(pad_rows(q, dim=kp), pad_rows(k, dim=kp), pad_rows(v, dim=vp), decay, initial_state,
-                          scale=opts.scale, seq_len=t, return_final_state=opts.return_final_state,
-                          num_stages=cfg.num_stages, interpret=opts.interpret)
-  o, final_state = result if opts.return_final_state else (result, None)
+    initial_state = jnp.swapaxes(initial_state, -1, -2)
+  result = forward_padded(q, k, v, decay, initial_state, scale=opts.scale, seq_len=t,
+                          return_final_state=opts.return_final_state and num_slices == 1,
+                          num_stages=cfg.num_stages, num_slices=num_slices, interpret=opts.interpret)
+  o, kernel_final = result if opts.return_final_state and num_slices == 1 else (result, None)
+  if kernel_final is not None:
+    final_state = jnp.swapaxes(kernel_final, -1, -2)
   if final_state is not None:
-    final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :dim_k, :dim_v]
+    final_state = final_state[:, :, :dim_k, :dim_v]
   return o[:, :t, :, :dim_v], final_state

@@ -16,8 +16,12 @@ pass). The forward pass is one forward sweep; the backward pass is two or three
 (see `vjp`).
 
 Two variants:
-  chunk_loop: grid (B*H, V/block_e); each program walks every chunk in order,
-    the state tile stays on chip (the Lightning Attention-2 design).
+  chunk_loop: grid (B*H*S, V/block_e); each program walks the chunks of one
+    slice of the sequence in order, the state tile on chip (the Lightning
+    Attention-2 design). With S > 1 slices (the sequence split, for few
+    (batch, head) pairs), a states kernel first writes each slice's own state
+    (float32, [B, H, S, K, V]), `chunk_common.combine_slice_states` turns them
+    into the state before each slice, and each slice starts from that.
   parallel: a states kernel, grid (B*H, K/block_d, V/block_e), writes the state
     before every chunk (float32, [B, H, N, K, V]); then an output kernel, grid
     (B*H, N, V/block_e), runs all chunks in parallel (the
@@ -54,7 +58,10 @@ class SweepOperands(NamedTuple):
     decay: [H] float32 rates, or None (no decay).
     x, y: [B, T, H, K]; z: [B, T, H, V].
     dual_with: [B, T, H, V] u of the dual output, or None.
-    initial_state: [B, H, K, V] float32, or None (zeros).
+    initial_state: [B, H, K, V] float32, or None (zeros); in the chunk loop's
+      kernel [B, H, S, K, V], the state before each slice.
+    initial_tangent: [B, H, S, K, V] float32, the decay tangent before each
+      slice of the chunk loop, or None (zeros).
     chunk_states, chunk_tangents: [B, H, N, K, V] float32, the state (and its
       decay tangent) before every chunk: the parallel variant's intermediates.
     tangent_with: [B, T, H, V] weights w of the decay tangent's row dots, or
@@ -66,6 +73,7 @@ class SweepOperands(NamedTuple):
   z: jax.Array | None = None
   dual_with: jax.Array | None = None
   initial_state: jax.Array | None = None
+  initial_tangent: jax.Array | None = None
   chunk_states: jax.Array | None = None
   chunk_tangents: jax.Array | None = None
   tangent_with: jax.Array | None = None
@@ -79,7 +87,8 @@ class SweepResults(NamedTuple):
     chunk_states, chunk_tangents: the parallel variant's intermediates (see
       `SweepOperands`); None in what `sweep` returns.
     final_state: [B, H, K, V] float32, the state after the last real token of
-      the sweep (with `with_final_state`).
+      the sweep (with `with_final_state`); in the states kernel of a sequence
+      split [B, H, S, K, V], each slice's state at its end, from zeros.
     row_dots: [B, H, T] float32 decay-tangent row dots (with `tangent_with`).
     final_tangent: [B, H, K, V] float32 (with `tangent_with` and `with_final_state`).
   """
@@ -166,10 +175,27 @@ def _chunk_state(y, z, state, tangent, f, *, exact):
 
 
 def _initial_carry(ins: SweepOperands, *, with_tangent: bool):
-  """(state, tangent) before the first chunk: S_0 (or zeros) and, for the decay tangent, zeros."""
+  """(state, tangent) before the program's first chunk: S_0 or zeros, and the decay tangent's or zeros."""
   shape = (ins.y.shape[-1], ins.z.shape[-1])
   state = jnp.zeros(shape, _F32) if ins.initial_state is None else ins.initial_state[...]
-  return state, (jnp.zeros(shape, _F32) if with_tangent else None)
+  if not with_tangent:
+    return state, None
+  return state, jnp.zeros(shape, _F32) if ins.initial_tangent is None else ins.initial_tangent[...]
+
+
+def _slice_steps(*, num_chunks, slice_chunks, num_slices):
+  """(first sweep step, number of steps) of this program's slice of the sequence.
+
+  Programs of one (batch, head) and block hold consecutive slices along grid
+  axis 0. Only the last slice of the sequence can be shorter; its step count
+  is then traced.
+  """
+  if num_slices == 1:
+    return 0, min(slice_chunks, num_chunks)
+  first = (pl.program_id(0) % num_slices) * slice_chunks
+  if num_slices * slice_chunks <= num_chunks:
+    return first, slice_chunks
+  return first, jnp.minimum(slice_chunks, num_chunks - first)
 
 
 def _chunk_rows(step, *, num_chunks, chunk_size, reverse):
@@ -186,14 +212,15 @@ def _write_final(outs: SweepResults, state, tangent):
     outs.final_tangent[...] = tangent
 
 
-def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, num_chunks, reverse,
-                       exact):
+def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, num_chunks,
+                       slice_chunks, num_slices, reverse, exact):
   carry = _initial_carry(ins, with_tangent=ins.tangent_with is not None)
+  first, num_steps = _slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices)
   factors = _sweep_factors(ins.decay, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
 
   def body(step, carry):
     state, tangent = carry
-    n, rows = _chunk_rows(step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
+    n, rows = _chunk_rows(first + step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
     x, y, z = ins.x[rows, :], ins.y[rows, :], ins.z[rows, :]
     u = None if ins.dual_with is None else ins.dual_with[rows, :]
     f = factors(n)
@@ -217,22 +244,25 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
       outs.row_dots[rows] = jnp.sum(out_tangent * ins.tangent_with[rows, :].astype(_F32), axis=1)
     return next_carry
 
-  _write_final(outs, *jax.lax.fori_loop(0, num_chunks, body, carry))
+  _write_final(outs, *jax.lax.fori_loop(0, num_steps, body, carry))
 
 
-def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, seq_len, num_chunks, reverse, exact):
-  carry = _initial_carry(ins, with_tangent=outs.chunk_tangents is not None)
+def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, seq_len, num_chunks, slice_chunks,
+                         num_slices, reverse, exact):
+  carry = _initial_carry(ins, with_tangent=outs.chunk_tangents is not None or outs.final_tangent is not None)
   factors = _sweep_factors(ins.decay, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
+  first, num_steps = _slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices)
 
   def body(step, carry):
     state, tangent = carry
-    n, rows = _chunk_rows(step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
-    outs.chunk_states[n, :, :] = state
+    n, rows = _chunk_rows(first + step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
+    if outs.chunk_states is not None:
+      outs.chunk_states[n, :, :] = state
     if outs.chunk_tangents is not None:
       outs.chunk_tangents[n, :, :] = tangent
     return _chunk_state(ins.y[rows, :], ins.z[rows, :], state, tangent, factors(n), exact=exact)
 
-  _write_final(outs, *jax.lax.fori_loop(0, num_chunks, body, carry))
+  _write_final(outs, *jax.lax.fori_loop(0, num_steps, body, carry))
 
 
 def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, reverse, exact):
@@ -275,62 +305,131 @@ def _output_structs(ins: SweepOperands, *, n_e, with_final_state, out_dtype) -> 
       final_tangent=state if has_tangent and with_final_state else None)
 
 
+def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice_chunks, num_slices,
+                 with_chunk_states, with_final_state, with_tangent, interpret) -> SweepResults:
+  """The states kernel: grid (B*H*num_slices, K/block_d, V/block_e), each program one slice's chunks in order.
+
+  Writes, where asked for, the state (and tangent) before every chunk, [B, H,
+  N, K, V] (the parallel variant: one slice), and each slice's state (and
+  tangent) at its end, [B, H, num_slices, K, V] (from `ins.initial_state`,
+  or from zeros: the sequence split's local states). Chunks past the real
+  tokens (the padding to whole slices of the warp-specialised forward) are
+  not walked.
+  """
+  b, tp, h, dim_k = ins.y.shape
+  dim_v = ins.z.shape[-1]
+  n, ns = tp // chunk_size, num_slices
+  bd, be = cfg.block_d, cfg.block_e
+  state_ins = SweepOperands(decay=ins.decay, y=ins.y, z=ins.z, initial_state=ins.initial_state)
+  states_struct = jax.ShapeDtypeStruct((b, h, n, dim_k, dim_v), _F32)
+  slice_struct = jax.ShapeDtypeStruct((b, h, ns, dim_k, dim_v), _F32)
+  results = SweepResults(chunk_states=states_struct if with_chunk_states else None,
+                         chunk_tangents=states_struct if with_chunk_states and with_tangent else None,
+                         final_state=slice_struct if with_final_state else None,
+                         final_tangent=slice_struct if with_final_state and with_tangent else None)
+  block_state = pl.BlockSpec((None, None, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, d, e))
+  block_slice = pl.BlockSpec((None, None, None, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, i % ns, d, e))
+  block_states = pl.BlockSpec((None, None, n, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, 0, d, e))
+  kernel = functools.partial(_chunk_states_kernel, chunk_size=chunk_size, seq_len=seq_len,
+                             num_chunks=-(-seq_len // chunk_size), slice_chunks=slice_chunks, num_slices=ns, reverse=reverse, exact=ins.y.dtype == _F32)
+  return _call(
+      kernel, (b * h * ns, dim_k // bd, dim_v // be), state_ins,
+      _present(state_ins, decay=pl.BlockSpec((None,), lambda i, d, e: (i // ns % h,)),
+               y=pl.BlockSpec((None, tp, None, bd), lambda i, d, e: (i // ns // h, 0, i // ns % h, d)),
+               z=pl.BlockSpec((None, tp, None, be), lambda i, d, e: (i // ns // h, 0, i // ns % h, e)),
+               initial_state=block_state),
+      results, _present(results, chunk_states=block_states, chunk_tangents=block_states, final_state=block_slice,
+                        final_tangent=block_slice),
+      cfg, "lightning_chunk_states", interpret)
+
+
+def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice_chunks, with_final_state,
+                 interpret):
+  """The state (and decay tangent, with `ins.tangent_with`) before each slice of a sequence split.
+
+  Pass 1 of the split: the states kernel writes each slice's own state (the
+  last slice's only for the final state), and `combine_slice_states` adds the
+  slices before it.
+
+  Returns:
+    (states, tangents): [B, H, S, K, V] float32 (tangents None without
+    `tangent_with`), and (final_state, final_tangent), None unless
+    `with_final_state`.
+  """
+  num_chunks = -(-seq_len // chunk_size)
+  num_slices = -(-num_chunks // slice_chunks)
+  lengths = chunk_common.slice_lengths(seq_len=seq_len, chunk_size=chunk_size, slice_chunks=slice_chunks,
+                                       reverse=reverse)
+  # Without the final state, nothing reads the last slice's own state.
+  local_slices = num_slices if with_final_state else num_slices - 1
+  with_tangent = ins.tangent_with is not None
+  local = _states_pass(ins._replace(initial_state=None), cfg=cfg, chunk_size=chunk_size, seq_len=seq_len,
+                       reverse=reverse, slice_chunks=slice_chunks, num_slices=local_slices, with_chunk_states=False,
+                       with_final_state=True, with_tangent=with_tangent, interpret=interpret)
+  states, tangents = chunk_common.combine_slice_states(local.final_state, lengths[:local_slices], ins.decay,
+                                                       ins.initial_state, local.final_tangent)
+  final = (None, None)
+  if with_final_state:
+    final = states[:, :, -1], None if tangents is None else tangents[:, :, -1]
+  return (states[:, :, :num_slices], None if tangents is None else tangents[:, :, :num_slices]), final
+
+
 def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-                interpret) -> SweepResults:
+                slice_chunks, interpret) -> SweepResults:
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
   cfg = configs.chunk_loop
   c, be = cfg.chunk_size, cfg.block_e
   n_e = dim_v // be
+  num_chunks = tp // c
+  ns = -(-num_chunks // slice_chunks)
+  final_state = final_tangent = None
+  if ns > 1:
+    (states, tangents), (final_state, final_tangent) = slice_starts(
+        ins, cfg=configs.slice_states, chunk_size=c, seq_len=seq_len, reverse=reverse, slice_chunks=slice_chunks,
+        with_final_state=with_final_state, interpret=interpret)
+    ins = ins._replace(initial_state=states, initial_tangent=tangents)
+  elif ins.initial_state is not None:
+    ins = ins._replace(initial_state=ins.initial_state[:, :, None])
 
   def rows(width, by_column):
-    return pl.BlockSpec((None, tp, None, width), lambda i, e: (i // h, 0, i % h, e if by_column else 0))
+    return pl.BlockSpec((None, tp, None, width), lambda i, e: (i // ns // h, 0, i // ns % h, e if by_column else 0))
 
-  state = pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i // h, i % h, 0, e))
-  in_specs = _present(ins, decay=pl.BlockSpec((None,), lambda i, e: (i % h,)), x=rows(dim_k, False),
-                      y=rows(dim_k, False), z=rows(be, True), dual_with=rows(be, True), initial_state=state,
-                      tangent_with=rows(be, True))
-  results = _output_structs(ins, n_e=n_e, with_final_state=with_final_state, out_dtype=out_dtype)
+  start = pl.BlockSpec((None, None, None, dim_k, be), lambda i, e: (i // ns // h, i // ns % h, i % ns, 0, e))
+  state = pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i // h, i % h, 0, e))  # one slice
+  in_specs = _present(ins, decay=pl.BlockSpec((None,), lambda i, e: (i // ns % h,)), x=rows(dim_k, False),
+                      y=rows(dim_k, False), z=rows(be, True), dual_with=rows(be, True), initial_state=start,
+                      initial_tangent=start, tangent_with=rows(be, True))
+  # With slices the final state and tangent come from the combine.
+  results = _output_structs(ins, n_e=n_e, with_final_state=with_final_state and ns == 1, out_dtype=out_dtype)
   out_specs = _present(
       results, out=rows(be, True),
-      dual=pl.BlockSpec((None, None, tp, None, dim_k), lambda i, e: (e, i // h, 0, i % h, 0)),
-      final_state=state, row_dots=pl.BlockSpec((None, None, None, tp), lambda i, e: (i // h, i % h, e, 0)),
+      dual=pl.BlockSpec((None, None, tp, None, dim_k), lambda i, e: (e, i // ns // h, 0, i // ns % h, 0)),
+      final_state=state,
+      row_dots=pl.BlockSpec((None, None, None, tp), lambda i, e: (i // ns // h, i // ns % h, e, 0)),
       final_tangent=state)
-  kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len, num_chunks=tp // c,
-                             reverse=reverse, exact=ins.x.dtype == _F32)
-  return _call(kernel, (b * h, n_e), ins, in_specs, results, out_specs, cfg, "lightning_chunk_loop", interpret)
+  kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len, num_chunks=num_chunks,
+                             slice_chunks=slice_chunks, num_slices=ns, reverse=reverse, exact=ins.x.dtype == _F32)
+  outs = _call(kernel, (b * h * ns, n_e), ins, in_specs, results, out_specs, cfg, "lightning_chunk_loop", interpret)
+  if ns > 1:
+    outs = outs._replace(final_state=final_state, final_tangent=final_tangent)
+  return outs
 
 
 def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-              interpret) -> SweepResults:
+              slice_chunks, interpret) -> SweepResults:
+  del slice_chunks  # every chunk runs in parallel already
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
   exact = ins.x.dtype == _F32
-  st, oc = configs.chunk_states, configs.chunk_output
+  oc = configs.chunk_output
   c = oc.chunk_size
   n = tp // c
 
   # Pass 1: the state before every chunk (and the final state).
-  bd, bes = st.block_d, st.block_e
-  state_ins = SweepOperands(decay=ins.decay, y=ins.y, z=ins.z, initial_state=ins.initial_state)
-  block_state = pl.BlockSpec((None, None, bd, bes), lambda i, d, e: (i // h, i % h, d, e))
-  block_states = pl.BlockSpec((None, None, n, bd, bes), lambda i, d, e: (i // h, i % h, 0, d, e))
-  states_struct = jax.ShapeDtypeStruct((b, h, n, dim_k, dim_v), _F32)
-  final = _output_structs(ins, n_e=1, with_final_state=with_final_state, out_dtype=out_dtype)
-  results = SweepResults(chunk_states=states_struct,
-                         chunk_tangents=states_struct if ins.tangent_with is not None else None,
-                         final_state=final.final_state, final_tangent=final.final_tangent)
-  kernel = functools.partial(_chunk_states_kernel, chunk_size=c, seq_len=seq_len, num_chunks=n, reverse=reverse,
-                             exact=exact)
-  states = _call(
-      kernel, (b * h, dim_k // bd, dim_v // bes), state_ins,
-      _present(state_ins, decay=pl.BlockSpec((None,), lambda i, d, e: (i % h,)),
-               y=pl.BlockSpec((None, tp, None, bd), lambda i, d, e: (i // h, 0, i % h, d)),
-               z=pl.BlockSpec((None, tp, None, bes), lambda i, d, e: (i // h, 0, i % h, e)),
-               initial_state=block_state),
-      results, _present(results, chunk_states=block_states, chunk_tangents=block_states, final_state=block_state,
-                        final_tangent=block_state),
-      st, "lightning_chunk_states", interpret)
+  states = _states_pass(ins, cfg=configs.chunk_states, chunk_size=c, seq_len=seq_len, reverse=reverse,
+                        slice_chunks=n, num_slices=1, with_chunk_states=True, with_final_state=with_final_state,
+                        with_tangent=ins.tangent_with is not None, interpret=interpret)
 
   # Pass 2: every chunk's outputs in parallel.
   be = oc.block_e
@@ -353,7 +452,8 @@ def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, 
                         dual=pl.BlockSpec((None, None, c, None, dim_k), lambda i, j, e: (e, i // h, j, i % h, 0)),
                         row_dots=pl.BlockSpec((None, None, None, c), lambda i, j, e: (i // h, i % h, e, j))),
       oc, "lightning_chunk_output", interpret)
-  return outs._replace(final_state=states.final_state, final_tangent=states.final_tangent)
+  squeeze = lambda x: None if x is None else x[:, :, 0]  # noqa: E731  (one slice)
+  return outs._replace(final_state=squeeze(states.final_state), final_tangent=squeeze(states.final_tangent))
 
 
 LAUNCHERS = {"chunk_loop": _chunk_loop, "parallel": _parallel}
@@ -365,7 +465,8 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
 
   Pads T to a multiple of the chunk size and the feature dims to powers of two
   >= 16 (`config.padded_dim`), resolves the blocks for this sweep
-  (`heuristics.resolve`), runs the launcher and slices the padding off.
+  (`heuristics.resolve`) and the chunk loop's sequence split
+  (`heuristics.slice_chunks`), runs the launcher and slices the padding off.
 
   Args:
     ins: `SweepOperands` with x, y, z (and optionally decay, initial_state,
@@ -389,13 +490,17 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
                                                         dual=ins.dual_with is not None))
   chunk = (configs.chunk_loop if opts.variant == "chunk_loop" else configs.chunk_output).chunk_size
   tp = math.ceil(t / chunk) * chunk
+  b, h = ins.x.shape[0], ins.x.shape[2]
+  slice_chunks = heuristics.slice_chunks(
+      programs=b * h * (vp // configs.chunk_loop.block_e), num_chunks=tp // chunk, chunk_size=chunk,
+      num_sms=opts.num_sms, slice_size=None if opts.config is None else opts.config.slice_size)
   pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
   padded = ins._replace(x=pad_rows(ins.x, dim=kp), y=pad_rows(ins.y, dim=kp), z=pad_rows(ins.z, dim=vp),
                         dual_with=pad_rows(ins.dual_with, dim=vp), tangent_with=pad_rows(ins.tangent_with, dim=vp),
                         initial_state=chunk_common.pad_state(ins.initial_state, kp, vp))
   res = LAUNCHERS[opts.variant](padded, scale=opts.scale, seq_len=t, reverse=reverse,
                                 with_final_state=with_final_state, configs=configs, out_dtype=out_dtype,
-                                interpret=opts.interpret)
+                                slice_chunks=slice_chunks, interpret=opts.interpret)
 
   def unpad_state(s):
     return None if s is None else s[:, :, :dim_k, :dim_v]

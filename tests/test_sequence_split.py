@@ -1,0 +1,208 @@
+"""The sequence split: slices of one sequence in parallel, each from the state before it.
+
+The slice-state combine against a token-serial recurrence; the split sweeps of
+every Pallas variant against the oracles (forward, final state and every
+gradient, so the reverse sweeps and the decay tangent are split too); where
+the heuristic splits.
+"""
+
+import re
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import BF16, F16, F32, GPU_ONLY, Case, check_against_oracle, rel_err
+
+import lightning_jax as lj
+from lightning_jax.ops.lightning_attention import chunk_common
+from lightning_jax.ops.lightning_attention import heuristics
+
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
+
+
+# --- the combine ---------------------------------------------------------------
+
+def serial_slice_states(keys, values, decay, lengths, initial_state):
+  """Token by token, in float64: the state before each slice and after the last ([B, H, S + 1, K, V]).
+
+  keys: [B, H, T, K], values: [B, H, T, V].
+  """
+  a = np.exp(-np.asarray(decay, np.float64))[None, :, None, None]
+  state = np.asarray(initial_state, np.float64)
+  out, t = [state], 0
+  for length in lengths:
+    for _ in range(length):
+      state = a * state + np.einsum("bhk,bhv->bhkv", keys[:, :, t], values[:, :, t])
+      t += 1
+    out.append(state)
+  return np.stack(out, axis=2)
+
+
+def local_states(keys, values, decay, lengths):
+  """Each slice's state at its end, from zeros (float64, [B, H, S, K, V])."""
+  starts = np.cumsum((0,) + tuple(lengths))
+  zeros = np.zeros(keys.shape[:2] + (keys.shape[-1], values.shape[-1]))
+  return np.stack([serial_slice_states(keys[:, :, s:e], values[:, :, s:e], decay, (e - s,), zeros)[:, :, 1]
+                   for s, e in zip(starts[:-1], starts[1:])], axis=2)
+
+
+@pytest.mark.parametrize("lengths", [(5,), (4, 4, 1), (3, 0, 7, 2), (1, 1, 1, 1, 1)], ids=str)
+@pytest.mark.parametrize("with_decay", [True, False])
+def test_combine_matches_the_serial_recurrence(lengths, with_decay):
+  rng = np.random.default_rng(zlib.crc32(f"{lengths}{with_decay}".encode()))
+  b, h, dk, dv, t = 2, 3, 4, 5, sum(lengths)
+  keys, values = rng.normal(size=(b, h, t, dk)), rng.normal(size=(b, h, t, dv))
+  decay = rng.uniform(0.0, 0.7, size=h) if with_decay else np.zeros(h)
+  s0 = rng.normal(size=(b, h, dk, dv))
+  want = serial_slice_states(keys, values, decay, lengths, s0)
+  local = local_states(keys, values, decay, lengths)
+  states, tangents = chunk_common.combine_slice_states(
+      jnp.asarray(local, F32), lengths, jnp.asarray(decay, F32) if with_decay else None, jnp.asarray(s0, F32))
+  assert tangents is None
+  assert states.shape == (b, h, len(lengths) + 1, dk, dv) and states.dtype == F32
+  assert rel_err(states, want) < 1e-5
+
+
+def test_combine_tangent_is_the_derivative_wrt_the_decay():
+  """U = -dP/dlambda, against the forward-mode derivative of a serial jnp scan (every rate at once)."""
+  rng = np.random.default_rng(7)
+  lengths, b, h, dk, dv = (3, 5, 2, 4), 2, 3, 4, 2
+  t = sum(lengths)
+  keys, values = (jnp.asarray(rng.normal(size=(b, h, t, n)), F32) for n in (dk, dv))
+  decay, s0 = jnp.asarray([0.05, 0.4, 2.0], F32), jnp.asarray(rng.normal(size=(b, h, dk, dv)), F32)
+  ends = np.cumsum(lengths)
+
+  def serial(rates, start, lo, hi):
+    a = jnp.exp(-rates)[None, :, None, None]
+    state = start
+    for i in range(lo, hi):
+      state = a * state + jnp.einsum("bhk,bhv->bhkv", keys[:, :, i], values[:, :, i])
+    return state
+
+  def prefixes(rates):
+    return jnp.stack([serial(rates, s0, 0, e) for e in (0,) + tuple(ends)], axis=2)
+
+  def locals_(rates):
+    zeros = jnp.zeros_like(s0)
+    return jnp.stack([serial(rates, zeros, e - n, e) for e, n in zip(ends, lengths)], axis=2)
+
+  ones = jnp.ones_like(decay)
+  want_states, d_states = jax.jvp(prefixes, (decay,), (ones,))
+  local, d_local = jax.jvp(locals_, (decay,), (ones,))
+  states, tangents = chunk_common.combine_slice_states(local, lengths, decay, s0, -d_local)
+  assert rel_err(states, want_states) < 1e-5
+  assert rel_err(tangents, -d_states) < 1e-5
+
+
+def test_combine_checks_the_slice_count():
+  with pytest.raises(ValueError, match="S=2"):
+    chunk_common.combine_slice_states(jnp.zeros((1, 1, 3, 2, 2)), (4, 4))
+
+
+@pytest.mark.parametrize("reverse,want", [(False, (128, 128, 44)), (True, (108, 128, 64))])
+def test_slice_lengths(reverse, want):
+  # 300 tokens in chunks of 64 (4 full, one of 44 rows), slices of 2 chunks, in sweep order.
+  assert chunk_common.slice_lengths(seq_len=300, chunk_size=64, slice_chunks=2, reverse=reverse) == want
+
+
+# --- the heuristic -------------------------------------------------------------
+
+def test_slice_chunks_heuristic():
+  split = heuristics.slice_chunks
+  many = dict(programs=128, num_chunks=512, chunk_size=64, num_sms=132)
+  assert split(**many) == 512  # enough programs: no split
+  few = split(programs=32, num_chunks=512, chunk_size=64, num_sms=132)
+  assert few < 512 and 512 % few == 0 and few >= heuristics.MIN_SLICE_CHUNKS
+  assert 32 * (512 // few) <= max(132 * heuristics.SLICE_PROGRAMS_PER_SM, 64)
+  # Short sequences are not cut below the least slice.
+  assert split(programs=1, num_chunks=heuristics.MIN_SLICE_CHUNKS + 1, chunk_size=64, num_sms=132) == (
+      heuristics.MIN_SLICE_CHUNKS + 1)
+  # A prime chunk count: slices of equal length where none divide, the last one shorter.
+  odd = split(programs=8, num_chunks=509, chunk_size=64, num_sms=132)
+  assert heuristics.MIN_SLICE_CHUNKS <= odd < 509
+  # The config's slice size (tokens, rounded up to whole chunks) overrides it.
+  assert split(**many, slice_size=1000) == 16
+  assert split(programs=1, num_chunks=4, chunk_size=64, num_sms=132, slice_size=10**6) == 4
+
+
+def test_slice_size_is_validated():
+  for bad in (0, -64, 1.5, True):
+    with pytest.raises(ValueError, match="slice_size must be None or an int >= 1"):
+      lj.LightningConfig(slice_size=bad)
+
+
+def kernel_names(fn, *args):
+  """The Pallas kernels `fn` launches, in order."""
+  return re.findall(r"name=(lightning_chunk_\w+|lightning_warp_specialized)", str(jax.make_jaxpr(fn)(*args)))
+
+
+def test_auto_splits_few_long_sequences_only():
+  """On a device of 132 SMs, one (batch, head) pair of 4096 tokens is split; 132 pairs are not."""
+  def call(b, h):
+    q = jnp.zeros((b, 4096, h, 32), F32)
+    return kernel_names(lambda q: lj.lightning_attention(q, q, q, impl="pallas", variant="chunk_loop",
+                                                         interpret=True), q)
+
+  assert call(1, 1) == ["lightning_chunk_states", "lightning_chunk_loop"]
+  assert call(2, 66) == ["lightning_chunk_loop"]
+
+
+# --- split sweeps against the oracles ------------------------------------------
+
+# Slices of 2 and 3 chunks (of the CPU's and the GPUs' 64-token chunks, and the
+# small config's 16): a last slice shorter than the others and a partial last
+# chunk, slices that end on the real end, one chunk per slice, odd head dims.
+SPLIT_CASES = [
+    (Case(2, 420, 1, 48, 64, F32), 128),
+    (Case(1, 420, 3, 64, 48, F32, decay="extreme"), 192),
+    (Case(1, 300, 2, 16, 16, F16, initial_state=False, final_state=False), 64),
+    (Case(1, 256, 2, 32, 80, F32, decay=None), 128),
+    (Case(1, 130, 2, 128, 128, BF16), 64),
+]
+
+
+@pytest.mark.parametrize("case,slice_size", SPLIT_CASES, ids=lambda x: str(x))
+def test_split_chunk_loop_matches_oracle(case, slice_size, kernel_mode):
+  check_against_oracle(case, seed=zlib.crc32(f"{case}split".encode()), impl="pallas", variant="chunk_loop",
+                       config=lj.LightningConfig(slice_size=slice_size), interpret=kernel_mode)
+
+
+def test_split_with_small_blocks_matches_oracle():
+  small = lj.LightningConfig(
+      chunk_loop=lj.ChunkLoopConfig(chunk_size=16, block_e=16, num_warps=2, num_stages=1),
+      chunk_states=lj.ChunkStatesConfig(block_d=16, block_e=16, num_warps=2, num_stages=1), slice_size=48)
+  check_against_oracle(Case(1, 100, 2, 24, 40, F32), seed=11, impl="pallas", variant="chunk_loop", config=small,
+                       interpret=True)
+
+
+WS = lj.WarpSpecializedConfig
+needs_new_jax = pytest.mark.skipif(heuristics.jax_version() < WS.MIN_JAX, reason=f"needs jax >= {WS.MIN_JAX}")
+
+
+def _on_sm90():
+  try:
+    return heuristics.compute_capability(jax.devices()[0]) == WS.COMPUTE_CAPABILITY
+  except RuntimeError:
+    return False
+
+
+WS_MODES = [pytest.param("interpret", id="interpret", marks=needs_new_jax),
+            pytest.param("gpu", id="gpu", marks=[*GPU_ONLY, needs_new_jax,
+                                                 pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU")])]
+
+
+# The warp-specialised forward pads T to whole slices: 300 tokens in slices of 2
+# chunks end with a slice of one real chunk (44 rows) and one of padding.
+@pytest.mark.parametrize("mode", WS_MODES)
+@pytest.mark.parametrize("case,slice_size", [
+    (Case(1, 300, 2, 64, 64, BF16), 128),
+    (Case(2, 129, 1, 40, 72, F16, decay="extreme", initial_state=False), 64),
+    (Case(1, 200, 2, 128, 96, BF16, decay=None), 64),
+], ids=lambda x: str(x))
+def test_split_warp_specialized_matches_oracle(case, slice_size, mode):
+  # 2 stages: the interpreter hangs at K = 128 with 3 and a state (test_warp_specialized.py).
+  config = lj.LightningConfig(slice_size=slice_size, warp_specialized=WS(num_stages=2) if mode == "interpret" else None)
+  check_against_oracle(case, seed=zlib.crc32(f"{case}ws-split".encode()), impl="pallas", variant="warp_specialized",
+                       config=config, interpret=mode == "interpret")
