@@ -119,7 +119,8 @@ PROFILES = {
     "quick": dict(shapes="quick", impls="all", modes="fwd,bwd,fwdbwd", decay="on", max_seconds=180.0,
                   **_GPU_SETTINGS),
     # Long context against every peer (the quadratic baselines would take minutes a call there).
-    "long": dict(shapes="long", impls="lj-pallas-auto,peer", modes="fwd,fwdbwd", decay="on,off",
+    "long": dict(shapes="long", impls="lj-pallas-auto,lj-pallas-chunk_loop,lj-pallas-warp_specialized,peer",
+                 modes="fwd,fwdbwd", decay="on,off",
                  max_seconds=540.0, **_GPU_SETTINGS),
     # Tiny shapes that run on a CPU in seconds (Pallas in interpret mode).
     "smoke": dict(shapes="smoke", impls="lj-pallas-auto,lj-xla,baseline,peer", modes="fwd,bwd,fwdbwd",
