@@ -46,6 +46,26 @@ GPU_ONLY = [
 ]
 
 
+WS = lj.WarpSpecializedConfig
+# Whether this JAX lowers (and interprets) the warp-specialised forward.
+WS_JAX = heuristics.jax_version() >= WS.MIN_JAX
+needs_ws_jax = pytest.mark.skipif(not WS_JAX, reason=f"needs jax >= {WS.MIN_JAX}")
+
+
+@functools.cache
+def on_sm90() -> bool:
+  try:
+    return heuristics.compute_capability(jax.devices()[0]) == WS.COMPUTE_CAPABILITY
+  except RuntimeError:
+    return False
+
+
+# The modes of a warp-specialised test: its interpreter (any backend), compiled on an sm90 GPU.
+WS_MODES = [pytest.param("interpret", id="interpret", marks=needs_ws_jax),
+            pytest.param("gpu", id="gpu", marks=[*GPU_ONLY, needs_ws_jax,
+                                                 pytest.mark.skipif(not on_sm90(), reason="needs an sm90 GPU")])]
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
   b: int

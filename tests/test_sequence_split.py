@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import BF16, F16, F32, GPU_ONLY, Case, check_against_oracle, rel_err
+from helpers import BF16, F16, F32, WS, WS_MODES, Case, check_against_oracle, rel_err
 
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import chunk_common
@@ -175,22 +175,6 @@ def test_split_with_small_blocks_matches_oracle():
       chunk_states=lj.ChunkStatesConfig(block_d=16, block_e=16, num_warps=2, num_stages=1), slice_size=48)
   check_against_oracle(Case(1, 100, 2, 24, 40, F32), seed=11, impl="pallas", variant="chunk_loop", config=small,
                        interpret=True)
-
-
-WS = lj.WarpSpecializedConfig
-needs_new_jax = pytest.mark.skipif(heuristics.jax_version() < WS.MIN_JAX, reason=f"needs jax >= {WS.MIN_JAX}")
-
-
-def _on_sm90():
-  try:
-    return heuristics.compute_capability(jax.devices()[0]) == WS.COMPUTE_CAPABILITY
-  except RuntimeError:
-    return False
-
-
-WS_MODES = [pytest.param("interpret", id="interpret", marks=needs_new_jax),
-            pytest.param("gpu", id="gpu", marks=[*GPU_ONLY, needs_new_jax,
-                                                 pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU")])]
 
 
 # The warp-specialised forward pads T to whole slices: 300 tokens in slices of 2

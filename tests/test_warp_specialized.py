@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import BF16, F16, F32, GPU_ONLY, Case, check_against_oracle, rel_err
+from helpers import BF16, F16, F32, WS_JAX, WS_MODES, Case, check_against_oracle, needs_ws_jax, on_sm90, rel_err
 
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import heuristics
@@ -21,22 +21,6 @@ from lightning_jax.ops.lightning_attention import reference
 # Interpret-mode kernels against the oracles with tolerances far above float32
 # rounding: compiled without LLVM's optimisations on the CPU (see conftest).
 pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
-
-WS = lj.WarpSpecializedConfig
-NEW_ENOUGH = heuristics.jax_version() >= WS.MIN_JAX
-needs_new_jax = pytest.mark.skipif(not NEW_ENOUGH, reason=f"needs jax >= {WS.MIN_JAX}")
-
-
-def _on_sm90():
-  try:
-    return heuristics.compute_capability(jax.devices()[0]) == WS.COMPUTE_CAPABILITY
-  except RuntimeError:
-    return False
-
-
-MODES = [pytest.param("interpret", id="interpret", marks=needs_new_jax),
-         pytest.param("gpu", id="gpu", marks=[*GPU_ONLY, needs_new_jax,
-                                              pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU")])]
 
 # T and the head dims off the 64-token chunk and the padded dims; with decay and
 # over 2 chunks, so that the state decays between chunks; more chunks than the
@@ -68,7 +52,7 @@ CASES = [
 INTERPRETED_STATE_CONFIG = lj.LightningConfig(warp_specialized=lj.WarpSpecializedConfig(num_stages=2))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", WS_MODES)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_warp_specialized_matches_oracle(case, mode):
   with_states = case.initial_state or case.final_state
@@ -77,7 +61,7 @@ def test_warp_specialized_matches_oracle(case, mode):
                        interpret=mode == "interpret", config=config)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", WS_MODES)
 @pytest.mark.parametrize("with_states", [False, True], ids=["no_state", "states"])
 def test_warp_specialized_under_vmap_jit_and_checkpoint(mode, with_states):
   b, t, h, d = 2, 150, 2, 128
@@ -105,7 +89,7 @@ def test_warp_specialized_under_vmap_jit_and_checkpoint(mode, with_states):
       assert rel_err(final[i], want_final) < 2e-2
 
 
-@needs_new_jax
+@needs_ws_jax
 @pytest.mark.parametrize("dim_k,dim_v,has_decay,with_states", [
     (128, 128, True, False), (64, 256, False, False), (128, 64, True, True), (64, 128, False, True)])
 def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, has_decay, with_states):
@@ -130,7 +114,7 @@ def test_warp_specialized_rejects_what_it_cannot_run():
   q, k, v = (jax.random.normal(key, (1, 40, 2, 32), BF16) for key in keys)
   run = lambda q, k, v, **kw: lj.lightning_attention(q, k, v, impl="pallas", variant="warp_specialized",  # noqa: E731
                                                      **kw)
-  if not NEW_ENOUGH:
+  if not WS_JAX:
     with pytest.raises(ValueError, match="variant='warp_specialized' needs jax >= 0.11"):
       run(q, k, v, interpret=True)
     return
@@ -140,7 +124,7 @@ def test_warp_specialized_rejects_what_it_cannot_run():
       ("needs D <= 128 and E <= 256, got D=160", lambda: run(wide, wide, v)),
       ("needs a compute capability 9.0 GPU", lambda: run(q, k, v, interpret=False)),
   ]:
-    if "compute capability" in match and _on_sm90():
+    if "compute capability" in match and on_sm90():
       continue
     with pytest.raises(ValueError, match=match):
       call()
@@ -168,7 +152,7 @@ def test_warp_specialized_config_is_validated_and_budgeted():
 def test_auto_picks_warp_specialized_where_it_was_measured_faster(call, want):
   kw = dict(d=128, e=128, dtype=BF16, compute_capability=(9, 0), interpret=False)
   kw.update(call)
-  if not NEW_ENOUGH and want == "warp_specialized":
+  if not WS_JAX and want == "warp_specialized":
     want = "chunk_loop"
   assert heuristics.pallas_variant("auto", **kw) == want
 

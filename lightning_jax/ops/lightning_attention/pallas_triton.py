@@ -331,7 +331,8 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   block_slice = pl.BlockSpec((None, None, None, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, i % ns, d, e))
   block_states = pl.BlockSpec((None, None, n, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, 0, d, e))
   kernel = functools.partial(_chunk_states_kernel, chunk_size=chunk_size, seq_len=seq_len,
-                             num_chunks=-(-seq_len // chunk_size), slice_chunks=slice_chunks, num_slices=ns, reverse=reverse, exact=ins.y.dtype == _F32)
+                             num_chunks=-(-seq_len // chunk_size), slice_chunks=slice_chunks, num_slices=ns,
+                             reverse=reverse, exact=ins.y.dtype == _F32)
   return _call(
       kernel, (b * h * ns, dim_k // bd, dim_v // be), state_ins,
       _present(state_ins, decay=pl.BlockSpec((None,), lambda i, d, e: (i // ns % h,)),
