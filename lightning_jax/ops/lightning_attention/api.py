@@ -111,7 +111,10 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
       D <= 128, E <= 256, jax >= 0.11; the backward pass runs the chunk_loop
       sweeps); "auto" picks it where it is faster.
     config: a `LightningConfig` overriding, field by field, the active tuning
-      cache (see `use_tuning_cache`) and the per-device block heuristics.
+      cache (see `use_tuning_cache`) and the per-device block heuristics
+      (its `slice_size` sets the sequence split, which otherwise runs slices
+      of a long sequence in parallel where few (batch, head) pairs would
+      leave the GPU idle).
     interpret: force (True) or forbid (False) Pallas interpret mode.
 
   The kernels run on the device of q (under `jax.jit`, the default device);
