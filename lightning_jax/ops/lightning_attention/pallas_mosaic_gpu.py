@@ -97,15 +97,18 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     (initial_loaded,) = barriers[7:]
   c, be = CHUNK_SIZE, BLOCK_E
   head, col = lax.axis_index("heads"), lax.axis_index("value_blocks")
-  # A CTA walks `num_chunks` chunks of one slice of the sequence (see `forward`).
-  batch, sequence_slice = lax.div(lax.axis_index("batch_slices"), num_slices), lax.rem(lax.axis_index("batch_slices"),
-                                                                              num_slices)
-  first_row = sequence_slice * (num_chunks * c)
+  # A CTA walks `num_chunks` chunks of one slice of the sequence (see `forward`);
+  # unsplit, the offsets stay static.
+  batch, sequence_slice, first_row = lax.axis_index("batch_slices"), 0, 0
+  if num_slices > 1:
+    batch, sequence_slice = lax.div(batch, num_slices), lax.rem(batch, num_slices)
+    first_row = sequence_slice * (num_chunks * c)
   cols = pl.ds(col * be, be)
   wg = lax.axis_index("wg")
 
   def chunk_rows(n):
-    return pl.ds(pl.multiple_of(first_row + n * c, c), c)
+    start = first_row + n * c
+    return pl.ds(start if isinstance(start, int) else pl.multiple_of(start, c), c)
 
   def slot_of(n):
     return lax.rem(n, num_stages)
