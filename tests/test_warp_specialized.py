@@ -101,7 +101,7 @@ def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, has_decay, with_states):
   q = jax.ShapeDtypeStruct((2, 192, 3, dim_k), BF16)
   v = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
   decay = jax.ShapeDtypeStruct((3,), F32) if has_decay else None
-  s0 = jax.ShapeDtypeStruct((2, 3, dim_v, dim_k), F32) if with_states else None
+  s0 = jax.ShapeDtypeStruct((2, 3, 1, dim_v, dim_k), F32) if with_states else None  # one slice
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2)
   fn = jax.jit(lambda q, k, v, decay, s0: pallas_mosaic_gpu.forward_padded(
       q, k, v, decay, s0, scale=0.125, seq_len=150, return_final_state=with_states, num_stages=cfg.num_stages))
