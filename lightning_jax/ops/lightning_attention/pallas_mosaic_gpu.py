@@ -5,8 +5,9 @@ Triton kernels of `pallas_triton`. It computes the forward pass only, from an
 optional initial state and optionally returning the final one; the backward
 pass stays with the Triton sweeps.
 
-One CTA per (head, batch, block of 64 value columns) walks the chunks of 64
-tokens in order, split into three warpgroups that run concurrently:
+One CTA per (head, batch and slice of the sequence, block of 64 value columns)
+walks the chunks of 64 tokens of its slice in order (the whole sequence unless
+`forward` splits it), split into three warpgroups that run concurrently:
 
   memory  issues the TMA loads of each chunk's q, k, v tiles into a ring of
           `num_stages` slots, refilling a slot once both others released it;
