@@ -12,6 +12,7 @@ from lightning_jax.ops.lightning_attention import (
     lightning_attention_chunked,
     lightning_attention_quadratic,
     lightning_attention_recurrent,
+    segment_ids_from_cu_seqlens,
     use_tuning_cache,
 )
 from lightning_jax.attention_fn import attention_fn
@@ -34,6 +35,7 @@ __all__ = [
     "lightning_attention_quadratic",
     "lightning_attention_recurrent",
     "minimax_slopes",
+    "segment_ids_from_cu_seqlens",
     "use_tuning_cache",
 ]
 

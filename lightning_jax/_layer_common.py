@@ -151,6 +151,19 @@ def check_inputs(inputs, spec: LayerSpec) -> None:
     raise ValueError(f"inputs must be [B, T, in_features={spec.in_features}], got shape {inputs.shape}")
 
 
+def check_segment_ids(segment_ids, inputs) -> None:
+  """segment_ids must be None or an integer [B, T] array matching inputs [B, T, F]."""
+  if segment_ids is None:
+    return
+  if not hasattr(segment_ids, "shape") or not hasattr(segment_ids, "dtype"):
+    raise TypeError(f"segment_ids must be None or an integer [B, T] array, got {type(segment_ids).__name__}")
+  if tuple(segment_ids.shape) != tuple(inputs.shape[:2]):
+    raise ValueError(f"segment_ids must be [B, T] = {list(inputs.shape[:2])} like the inputs, got shape "
+                     f"{tuple(segment_ids.shape)}")
+  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    raise TypeError(f"segment_ids must be an integer array, got {segment_ids.dtype}")
+
+
 def state_shape(batch_size, spec: LayerSpec) -> tuple[int, int, int, int]:
   """Shape [B, H, D, E] of the decode cache (D = E = head_dim)."""
   if not _is_int(batch_size, 1):
@@ -177,44 +190,58 @@ def rms_norm(x, scale, axes) -> jax.Array:
 # loop outside jit) compile once per shape instead of dispatching op by op;
 # under an outer jit they are inlined.
 @functools.partial(jax.jit, static_argnames=("scale", "impl", "variant", "config", "interpret"))
-def linear_attention(q, k, v, decay, *, scale, impl, variant, config, interpret=None, state=None):
+def linear_attention(q, k, v, decay, *, scale, impl, variant, config, interpret=None, state=None, segment_ids=None):
   """Causal linear attention; with `state` also returns the state after these tokens.
 
   q, k: [B, T, H, D]; v: [B, T, H, E]; decay: float32 [H] or None; state: [B, H, D, E]
-  or None. Returns o [B, T, H, E] (q.dtype), or (o, new float32 state) given `state`.
+  or None; segment_ids: int [B, T] or None (packed sequences; `state` feeds each
+  row's first segment). Returns o [B, T, H, E] (q.dtype), or (o, new float32
+  state: at the end of each row's last segment) given `state`.
   """
   if state is None:
-    return op_api.lightning_attention(q, k, v, decay, scale=scale, impl=impl, variant=variant,
-                                      config=config, interpret=interpret)
+    return op_api.lightning_attention(q, k, v, decay, scale=scale, segment_ids=segment_ids, impl=impl,
+                                      variant=variant, config=config, interpret=interpret)
   if q.shape[1] == 1:  # a decode step: a few flops in jnp (the oracle's scan), not worth a kernel launch
+    # One token is one segment: its ids change nothing here (the caller restarts the state).
     o, new_state = reference.lightning_attention_recurrent(q, k, v, decay, scale=scale, initial_state=state)
     return o.astype(q.dtype), new_state
   # Chunked prefill: the kernel resumes from and returns the state.
   return op_api.lightning_attention(q, k, v, decay, scale=scale, initial_state=state, return_final_state=True,
-                                    impl=impl, variant=variant, config=config, interpret=interpret)
+                                    segment_ids=segment_ids, impl=impl, variant=variant, config=config,
+                                    interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames="spec")
-def attend(spec: LayerSpec, q, k, v, *, decay, gate=None, norm_scale=None, state=None):
+def attend(spec: LayerSpec, q, k, v, *, decay, gate=None, norm_scale=None, segment_ids=None, cache=None):
   """The layer between its projections: feature map, linear attention, output norm and gate.
 
   q, k, v: [B, T, H, head_dim] projections; decay: float32 [H] or None; gate:
   [B, T, H, head_dim] pre-sigmoid gate (or None); norm_scale: [H, head_dim] (or
-  None); state: the decode cache [B, H, D, E] or None.
-  Returns (o [B, T, H, head_dim], new state or None).
+  None); segment_ids: int [B, T] or None; cache: the decode cache (state
+  [B, H, D, E], segment id of the last cached token int32 [B]) or None.
+  Returns (o [B, T, H, head_dim], the updated cache or None).
   """
+  state = None
+  if cache is not None:
+    state, last_ids = cache
+    if segment_ids is not None:
+      # A row whose first token has another id than its last cached token starts a
+      # new segment, so it starts from a zero state instead of the cached one.
+      same = segment_ids[:, 0].astype(jnp.int32) == last_ids
+      state = jnp.where(same[:, None, None, None], state, jnp.zeros_like(state))
+      last_ids = segment_ids[:, -1].astype(jnp.int32)
   fmap = FEATURE_MAPS[spec.feature_map]
   q, k = fmap(q), fmap(k)
   out = linear_attention(q, k, v, decay, scale=spec.scale, impl=spec.impl, variant=spec.variant,
-                         config=spec.config, state=state)
-  o, new_state = (out, None) if state is None else out
+                         config=spec.config, state=state, segment_ids=segment_ids)
+  o, new_cache = (out, None) if state is None else (out[0], (out[1].astype(state.dtype), last_ids))
   if spec.output_norm is not None:
     o = rms_norm(o, norm_scale, (-2, -1) if spec.output_norm == "rms" else -1)
   if gate is not None:
     # MiniMax-01's output gate: norm(attn) * sigmoid(x W_gate). (TransNormerLLM
     # multiplies by the un-activated projection instead.)
     o = o * jax.nn.sigmoid(gate).astype(o.dtype)
-  return o, new_state
+  return o, new_cache
 
 
 LAYER_DOC = """Lightning Attention layer: causal linear attention with per-head decay.

@@ -30,7 +30,9 @@ def _check_mask(mask, length):
   if not is_causal:
     raise ValueError(
         f"attention_fn cannot honour an arbitrary attention mask (got shape {mask.shape}): lightning attention "
-        "is causal linear attention with no attention matrix to mask. Pass mask=None or a causal mask.")
+        "is causal linear attention with no attention matrix to mask. Pass mask=None or a causal mask; for "
+        "packed sequences (a block-diagonal causal mask) pass segment_ids to LightningAttention or "
+        "lightning_attention instead.")
 
 
 def attention_fn(decay=None, *, layer_idx: int | None = None, num_layers: int | None = None,
@@ -49,7 +51,9 @@ def attention_fn(decay=None, *, layer_idx: int | None = None, num_layers: int | 
   `force_fp32_for_softmax` are accepted and unused (the op accumulates in
   float32). Grouped key/value heads are repeated to the query heads. Note that
   the softmax layers' [B, T_max] decode cache does not fit linear attention:
-  decode with `LightningAttention` instead.
+  decode with `LightningAttention` instead. Packed sequences likewise: Flax
+  passes their segments as a (usually traced) mask, which cannot be checked;
+  pass `segment_ids` to `LightningAttention` or `lightning_attention`.
 
   Args:
     decay: None (no decay), "alibi", "minimax" (needs layer_idx and

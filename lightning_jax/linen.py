@@ -18,10 +18,11 @@ __all__ = ["LightningAttention"]
 class LightningAttention(nn.Module):
   __doc__ = common.LAYER_DOC + """
   Linen specifics: the recurrent state lives in the `cache` collection as
-  `cached_state`. Create it with `init_cache` (e.g. `layer.apply(variables, B,
-  method="init_cache", mutable=["cache"])`) or, as Flax's decode caches, by
-  `init` with decode=True (which only creates the zero state); then apply with
-  decode=True and mutable=["cache"].
+  `cached_state`, the segment id of each row's last token as
+  `cached_segment_id`. Create them with `init_cache` (e.g.
+  `layer.apply(variables, B, method="init_cache", mutable=["cache"])`) or, as
+  Flax's decode caches, by `init` with decode=True (which only creates the
+  zero cache); then apply with decode=True and mutable=["cache"].
   """
 
   num_heads: int
@@ -60,19 +61,35 @@ class LightningAttention(nn.Module):
         output_norm=self.output_norm, scale=self.scale, impl=self.impl, variant=self.variant, config=self.config)
 
   def init_cache(self, batch_size: int, dtype=jnp.float32) -> None:
-    """Creates (or resets) `cache/cached_state`: a zero state [B, H, Dh, Dh]."""
-    self.put_variable("cache", "cached_state", jnp.zeros(common.state_shape(batch_size, self.spec), dtype))
+    """Creates (or resets) `cache/cached_state`, a zero state [B, H, Dh, Dh], and
+    `cache/cached_segment_id`, segment ids int32 [B] (zeros)."""
+    shape = common.state_shape(batch_size, self.spec)
+    self.put_variable("cache", "cached_state", jnp.zeros(shape, dtype))
+    self.put_variable("cache", "cached_segment_id", jnp.zeros(shape[:1], jnp.int32))
 
   @nn.compact
-  def __call__(self, inputs: jax.Array, *, decode: bool | None = None) -> jax.Array:
+  def __call__(self, inputs: jax.Array, *, decode: bool | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     """inputs: [B, T, in_features] -> [B, T, out_features].
 
     With decode (this argument, else the attribute) the T tokens continue the
     sequence held in `cache/cached_state` and update it: T == 1 is one jnp step
     of the recurrence, T > 1 a chunked prefill through the kernel.
+
+    segment_ids: None or int [B, T], packed sequences. A segment is a maximal
+    run of equal ids in a row; a token attends only to the earlier tokens of
+    its own segment (give padding an id of its own). With decode, the cache
+    holds per row the state at the end of its last segment and that
+    segment's id (`cache/cached_segment_id`); a call's first segment in a row
+    continues the cached state when its id equals the cached id, else it
+    starts from a zero state. So one-token steps with [B, 1] ids continue or
+    restart each row (continuous batching), and calls without segment_ids
+    continue every row's last segment. When decoding after a packed prefill,
+    pad prompts on the left: decoding continues each row's last segment.
     """
     spec = self.spec
     common.check_inputs(inputs, spec)
+    common.check_segment_ids(segment_ids, inputs)
     heads = (spec.num_heads, spec.head_dim)
     dense = functools.partial(nn.DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype,
                               precision=self.precision, kernel_init=self.kernel_init, bias_init=self.bias_init,
@@ -87,14 +104,16 @@ class LightningAttention(nn.Module):
                     if spec.output_norm else None))
     out = dense(features=spec.out_features, axis=(-2, -1), name="out")
     if not (self.decode if decode is None else decode):
-      return out(common.attend(spec, q, k, v, **kwargs)[0])
+      return out(common.attend(spec, q, k, v, segment_ids=segment_ids, **kwargs)[0])
     initializing = self.is_initializing()
     if not (initializing or self.has_variable("cache", "cached_state")):
       common.check_state(None, inputs.shape[0], spec)  # raises: call init_cache first
-    cache = self.variable("cache", "cached_state", jnp.zeros, common.state_shape(inputs.shape[0], spec),
-                          jnp.float32)
-    common.check_state(cache.value, inputs.shape[0], spec)
-    o, new_state = common.attend(spec, q, k, v, state=cache.value, **kwargs)
-    if not initializing:  # init only creates the zero state, as Flax's decode caches do
-      cache.value = new_state.astype(cache.value.dtype)
+    shape = common.state_shape(inputs.shape[0], spec)
+    state = self.variable("cache", "cached_state", jnp.zeros, shape, jnp.float32)
+    ids = self.variable("cache", "cached_segment_id", jnp.zeros, shape[:1], jnp.int32)
+    common.check_state(state.value, inputs.shape[0], spec)
+    o, (new_state, new_ids) = common.attend(spec, q, k, v, segment_ids=segment_ids,
+                                            cache=(state.value, ids.value), **kwargs)
+    if not initializing:  # init only creates the zero cache, as Flax's decode caches do
+      state.value, ids.value = new_state, new_ids
     return out(o)

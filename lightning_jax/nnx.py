@@ -18,7 +18,8 @@ __all__ = ["LightningAttention"]
 class LightningAttention(nnx.Module):
   __doc__ = common.LAYER_DOC + """
   NNX specifics: `rngs` (nnx.Rngs) initialises the parameters. `init_cache`
-  stores the recurrent state in the `nnx.Cache` variable `cached_state`.
+  stores the recurrent state in the `nnx.Cache` variable `cached_state` and
+  the segment id of each row's last token in `cached_segment_id`.
 
   Example::
 
@@ -27,6 +28,7 @@ class LightningAttention(nnx.Module):
     layer.init_cache(batch_size=B)
     y0 = layer(prompt, decode=True)       # chunked prefill, updates the state
     y1 = layer(next_token, decode=True)   # [B, 1, 64]: one recurrent step
+    y = layer(x, segment_ids=ids)         # packed sequences, ids: int [B, T]
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -53,30 +55,48 @@ class LightningAttention(nnx.Module):
     self.out = linear(heads, spec.out_features, axis=(-2, -1))
     # Assigned by init_cache; nnx.data so that a Cache can replace the None.
     self.cached_state: nnx.Cache | None = nnx.data(None)
+    self.cached_segment_id: nnx.Cache | None = nnx.data(None)
 
   def decay_rates(self) -> jax.Array | None:
     """Current float32 [H] decay rates (None without decay)."""
     return common.layer_decay(self.spec, None if self.decay is None else self.decay[...])
 
   def init_cache(self, batch_size: int, dtype=jnp.float32) -> None:
-    """Creates (or resets) the decode cache: a zero state [B, H, Dh, Dh] in `cached_state`."""
-    self.cached_state = nnx.Cache(jnp.zeros(common.state_shape(batch_size, self.spec), dtype))
+    """Creates (or resets) the decode cache: a zero state [B, H, Dh, Dh] in
+    `cached_state` and segment ids int32 [B] (zeros) in `cached_segment_id`."""
+    shape = common.state_shape(batch_size, self.spec)
+    self.cached_state = nnx.Cache(jnp.zeros(shape, dtype))
+    self.cached_segment_id = nnx.Cache(jnp.zeros(shape[:1], jnp.int32))
 
-  def __call__(self, inputs: jax.Array, *, decode: bool | None = None) -> jax.Array:
+  def __call__(self, inputs: jax.Array, *, decode: bool | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     """inputs: [B, T, in_features] -> [B, T, out_features].
 
     With decode (this argument, else the attribute) the T tokens continue the
     sequence held in `cached_state` and update it: T == 1 is one jnp step of
     the recurrence, T > 1 a chunked prefill through the kernel.
+
+    segment_ids: None or int [B, T], packed sequences. A segment is a maximal
+    run of equal ids in a row; a token attends only to the earlier tokens of
+    its own segment (give padding an id of its own). With decode, the cache
+    holds per row the state at the end of its last segment and that
+    segment's id (`cached_segment_id`); a call's first segment in a row
+    continues the cached state when its id equals the cached id, else it
+    starts from a zero state. So one-token steps with [B, 1] ids continue or
+    restart each row (continuous batching), and calls without segment_ids
+    continue every row's last segment. When decoding after a packed prefill,
+    pad prompts on the left: decoding continues each row's last segment.
     """
     common.check_inputs(inputs, self.spec)
+    common.check_segment_ids(segment_ids, inputs)
     q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
     kwargs = dict(decay=self.decay_rates(), gate=None if self.gate is None else self.gate(inputs),
                   norm_scale=None if self.norm is None else self.norm[...])
     if not (self.decode if decode is None else decode):
-      return self.out(common.attend(self.spec, q, k, v, **kwargs)[0])
+      return self.out(common.attend(self.spec, q, k, v, segment_ids=segment_ids, **kwargs)[0])
     state = None if self.cached_state is None else self.cached_state[...]
     common.check_state(state, inputs.shape[0], self.spec)
-    o, new_state = common.attend(self.spec, q, k, v, state=state, **kwargs)
-    self.cached_state[...] = new_state.astype(state.dtype)
+    o, (new_state, new_ids) = common.attend(self.spec, q, k, v, segment_ids=segment_ids,
+                                            cache=(state, self.cached_segment_id[...]), **kwargs)
+    self.cached_state[...], self.cached_segment_id[...] = new_state, new_ids
     return self.out(o)

@@ -182,9 +182,9 @@ def bad_calls():
       ("q must be float32, bfloat16 or float16", TypeError,
        lambda: f(q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32))),
       ("share one dtype", TypeError, lambda: f(q, k.astype(jnp.bfloat16), v)),
-      ("decay must be None or a \\[H\\]", ValueError, lambda: f(q, k, v, jnp.ones((H + 1,)))),
+      ("decay must be None, per-head rates \\[H\\]", ValueError, lambda: f(q, k, v, jnp.ones((H + 1,)))),
       ("decay must be a floating array", TypeError, lambda: f(q, k, v, jnp.ones((H,), jnp.int32))),
-      ("decay rates must be >= 0", ValueError, lambda: f(q, k, v, -decay)),
+      ("decay rates must be finite and >= 0", ValueError, lambda: f(q, k, v, -decay)),
       ("initial_state must be \\[B, H, D, E\\]", ValueError, lambda: f(q, k, v, initial_state=s0[:, :, :, :3])),
       ("impl must be one of", ValueError, lambda: f(q, k, v, impl="cuda")),
       ("variant must be one of", ValueError, lambda: f(q, k, v, impl="pallas", variant="fast")),
@@ -205,5 +205,5 @@ def test_bad_input_raises_clearly(index):
 
 def test_bad_input_raises_under_jit_before_tracing_kernels():
   q, k, v, decay, _ = inputs(7)
-  with pytest.raises(ValueError, match="decay must be None or a \\[H\\]"):
+  with pytest.raises(ValueError, match="decay must be None, per-head rates \\[H\\]"):
     jax.jit(lambda q, k, v: lj.lightning_attention(q, k, v, jnp.ones((H, 2)), impl="pallas"))(q, k, v)

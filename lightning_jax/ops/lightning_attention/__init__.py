@@ -1,4 +1,4 @@
-"""Lightning Attention: chunked causal linear attention with per-head decay."""
+"""Lightning Attention: chunked causal linear attention with per-head or per-token decay, packed sequences."""
 
 from lightning_jax.ops.lightning_attention.api import lightning_attention
 from lightning_jax.ops.lightning_attention.config import (
@@ -8,6 +8,7 @@ from lightning_jax.ops.lightning_attention.config import (
     LightningConfig,
     WarpSpecializedConfig,
 )
+from lightning_jax.ops.lightning_attention.packing import segment_ids_from_cu_seqlens
 from lightning_jax.ops.lightning_attention.reference import (
     lightning_attention_quadratic,
     lightning_attention_recurrent,
@@ -27,5 +28,6 @@ __all__ = [
     "lightning_attention_chunked",
     "lightning_attention_quadratic",
     "lightning_attention_recurrent",
+    "segment_ids_from_cu_seqlens",
     "use_tuning_cache",
 ]

@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention import packing
 from lightning_jax.ops.lightning_attention import reference
 from lightning_jax.ops.lightning_attention import vjp
 from lightning_jax.ops.lightning_attention import xla
@@ -39,7 +41,37 @@ def validate_options(*, scale, impl, variant, config):
     raise TypeError(f"config must be a LightningConfig or None, got {type(config).__name__}")
 
 
-def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, interpret, return_final_state):
+def _concrete(x):
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _validate_packing(segment_ids, cu_seqlens, b, t):
+  if segment_ids is not None and cu_seqlens is not None:
+    raise ValueError("give segment_ids or cu_seqlens, not both")
+  if segment_ids is not None:
+    if not hasattr(segment_ids, "shape") or segment_ids.shape != (b, t):
+      raise ValueError(f"segment_ids must be None or an int [B, T] = [{b}, {t}] array, got "
+                       f"{getattr(segment_ids, 'shape', type(segment_ids).__name__)}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise TypeError(f"segment_ids must be an integer array, got {segment_ids.dtype}")
+  if cu_seqlens is not None:
+    if not hasattr(cu_seqlens, "shape") or len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 2:
+      raise ValueError(f"cu_seqlens must be None or an int [N + 1] array with N >= 1, got "
+                       f"{getattr(cu_seqlens, 'shape', type(cu_seqlens).__name__)}")
+    if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+      raise TypeError(f"cu_seqlens must be an integer array, got {cu_seqlens.dtype}")
+    if b != 1:
+      raise ValueError(f"cu_seqlens packs sequences along T of a batch of one: q must be [1, T, H, D], got B = {b}")
+    if _concrete(cu_seqlens):
+      cu = np.asarray(cu_seqlens)
+      if cu[0] != 0 or cu[-1] != t:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {t}, got {cu[0]} ... {cu[-1]}")
+      if np.any(np.diff(cu) < 0):
+        raise ValueError(f"cu_seqlens must be non-decreasing (sequence lengths >= 0), got {cu}")
+
+
+def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, interpret, return_final_state,
+              segment_ids, cu_seqlens):
   for name, x in (("q", q), ("k", k), ("v", v)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -61,16 +93,22 @@ def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, inter
   if not q.dtype == k.dtype == v.dtype:
     raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   if decay is not None:
-    if not hasattr(decay, "shape") or decay.shape != (h,):
-      raise ValueError(f"decay must be None or a [H] = [{h}] array, got "
-                       f"{getattr(decay, 'shape', type(decay).__name__)}")
+    if not hasattr(decay, "shape") or decay.shape not in ((h,), (b, t, h)):
+      raise ValueError(f"decay must be None, per-head rates [H] = [{h}] or per-token rates [B, T, H] = "
+                       f"[{b}, {t}, {h}], got {getattr(decay, 'shape', type(decay).__name__)}")
     if not jnp.issubdtype(decay.dtype, jnp.floating):
       raise TypeError(f"decay must be a floating array, got {decay.dtype}")
-    if not isinstance(decay, jax.core.Tracer) and bool(np.any(np.asarray(decay) < 0)):
-      raise ValueError(f"decay rates must be >= 0 (lambda = exp(-decay) <= 1), got {np.asarray(decay)}")
+    if _concrete(decay):
+      rates = np.asarray(decay)
+      if not np.all(np.isfinite(rates)) or np.any(rates < 0):
+        bad = rates[~(np.isfinite(rates) & (rates >= 0))]
+        raise ValueError(f"decay rates must be finite and >= 0 (exp(-decay) in (0, 1]), got {bad[:8]}")
+  _validate_packing(segment_ids, cu_seqlens, b, t)
   if initial_state is not None:
-    if not hasattr(initial_state, "shape") or initial_state.shape != (b, h, d, e):
-      raise ValueError(f"initial_state must be [B, H, D, E] = [{b}, {h}, {d}, {e}], got "
+    n = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    want, what = ((b, h, d, e), "[B, H, D, E]") if n is None else ((n, h, d, e), "[N, H, D, E] (with cu_seqlens)")
+    if not hasattr(initial_state, "shape") or initial_state.shape != want:
+      raise ValueError(f"initial_state must be {what} = {list(want)}, got "
                        f"{getattr(initial_state, 'shape', type(initial_state).__name__)}")
     if not jnp.issubdtype(initial_state.dtype, jnp.floating):
       raise TypeError(f"initial_state must be a floating array (float32), got {initial_state.dtype}")
@@ -82,34 +120,53 @@ def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, inter
 
 
 def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, return_final_state=False,
-                        impl="auto", variant="auto", config=None, interpret=None):
-  r"""Causal linear attention with optional per-head decay (Lightning Attention-2).
+                        segment_ids=None, cu_seqlens=None, impl="auto", variant="auto", config=None,
+                        interpret=None):
+  r"""Causal linear attention with decay (Lightning Attention-2), optionally per token and packed.
 
-  With a = exp(-decay_h) (a = 1 without decay), for every batch and head:
+  With a_t = exp(-decay) (per head, or per token; a = 1 without decay), for
+  every batch and head:
 
-      S_t = a * S_{t-1} + k_t^T v_t,        S_0 = initial_state (zeros if None)
+      S_t = a_t * S_{t-1} + k_t^T v_t,        S_{-1} = initial_state (zeros if None)
       o_t = scale * q_t S_t
 
-  i.e. o_t = scale * (sum_{j<=t} a^(t-j) (q_t . k_j) v_j + a^t q_t S_0), in O(T).
+  i.e. with per-head rates o_t = scale * (sum_{j<=t} a^(t-j) (q_t . k_j) v_j
+  + a^(t+1) q_t S_{-1}), in O(T). Packed sequences restart the recurrence at
+  every sequence start.
 
   Args:
     q, k: [B, T, H, D]. v: [B, T, H, E]. Any T >= 1 and D, E in [1, 256];
       float32, bfloat16 or float16 (one dtype for all three).
-    decay: None, or [H] non-negative rates (lambda = exp(-rate); the
-      Lightning Attention-2 / TransNormerLLM / MiniMax-01 convention).
-      Differentiable.
+    decay: None, [H] per-head rates or [B, T, H] per-token rates, all >= 0
+      (a = exp(-rate); the Lightning Attention-2 / MiniMax-01 convention for
+      [H], Mamba-2 / simple GLA gates g = -rate for [B, T, H]). Differentiable.
+      Any rate from 0 to huge is fine (past ~104, exp(-rate) is 0 in float32).
     scale: multiplies q; default D ** -0.5. `scale=1.0` matches the original
       Lightning Attention-2 kernels.
-    initial_state: [B, H, D, E] state S_0 (computed in float32); differentiable.
-    return_final_state: also return S_T, float32 [B, H, D, E] (its cotangent is
-      accepted), for chunked prefill and recurrent decoding.
+    initial_state: the state before the first token, computed in float32,
+      differentiable: [B, H, D, E] (with segment_ids, it feeds each row's first
+      segment), or with cu_seqlens one per sequence, [N, H, D, E].
+    return_final_state: also return the state after the last token, float32
+      (its cotangent is accepted), for chunked prefill and recurrent decoding:
+      [B, H, D, E] (with segment_ids, the end of each row's last segment), or
+      with cu_seqlens one per sequence, [N, H, D, E] (an empty sequence's is
+      its initial state).
+    segment_ids: None or int [B, T]: packed sequences, a segment being a
+      maximal run of equal ids in a row; a token sees only the earlier tokens
+      of its own segment (padding gets an id of its own). Traced values are
+      fine: changing boundaries reuse one compilation.
+    cu_seqlens: None or int [N + 1]: N sequences packed in a batch of one (B =
+      1), sequence n being tokens cu_seqlens[n]:cu_seqlens[n + 1] (empty ones
+      allowed; flash-linear-attention's convention). Not with segment_ids.
+      `segment_ids_from_cu_seqlens` converts.
     impl: "pallas" (Triton kernels; interpret mode without a supported GPU),
       "xla" (chunked jnp, O(T)), "reference" (token-serial scan, the oracle) or
       "auto" (pallas on NVIDIA GPUs with compute capability >= 8.0, else xla).
     variant: pallas only: "chunk_loop", "parallel", "warp_specialized" or
       "auto". "warp_specialized" is a Mosaic GPU forward for sm90 (bf16/fp16,
-      D <= 128, E <= 256, jax >= 0.11; the backward pass runs the chunk_loop
-      sweeps); "auto" picks it where it is faster.
+      D <= 128, E <= 256, jax >= 0.11, per-head decay without packing; the
+      backward pass runs the chunk_loop sweeps); "auto" picks it where it is
+      faster.
     config: a `LightningConfig` overriding, field by field, the active tuning
       cache (see `use_tuning_cache`) and the per-device block heuristics
       (its `slice_size` sets the sequence split, which otherwise runs slices
@@ -121,9 +178,10 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
   their blocks and variant follow that device (see `heuristics`).
 
   Returns:
-    o: [B, T, H, E] in the input dtype; with return_final_state, (o, S_T).
+    o: [B, T, H, E] in the input dtype; with return_final_state, (o, final state).
   """
-  _validate(q, k, v, decay, scale, initial_state, impl, variant, config, interpret, return_final_state)
+  _validate(q, k, v, decay, scale, initial_state, impl, variant, config, interpret, return_final_state,
+            segment_ids, cu_seqlens)
   b, t, h, d = q.shape
   scale = float(d ** -0.5 if scale is None else scale)
   decay = None if decay is None else decay.astype(jnp.float32)
@@ -133,21 +191,39 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
   cc = heuristics.compute_capability(device)
   if impl == "auto":
     impl = "pallas" if heuristics.supported_gpu(cc) else "xla"
+  if impl == "reference":  # the oracle takes packing as given
+    o, final_state = reference.lightning_attention_recurrent(q, k, v, decay, scale=scale, initial_state=initial_state,
+                                                             segment_ids=segment_ids, cu_seqlens=cu_seqlens)
+    o = o.astype(q.dtype)
+    return (o, final_state) if return_final_state else o
+
+  # cu_seqlens runs as the segments of one row from zero states; each
+  # sequence's own initial and final states come from `packing`.
+  sequence_initial = None
+  if cu_seqlens is not None:
+    sequence_initial, initial_state = initial_state, None
+    segment_ids = packing.segment_ids_from_cu_seqlens(cu_seqlens, t)
+  kernel_final_state = return_final_state and cu_seqlens is None
 
   if impl == "pallas":
     interpret = (not heuristics.supported_gpu(cc)) if interpret is None else interpret
+    per_token = segment_ids is not None or (decay is not None and decay.ndim == 3)
     variant = heuristics.pallas_variant(variant, d=d, e=v.shape[-1], dtype=q.dtype, compute_capability=cc,
-                                        interpret=interpret)
-    opts = config_lib.PallasOptions(scale=scale, return_final_state=return_final_state, variant=variant,
+                                        interpret=interpret, per_token=per_token)
+    opts = config_lib.PallasOptions(scale=scale, return_final_state=kernel_final_state, variant=variant,
                                     config=config, compute_capability=cc, num_sms=heuristics.num_sms(device),
                                     interpret=interpret)
-    return vjp.lightning_attention_pallas(q, k, v, decay, initial_state, opts)
-
-  if impl == "xla":
-    o, final_state = xla.lightning_attention_chunked(q, k, v, decay, scale=scale, initial_state=initial_state,
-                                                     chunk_size=XLA_CHUNK_SIZE)
+    starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
+    out = vjp.lightning_attention_pallas(q, k, v, decay, starts, initial_state, opts)
+    o, final_state = out if kernel_final_state else (out, None)
   else:
-    o, final_state = reference.lightning_attention_recurrent(q, k, v, decay, scale=scale,
-                                                             initial_state=initial_state)
+    o, final_state = xla.lightning_attention_chunked(q, k, v, decay, scale=scale, initial_state=initial_state,
+                                                     chunk_size=XLA_CHUNK_SIZE, segment_ids=segment_ids)
+  if cu_seqlens is not None and (sequence_initial is not None or return_final_state):
+    o_extra, final_state = packing.sequence_states(q, k, v, decay, cu_seqlens, scale=scale,
+                                                   initial_state=sequence_initial,
+                                                   with_final_state=return_final_state)
+    if o_extra is not None:
+      o = o.astype(jnp.float32) + o_extra
   o = o.astype(q.dtype)
   return (o, final_state) if return_final_state else o

@@ -24,6 +24,20 @@ U = -dS/dlambda (a distance-weighted state),
 
 Every term has a non-negative weight, so nothing large cancels.
 
+Per-token decay and packed sequences (`token_chunk_gates`,
+`token_decay_factors`): each token t has its own rate r_t and may start a new
+segment. A sweep sees them in its own convention: the rate and the segment
+start of a sweep step are those of the transition *into* it (the forward sweep:
+r_t; a reverse sweep, which walks G_t = a_{t+1} G_{t+1} + ...: r_{t+1}). With
+c_i the rates summed from the chunk's first row (in sweep order) through row i
+and run_i the segment starts among those rows, the factors are
+
+    row_i = 2^-c_i if run_i == 0,         intra_ij = 2^(c_j - c_i) if run_i == run_j,
+    key_j = 2^(c_j - c_end) if run_j == run_end,   state = 2^-c_end if run_end == 0,
+
+with `end` the chunk's last row in sweep order (padding rows have rate 0 and
+start nothing, so they change nothing).
+
 A sweep can also be split into slices of consecutive chunks that run in
 parallel, each from the state before it (`combine_slice_states`): the same
 combine serves slices of one sequence on one GPU and, across devices, the
@@ -40,6 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 
 LOG2_E = math.log2(math.e)
+# Per-token rates are clamped here (log2 units): 2^-150 rounds to 0 in float32,
+# so the clamp changes no factor, and it bounds the chunk-local sums whose
+# rounding is the factors' error.
+MAX_LOG2_RATE = 150.0
 
 
 def _pad_axis(x, axis, size):
@@ -81,62 +99,162 @@ def slice_lengths(*, seq_len: int, chunk_size: int, slice_chunks: int, reverse: 
   return tuple(bounds)
 
 
-def combine_slice_states(local_states, lengths, decay=None, initial_state=None, local_tangents=None):
+def combine_slice_states(local_states, lengths, decay=None, initial_state=None, local_tangents=None, *,
+                         slice_decay=None, slice_resets=None):
   """The state before each slice of a sweep, and after the last, from each slice's own contribution.
 
   A sweep of consecutive slices s = 0, 1, ... (in sweep order) of `lengths[s]`
-  real tokens, where L_s is slice s's state at its end when started from zeros:
+  real tokens, where L_s is slice s's state at its end when started from zeros
+  and A_s the slice's decay (a^{len_s} for a per-head rate; the product of its
+  tokens' factors for per-token rates, 0 where a segment starts inside it):
 
-      P_0 = S_0,   P_{s+1} = a^{len_s} P_s + L_s,
+      P_0 = S_0,   P_{s+1} = A_s P_s + L_s,
 
-  computed in closed form, P_s = a^{G_s} S_0 + sum_{r<s} a^{G_s - G_{r+1}} L_r
-  with G_s the tokens before slice s: one small matmul over the slice axis, no
-  serial scan. With `local_tangents` (V_s = -dL_s/dlambda), also the decay
-  tangent U_s = -dP_s/dlambda (the initial state does not depend on lambda):
+  computed in closed form, P_s = (prod_{u<s} A_u) S_0 + sum_{r<s} (prod_{r<u<s} A_u) L_r:
+  one small matmul over the slice axis, no serial scan. The log-products are
+  summed from slice s backwards, so the weights of near slices never come from
+  a difference of large sums. With `local_tangents` (V_s = -dL_s/dlambda, a
+  per-head rate only), also the decay tangent U_s = -dP_s/dlambda (the initial
+  state does not depend on lambda):
 
-      U_s = G_s a^{G_s} S_0 + sum_{r<s} a^{G_s - G_{r+1}} ((G_s - G_{r+1}) L_r + V_r).
+      U_s = G_s a^{G_s} S_0 + sum_{r<s} a^{G_s - G_{r+1}} ((G_s - G_{r+1}) L_r + V_r),
+
+  with G_s the tokens before slice s.
 
   Args:
     local_states: [B, H, S, K, V] float32, L_s.
     lengths: S static ints.
-    decay: [H] float32 rates or None (a = 1).
+    decay: [H] float32 per-head rates, or None.
     initial_state: [B, H, K, V] float32 or None (zeros).
     local_tangents: [B, H, S, K, V] float32 or None.
+    slice_decay: [B, H, S] float32, each slice's summed per-token rates, or
+      None (then `decay`, or no decay).
+    slice_resets: [B, S] bool, a segment starts inside slice s (nothing before
+      it reaches past it), or None.
 
   Returns:
     (states, tangents): [B, H, S + 1, K, V] float32 P_0..P_S, and U likewise
     (None without `local_tangents`).
   """
-  num_slices = len(lengths)
-  if local_states.shape[2] != num_slices:
-    raise ValueError(f"local_states must be [B, H, S={num_slices}, K, V], got shape {local_states.shape}")
-  starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.float32)  # G_0 .. G_S
-  # gap[s, r] = tokens between the end of slice r and the start of slice s, r < s.
-  earlier = np.arange(num_slices)[None, :] < np.arange(num_slices + 1)[:, None]
-  gap = np.where(earlier, starts[:, None] - starts[None, 1:], 0.0).astype(np.float32)
-  if decay is None:
-    weights = jnp.broadcast_to(jnp.asarray(earlier, jnp.float32), (local_states.shape[1],) + earlier.shape)
-    start_decay = None
-  else:
-    lam = decay.astype(jnp.float32)[:, None, None]
-    weights = jnp.where(earlier, jnp.exp(-lam * gap), 0.0)  # [H, S + 1, S]
-    start_decay = jnp.exp(-decay.astype(jnp.float32)[:, None] * starts)  # [H, S + 1]
+  b, h, num_slices = local_states.shape[:3]
+  if num_slices != len(lengths):
+    raise ValueError(f"local_states must be [B, H, S={len(lengths)}, K, V], got shape {local_states.shape}")
+  if decay is not None and slice_decay is not None:
+    raise ValueError("give decay (per head) or slice_decay (per token), not both")
+  lengths_f = np.asarray(lengths, np.float32)
+  if decay is not None:
+    slice_decay = decay.astype(jnp.float32)[None, :, None] * lengths_f  # [1, H, S]
+  # between[s, r] = the rates of slices r < u < s; start[s] = those of u < s.
+  earlier = np.arange(num_slices)[None, :] < np.arange(num_slices + 1)[:, None]  # [S + 1, S]: r < s
+
+  def suffix_sums(x):  # [..., S] -> ([..., S + 1, S] sums over r < u < s, [..., S + 1] over u < s)
+    x = jnp.where(earlier, x[..., None, :], 0)
+    suffix = jax.lax.cumsum(x, axis=x.ndim - 1, reverse=True)
+    return jnp.pad(suffix[..., 1:], [(0, 0)] * (x.ndim - 1) + [(0, 1)]), suffix[..., 0]
+
+  weights = jnp.broadcast_to(jnp.asarray(earlier, jnp.float32), (b, h) + earlier.shape)
+  start_decay = jnp.ones((b, h, num_slices + 1), jnp.float32)
+  if slice_decay is not None:
+    between, start = suffix_sums(slice_decay.astype(jnp.float32))
+    weights = weights * jnp.exp(-between)
+    start_decay = start_decay * jnp.exp(-start)
+  if slice_resets is not None:
+    between, start = suffix_sums(slice_resets.astype(jnp.int32))
+    weights = jnp.where(between[:, None] == 0, weights, 0.0)
+    start_decay = jnp.where(start[:, None] == 0, start_decay, 0.0)
 
   def over_slices(w, x):
-    return jnp.einsum("hsr,bhrkv->bhskv", w, x, precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("bhsr,bhrkv->bhskv", w, x, precision=jax.lax.Precision.HIGHEST)
 
   states = over_slices(weights, local_states)
   if initial_state is not None:
     init = initial_state.astype(jnp.float32)[:, :, None]
-    states = states + (init if start_decay is None else start_decay[None, :, :, None, None] * init)
+    states = states + start_decay[..., None, None] * init
   if local_tangents is None:
     return states, None
   if decay is None:
-    raise ValueError("the decay tangent needs a decay")
+    raise ValueError("the decay tangent needs a per-head decay")
+  gap, gap_start = suffix_sums(lengths_f)  # tokens between slices r and s, and before s
   tangents = over_slices(weights * gap, local_states) + over_slices(weights, local_tangents)
   if initial_state is not None:
-    tangents = tangents + (starts * start_decay)[None, :, :, None, None] * init
+    tangents = tangents + (gap_start * start_decay)[..., None, None] * init
   return states, tangents
+
+
+def segment_starts(segment_ids):
+  """[B, T] bool: token t starts a new segment (its id differs from token t - 1's); never token 0.
+
+  Token 0 continues the initial state, which feeds each row's first segment.
+  """
+  change = segment_ids[:, 1:] != segment_ids[:, :-1]
+  return jnp.pad(change, ((0, 0), (1, 0)))
+
+
+def segmented_cumsum(x, starts, *, axis, reverse=False):
+  """Inclusive cumulative sums of x along `axis` that restart wherever `starts` is True (in scan order).
+
+  Each sum adds only the elements of its own segment, in a tree, so no
+  rounding of earlier segments' (possibly large) sums reaches it.
+
+  Args:
+    x: float array.
+    starts: bool, shaped like x's leading dims through `axis` (broadcast over the rest).
+    reverse: scan from the end (then a True marks the last element of a segment in array order).
+  """
+  flags = jnp.broadcast_to(starts.reshape(starts.shape + (1,) * (x.ndim - starts.ndim)), x.shape)
+
+  def combine(earlier, later):
+    (value_a, start_a), (value_b, start_b) = earlier, later
+    return jnp.where(start_b, value_b, value_a + value_b), start_a | start_b
+
+  return jax.lax.associative_scan(combine, (x, flags), reverse=reverse, axis=axis)[0]
+
+
+def token_chunk_gates(rates, starts, *, chunk_size, num_tokens, reverse):
+  """Chunk-local cumulative rates and segment-start counts, in a sweep's convention (module docstring).
+
+  Args:
+    rates: [B, T, H] float32 per-token rates >= 0 (each token's own, the
+      forward convention), or None (no decay, or a per-head rate: then
+      cumdecay is None).
+    starts: [B, T] bool segment starts (`segment_starts`), or None.
+    chunk_size: static; num_tokens: Tp, a multiple of it (T padded).
+    reverse: the anti-causal sweep: each step takes the rate and start of the
+      token after it, and sums run from each chunk's last row backwards.
+
+  Returns:
+    (cumdecay [B, H, Tp] float32 or None, the rates in log2 units summed from
+    the chunk's first row in sweep order through each row; runs [B, Tp] int32,
+    the segment starts among those rows).
+  """
+  b, t = (rates if rates is not None else starts).shape[:2]
+  starts = jnp.zeros((b, t), jnp.int32) if starts is None else starts.astype(jnp.int32)
+  # A reverse sweep's step t takes the transition t + 1 -> t; the last token's is the identity.
+  shift = (lambda x: jnp.pad(x[:, 1:], [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2))) if reverse else (  # noqa: E731
+      lambda x: x)
+  in_chunks = lambda x: x.reshape(*x.shape[:-1], num_tokens // chunk_size, chunk_size)  # noqa: E731
+  runs = jax.lax.cumsum(in_chunks(jnp.pad(shift(starts), ((0, 0), (0, num_tokens - t)))), axis=2, reverse=reverse)
+  cumdecay = None
+  if rates is not None:
+    rates = shift(jnp.minimum(rates.astype(jnp.float32) * LOG2_E, MAX_LOG2_RATE))
+    rates = jnp.pad(jnp.moveaxis(rates, 2, 1), ((0, 0), (0, 0), (0, num_tokens - t)))
+    cumdecay = jax.lax.cumsum(in_chunks(rates), axis=3, reverse=reverse).reshape(b, -1, num_tokens)
+  return cumdecay, runs.reshape(b, num_tokens)
+
+
+def chunk_totals(cumdecay, runs, *, chunk_size, num_chunks, reverse):
+  """Each chunk's summed rates (natural units) [B, H, N] (None without cumdecay) and whether a segment
+  starts in it [B, N], in sweep order.
+
+  From `token_chunk_gates`' outputs; the first `num_chunks` chunks are real.
+  """
+  end = 0 if reverse else chunk_size - 1  # the chunk's last row in sweep order
+  in_order = (lambda x: x[..., ::-1]) if reverse else (lambda x: x)  # noqa: E731
+  started = in_order(runs.reshape(runs.shape[0], -1, chunk_size)[:, :num_chunks, end] > 0)
+  if cumdecay is None:
+    return None, started
+  rate = cumdecay.reshape(*cumdecay.shape[:2], -1, chunk_size)[:, :, :num_chunks, end] / LOG2_E
+  return in_order(rate), started
 
 
 class ChunkFactors(NamedTuple):
@@ -181,6 +299,44 @@ def chunk_decay_factors(lam2, end, *, chunk_size, reverse):
   gap = jnp.where(mask, jnp.abs(i[:, None] - i[None, :]), 0).astype(jnp.float32)
   intra = jnp.where(mask, jnp.exp2(-lam2 * gap), 0.0)
   return ChunkFactors(row, key, state, intra, row_exp, key_exp, end, gap)
+
+
+def token_decay_factors(cumdecay, runs, *, reverse):
+  """Decay factors of one chunk from per-token rates and segment starts (module docstring).
+
+  Args:
+    cumdecay: [C] float32, the chunk's `token_chunk_gates` cumulative rates.
+    runs: [C] int32, its segment-start counts.
+    reverse: static bool, the anti-causal sweep.
+
+  Returns:
+    `ChunkFactors` with row, key, state and intra (the decay tangent's fields
+    are None: per-token rates are differentiated in reverse mode, see `vjp`).
+  """
+  c = cumdecay.shape[0]
+  i = jnp.arange(c, dtype=jnp.int32)
+  end_row = 0 if reverse else c - 1
+  c_end = jnp.sum(jnp.where(i == end_row, cumdecay, 0.0))
+  # Exponents are clamped at 0 so that masked entries never overflow; `where`,
+  # not `minimum`, so that autodiff (the xla path) gives a tie its whole slope.
+  nonpositive = lambda x: jnp.where(x <= 0, x, 0.0)  # noqa: E731
+  intra = jnp.where(causal_mask(c, reverse=reverse),
+                    jnp.exp2(nonpositive(cumdecay[None, :] - cumdecay[:, None])), 0.0)
+  f = ChunkFactors(jnp.exp2(-cumdecay), jnp.exp2(nonpositive(cumdecay - c_end)), jnp.exp2(-c_end), intra,
+                   None, None, None, None)
+  return mask_segments(f, runs)
+
+
+def mask_segments(f, runs):
+  """Chunk factors `f` restricted to segments: nothing reaches across a segment start.
+
+  runs: [C] int32 segment-start counts of the chunk (`token_chunk_gates`).
+  The decay-tangent fields stay: their terms vanish with the factors they scale.
+  """
+  run_end = jnp.max(runs)
+  return f._replace(row=jnp.where(runs == 0, f.row, 0.0), key=jnp.where(runs == run_end, f.key, 0.0),
+                    state=jnp.where(run_end == 0, f.state, 0.0),
+                    intra=jnp.where(runs[:, None] == runs[None, :], f.intra, 0.0))
 
 
 def sweep_decay_factors(lam2, *, chunk_size, seq_len, reverse):

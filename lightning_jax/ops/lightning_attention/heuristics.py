@@ -230,9 +230,15 @@ def jax_version() -> tuple[int, int]:
 
 
 def warp_specialized_unsupported(*, dim_k: int, dim_v: int, dtype, compute_capability: tuple[int, int] | None,
-                                 interpret: bool) -> str | None:
-  """Why the warp-specialised forward cannot run a call (None if it can). Dims are the unpadded D and E."""
+                                 interpret: bool, per_token: bool = False) -> str | None:
+  """Why the warp-specialised forward cannot run a call (None if it can).
+
+  Dims are the unpadded D and E; `per_token`: the call has per-token rates or
+  packed sequences (the kernel loads its decay factors once per head).
+  """
   ws = WarpSpecializedConfig
+  if per_token:
+    return "takes per-head decay only: per-token rates and packed sequences run the Triton variants"
   if jax_version() < ws.MIN_JAX:
     return f"needs jax >= {ws.MIN_JAX[0]}.{ws.MIN_JAX[1]}, this is {jax.__version__}"
   if not interpret and compute_capability != ws.COMPUTE_CAPABILITY:
@@ -263,10 +269,10 @@ def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, item
 
 
 def pallas_variant(variant: str, *, d: int, e: int, dtype, compute_capability: tuple[int, int] | None,
-                   interpret: bool) -> str:
+                   interpret: bool, per_token: bool = False) -> str:
   """The Pallas variant that runs: `variant`, checked, or the one "auto" picks for this call."""
   ws_unsupported = warp_specialized_unsupported(dim_k=d, dim_v=e, dtype=dtype, compute_capability=compute_capability,
-                                                interpret=interpret)
+                                                interpret=interpret, per_token=per_token)
   if variant == "warp_specialized" and ws_unsupported:
     raise ValueError(f"variant='warp_specialized' {ws_unsupported}")
   if variant != "auto":

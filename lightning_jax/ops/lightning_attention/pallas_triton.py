@@ -27,6 +27,10 @@ Two variants:
     (B*H, N, V/block_e), runs all chunks in parallel (the
     flash-linear-attention `chunk` design).
 
+Per-token rates and packed sequences (segment starts) run the same kernels:
+only the decay factors change, loaded per chunk (`chunk_common.token_decay_factors`)
+instead of computed once per program from a per-head rate.
+
 Optional operands and results are None when absent: a kernel receives None
 refs for them, and each launcher builds the block specs of what is present
 beside the operands (`_present`), so one kernel serves every combination.
@@ -56,6 +60,13 @@ class SweepOperands(NamedTuple):
 
   Shapes for padded inputs (the kernels') and, in `sweep`, unpadded ones:
     decay: [H] float32 rates, or None (no decay).
+    token_decay: [B, T, H] float32 per-token rates (each token's own), or None;
+      `sweep` only (the kernels get chunk_cumdecay).
+    segment_starts: [B, T] bool, tokens that start a segment, or None; `sweep`
+      only (the kernels get chunk_runs).
+    chunk_cumdecay, chunk_runs: [B, H, Tp] float32 and [B, Tp] int32, the
+      per-token factors' inputs in the sweep's convention
+      (`chunk_common.token_chunk_gates`); None for a per-head rate.
     x, y: [B, T, H, K]; z: [B, T, H, V].
     dual_with: [B, T, H, V] u of the dual output, or None.
     initial_state: [B, H, K, V] float32, or None (zeros); in the chunk loop's
@@ -65,9 +76,15 @@ class SweepOperands(NamedTuple):
     chunk_states, chunk_tangents: [B, H, N, K, V] float32, the state (and its
       decay tangent) before every chunk: the parallel variant's intermediates.
     tangent_with: [B, T, H, V] weights w of the decay tangent's row dots, or
-      None (no tangent; needs a decay).
+      None (no tangent; needs a per-head decay).
+    dot_with: [B, T, H, V] weights w of the output's own row dots
+      `sum_v out_t * w_t` (the per-token decay gradient), or None.
   """
   decay: jax.Array | None = None
+  token_decay: jax.Array | None = None
+  segment_starts: jax.Array | None = None
+  chunk_cumdecay: jax.Array | None = None
+  chunk_runs: jax.Array | None = None
   x: jax.Array | None = None
   y: jax.Array | None = None
   z: jax.Array | None = None
@@ -77,6 +94,7 @@ class SweepOperands(NamedTuple):
   chunk_states: jax.Array | None = None
   chunk_tangents: jax.Array | None = None
   tangent_with: jax.Array | None = None
+  dot_with: jax.Array | None = None
 
 
 class SweepResults(NamedTuple):
@@ -89,7 +107,8 @@ class SweepResults(NamedTuple):
     final_state: [B, H, K, V] float32, the state after the last real token of
       the sweep (with `with_final_state`); in the states kernel of a sequence
       split [B, H, S, K, V], each slice's state at its end, from zeros.
-    row_dots: [B, H, T] float32 decay-tangent row dots (with `tangent_with`).
+    row_dots: [B, H, T] float32 row dots of the decay tangent (with
+      `tangent_with`) or of out (with `dot_with`).
     final_tangent: [B, H, K, V] float32 (with `tangent_with` and `with_final_state`).
   """
   out: jax.Array | None = None
@@ -111,12 +130,26 @@ def _dot(a, b, *, exact, trans_a=False, trans_b=False):
   return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if exact else None)
 
 
-def _sweep_factors(decay_ref, *, chunk_size, seq_len, reverse):
-  """Chunk index -> `ChunkFactors` (None without decay), the exp2 work done once per program."""
-  if decay_ref is None:
+def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse):
+  """Chunk index -> `ChunkFactors` (None without decay).
+
+  A per-head rate's exp2 work is done once per program (and masked per chunk
+  by its segment starts); per-token factors are computed per chunk from its
+  cumulative rates and segment starts.
+  """
+  def chunk_rows(chunk_idx):
+    return pl.ds(pl.multiple_of(chunk_idx * chunk_size, chunk_size), chunk_size)
+
+  if ins.chunk_cumdecay is not None:
+    return lambda chunk_idx: chunk_common.token_decay_factors(
+        ins.chunk_cumdecay[chunk_rows(chunk_idx)], ins.chunk_runs[chunk_rows(chunk_idx)], reverse=reverse)
+  if ins.decay is None and ins.chunk_runs is None:
     return lambda chunk_idx: None
-  lam2 = decay_ref[()].astype(_F32) * chunk_common.LOG2_E
-  return chunk_common.sweep_decay_factors(lam2, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
+  lam2 = 0.0 if ins.decay is None else ins.decay[()].astype(_F32) * chunk_common.LOG2_E
+  factors = chunk_common.sweep_decay_factors(lam2, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
+  if ins.chunk_runs is None:
+    return factors
+  return lambda chunk_idx: chunk_common.mask_segments(factors(chunk_idx), ins.chunk_runs[chunk_rows(chunk_idx)])
 
 
 def _scores(a, b, f, *, reverse, exact):
@@ -174,6 +207,13 @@ def _chunk_state(y, z, state, tangent, f, *, exact):
   return new_state, new_tangent
 
 
+def _row_dots(ins: SweepOperands, rows, out, out_tangent):
+  """Per-row sum_v of the decay tangent times `tangent_with`, or of out times `dot_with`, float32 [C]."""
+  if ins.tangent_with is not None:
+    return jnp.sum(out_tangent * ins.tangent_with[rows, :].astype(_F32), axis=1)
+  return jnp.sum(out * ins.dot_with[rows, :].astype(_F32), axis=1)
+
+
 def _initial_carry(ins: SweepOperands, *, with_tangent: bool):
   """(state, tangent) before the program's first chunk: S_0 or zeros, and the decay tangent's or zeros."""
   shape = (ins.y.shape[-1], ins.z.shape[-1])
@@ -216,7 +256,7 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
                        slice_chunks, num_slices, reverse, exact):
   carry = _initial_carry(ins, with_tangent=ins.tangent_with is not None)
   first, num_steps = _slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices)
-  factors = _sweep_factors(ins.decay, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
+  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
 
   def body(step, carry):
     state, tangent = carry
@@ -224,7 +264,7 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
     x, y, z = ins.x[rows, :], ins.y[rows, :], ins.z[rows, :]
     u = None if ins.dual_with is None else ins.dual_with[rows, :]
     f = factors(n)
-    if ins.decay is not None:
+    if f is not None:
       # The outputs first, reading the carried state only after the scores'
       # product, then the state update (PERFORMANCE.md, "Sweep order").
       out, dual, out_tangent = _chunk_out(x, y, z, u, state, tangent, f, scale=scale, reverse=reverse,
@@ -241,7 +281,7 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
     if outs.dual is not None:
       outs.dual[rows, :] = dual.astype(outs.dual.dtype)
     if outs.row_dots is not None:
-      outs.row_dots[rows] = jnp.sum(out_tangent * ins.tangent_with[rows, :].astype(_F32), axis=1)
+      outs.row_dots[rows] = _row_dots(ins, rows, out, out_tangent)
     return next_carry
 
   _write_final(outs, *jax.lax.fori_loop(0, num_steps, body, carry))
@@ -250,7 +290,7 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
 def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, seq_len, num_chunks, slice_chunks,
                          num_slices, reverse, exact):
   carry = _initial_carry(ins, with_tangent=outs.chunk_tangents is not None or outs.final_tangent is not None)
-  factors = _sweep_factors(ins.decay, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
+  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
   first, num_steps = _slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices)
 
   def body(step, carry):
@@ -266,7 +306,7 @@ def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, 
 
 
 def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, reverse, exact):
-  f = _sweep_factors(ins.decay, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)(pl.program_id(1))
+  f = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)(pl.program_id(1))
   out, dual, out_tangent = _chunk_out(ins.x[...], ins.y[...], ins.z[...],
                                       None if ins.dual_with is None else ins.dual_with[...],
                                       ins.chunk_states[...].astype(ins.x.dtype),
@@ -276,7 +316,7 @@ def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk
   if outs.dual is not None:
     outs.dual[...] = dual.astype(outs.dual.dtype)
   if outs.row_dots is not None:
-    outs.row_dots[...] = jnp.sum(out_tangent * ins.tangent_with[...].astype(_F32), axis=1)
+    outs.row_dots[...] = _row_dots(ins, slice(None), out, out_tangent)
 
 
 def _call(kernel, grid, ins: SweepOperands, in_specs, results: SweepResults, out_specs, cfg, name,
@@ -301,7 +341,8 @@ def _output_structs(ins: SweepOperands, *, n_e, with_final_state, out_dtype) -> 
       dual=(None if ins.dual_with is None
             else jax.ShapeDtypeStruct((n_e, b, tp, h, dim_k), out_dtype if n_e == 1 else _F32)),
       final_state=state if with_final_state else None,
-      row_dots=jax.ShapeDtypeStruct((b, h, n_e, tp), _F32) if has_tangent else None,
+      row_dots=(jax.ShapeDtypeStruct((b, h, n_e, tp), _F32)
+                if has_tangent or ins.dot_with is not None else None),
       final_tangent=state if has_tangent and with_final_state else None)
 
 
@@ -320,7 +361,8 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   dim_v = ins.z.shape[-1]
   n, ns = tp // chunk_size, num_slices
   bd, be = cfg.block_d, cfg.block_e
-  state_ins = SweepOperands(decay=ins.decay, y=ins.y, z=ins.z, initial_state=ins.initial_state)
+  state_ins = SweepOperands(decay=ins.decay, chunk_cumdecay=ins.chunk_cumdecay, chunk_runs=ins.chunk_runs, y=ins.y,
+                            z=ins.z, initial_state=ins.initial_state)
   states_struct = jax.ShapeDtypeStruct((b, h, n, dim_k, dim_v), _F32)
   slice_struct = jax.ShapeDtypeStruct((b, h, ns, dim_k, dim_v), _F32)
   results = SweepResults(chunk_states=states_struct if with_chunk_states else None,
@@ -336,6 +378,8 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   return _call(
       kernel, (b * h * ns, dim_k // bd, dim_v // be), state_ins,
       _present(state_ins, decay=pl.BlockSpec((None,), lambda i, d, e: (i // ns % h,)),
+               chunk_cumdecay=pl.BlockSpec((None, None, tp), lambda i, d, e: (i // ns // h, i // ns % h, 0)),
+               chunk_runs=pl.BlockSpec((None, tp), lambda i, d, e: (i // ns // h, 0)),
                y=pl.BlockSpec((None, tp, None, bd), lambda i, d, e: (i // ns // h, 0, i // ns % h, d)),
                z=pl.BlockSpec((None, tp, None, be), lambda i, d, e: (i // ns // h, 0, i // ns % h, e)),
                initial_state=block_state),
@@ -367,8 +411,18 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   local = _states_pass(ins._replace(initial_state=None), cfg=cfg, chunk_size=chunk_size, seq_len=seq_len,
                        reverse=reverse, slice_chunks=slice_chunks, num_slices=local_slices, with_chunk_states=False,
                        with_final_state=True, with_tangent=with_tangent, interpret=interpret)
+  slice_decay = slice_resets = None
+  if ins.chunk_runs is not None:  # packed or per-token: each slice's summed rates and segment starts
+    rate, started = chunk_common.chunk_totals(ins.chunk_cumdecay, ins.chunk_runs, chunk_size=chunk_size,
+                                              num_chunks=num_chunks, reverse=reverse)
+    pad = num_slices * slice_chunks - num_chunks
+    by_slice = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(  # noqa: E731
+        *x.shape[:-1], num_slices, slice_chunks)[..., :local_slices, :]
+    slice_resets = by_slice(started).any(-1)
+    slice_decay = None if rate is None else by_slice(rate).sum(-1)
   states, tangents = chunk_common.combine_slice_states(local.final_state, lengths[:local_slices], ins.decay,
-                                                       ins.initial_state, local.final_tangent)
+                                                       ins.initial_state, local.final_tangent,
+                                                       slice_decay=slice_decay, slice_resets=slice_resets)
   final = (None, None)
   if with_final_state:
     final = states[:, :, -1], None if tangents is None else tangents[:, :, -1]
@@ -398,9 +452,11 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
 
   start = pl.BlockSpec((None, None, None, dim_k, be), lambda i, e: (i // ns // h, i // ns % h, i % ns, 0, e))
   state = pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i // h, i % h, 0, e))  # one slice
-  in_specs = _present(ins, decay=pl.BlockSpec((None,), lambda i, e: (i // ns % h,)), x=rows(dim_k, False),
+  in_specs = _present(ins, decay=pl.BlockSpec((None,), lambda i, e: (i // ns % h,)),
+                      chunk_cumdecay=pl.BlockSpec((None, None, tp), lambda i, e: (i // ns // h, i // ns % h, 0)),
+                      chunk_runs=pl.BlockSpec((None, tp), lambda i, e: (i // ns // h, 0)), x=rows(dim_k, False),
                       y=rows(dim_k, False), z=rows(be, True), dual_with=rows(be, True), initial_state=start,
-                      initial_tangent=start, tangent_with=rows(be, True))
+                      initial_tangent=start, tangent_with=rows(be, True), dot_with=rows(be, True))
   # With slices the final state and tangent come from the combine.
   results = _output_structs(ins, n_e=n_e, with_final_state=with_final_state and ns == 1, out_dtype=out_dtype)
   out_specs = _present(
@@ -446,9 +502,11 @@ def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, 
                              exact=exact)
   outs = _call(
       kernel, (b * h, n, n_e), out_ins,
-      _present(out_ins, decay=pl.BlockSpec((None,), lambda i, j, e: (i % h,)), x=chunk(dim_k, False),
+      _present(out_ins, decay=pl.BlockSpec((None,), lambda i, j, e: (i % h,)),
+               chunk_cumdecay=pl.BlockSpec((None, None, tp), lambda i, j, e: (i // h, i % h, 0)),
+               chunk_runs=pl.BlockSpec((None, tp), lambda i, j, e: (i // h, 0)), x=chunk(dim_k, False),
                y=chunk(dim_k, False), z=chunk(be, True), dual_with=chunk(be, True), chunk_states=chunk_state,
-               chunk_tangents=chunk_state, tangent_with=chunk(be, True)),
+               chunk_tangents=chunk_state, tangent_with=chunk(be, True), dot_with=chunk(be, True)),
       results, _present(results, out=chunk(be, True),
                         dual=pl.BlockSpec((None, None, c, None, dim_k), lambda i, j, e: (e, i // h, j, i % h, 0)),
                         row_dots=pl.BlockSpec((None, None, None, c), lambda i, j, e: (i // h, i % h, e, j))),
@@ -458,6 +516,7 @@ def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, 
 
 
 LAUNCHERS = {"chunk_loop": _chunk_loop, "parallel": _parallel}
+
 
 
 def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtype,
@@ -482,7 +541,7 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
     where asked for (see `SweepOperands`), unpadded.
   """
   if ins.tangent_with is not None and ins.decay is None:
-    raise ValueError("the decay tangent needs a decay")
+    raise ValueError("the decay tangent needs a per-head decay")
   t, dim_k, dim_v = ins.x.shape[1], ins.x.shape[-1], ins.z.shape[-1]
   kp, vp = config_lib.padded_dim(dim_k), config_lib.padded_dim(dim_v)
   configs = heuristics.resolve(opts.config, dim_k=kp, dim_v=vp, itemsize=ins.x.dtype.itemsize,
@@ -498,7 +557,14 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
   pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
   padded = ins._replace(x=pad_rows(ins.x, dim=kp), y=pad_rows(ins.y, dim=kp), z=pad_rows(ins.z, dim=vp),
                         dual_with=pad_rows(ins.dual_with, dim=vp), tangent_with=pad_rows(ins.tangent_with, dim=vp),
+                        dot_with=pad_rows(ins.dot_with, dim=vp),
                         initial_state=chunk_common.pad_state(ins.initial_state, kp, vp))
+  if ins.token_decay is not None or ins.segment_starts is not None:
+    if ins.decay is not None and ins.token_decay is not None:
+      raise ValueError("give decay (per head) or token_decay, not both")
+    cumdecay, runs = chunk_common.token_chunk_gates(ins.token_decay, ins.segment_starts, chunk_size=chunk,
+                                                    num_tokens=tp, reverse=reverse)
+    padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay, chunk_runs=runs)
   res = LAUNCHERS[opts.variant](padded, scale=opts.scale, seq_len=t, reverse=reverse,
                                 with_final_state=with_final_state, configs=configs, out_dtype=out_dtype,
                                 slice_chunks=slice_chunks, interpret=opts.interpret)

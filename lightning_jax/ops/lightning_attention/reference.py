@@ -2,10 +2,12 @@
 
 Both compute, in float32 whatever the input dtype, the causal recurrence
 
-    S_t = exp(-decay_h) * S_{t-1} + k_t^T v_t,      S_0 = initial_state
+    S_t = exp(-decay) * S_{t-1} + k_t^T v_t,      S_0 = initial_state
     o_t = scale * q_t S_t
 
-for q, k: [B, T, H, D], v: [B, T, H, E], decay: [H] or None, state [B, H, D, E].
+for q, k: [B, T, H, D], v: [B, T, H, E], state [B, H, D, E]. The recurrence
+also takes per-token rates and packed sequences; the quadratic form, per-head
+rates [H] only.
 They are the oracles of the test-suite: simple, slow and obviously right.
 """
 
@@ -18,34 +20,69 @@ import jax.numpy as jnp
 def _decay_rates(decay, num_heads):
   if decay is None:
     return jnp.zeros((num_heads,), jnp.float32)
+  if decay.ndim != 1:
+    raise ValueError("the quadratic form takes per-head rates [H] only")
   return decay.astype(jnp.float32)
 
 
-def lightning_attention_recurrent(q, k, v, decay=None, *, scale, initial_state=None):
-  """Token-serial recurrence with `lax.scan`. Returns (o [B,T,H,E] float32, S_T [B,H,D,E])."""
-  b, _, h, d = q.shape
+def lightning_attention_recurrent(q, k, v, decay=None, *, scale, initial_state=None, segment_ids=None,
+                                  cu_seqlens=None):
+  """Token-serial recurrence with `lax.scan`. Returns (o [B,T,H,E] float32, final state float32).
+
+  decay: None, [H] or per-token [B, T, H] rates, S_t = exp(-decay_t) S_{t-1} + k_t^T v_t.
+  segment_ids: [B, T] ints; the state restarts from zeros where the id changes
+    (initial_state [B, H, D, E] feeds each row's first segment; the final state
+    is each row's last, [B, H, D, E]).
+  cu_seqlens: [N + 1] cumulative lengths of N sequences packed in a batch of
+    one; each starts from its own initial_state [N, H, D, E] (zeros if None)
+    and the final state is each one's last, [N, H, D, E] (an empty sequence's
+    is its initial state).
+  """
+  b, t, h, d = q.shape
   e = v.shape[-1]
-  lam = _decay_rates(decay, h)
-  a = jnp.exp(-lam)[None, :, None, None]
-  s0 = (jnp.zeros((b, h, d, e), jnp.float32) if initial_state is None
-        else initial_state.astype(jnp.float32))
+  rates = jnp.zeros((h,), jnp.float32) if decay is None else decay.astype(jnp.float32)
+  a = jnp.exp(-jnp.broadcast_to(rates, (b, t, h)))
+  qkv = tuple(x.astype(jnp.float32) for x in (q, k, v))
 
-  def step(state, qkv):
-    q_t, k_t, v_t = qkv  # [B, H, D], [B, H, D], [B, H, E]
-    state = a * state + k_t[..., :, None] * v_t[..., None, :]
-    o_t = scale * jnp.einsum("bhd,bhde->bhe", q_t, state,
-                             precision=jax.lax.Precision.HIGHEST)
-    return state, o_t
+  def update(state, q_t, k_t, v_t, a_t):  # state [..., D, E]; q_t, k_t [..., D]; v_t [..., E]; a_t [...]
+    state = a_t[..., None, None] * state + k_t[..., :, None] * v_t[..., None, :]
+    return state, scale * jnp.einsum("...d,...de->...e", q_t, state, precision=jax.lax.Precision.HIGHEST)
 
-  xs = tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q, k, v))
-  final_state, o = jax.lax.scan(step, s0, xs)
-  return jnp.moveaxis(o, 0, 1), final_state
+  if cu_seqlens is None:
+    starts = (jnp.zeros((b, t), bool) if segment_ids is None
+              else jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0))))
+    s0 = jnp.zeros((b, h, d, e), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+
+    def step(state, xs):
+      q_t, k_t, v_t, a_t, start_t = xs  # [B, H, D] x2, [B, H, E], [B, H], [B]
+      state = jnp.where(start_t[:, None, None, None], 0.0, state)
+      return update(state, q_t, k_t, v_t, a_t)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (*qkv, a, starts))
+    final_state, o = jax.lax.scan(step, s0, xs)
+    return jnp.moveaxis(o, 0, 1), final_state
+
+  cu = jnp.asarray(cu_seqlens, jnp.int32)
+  n = cu.shape[0] - 1
+  s0 = jnp.zeros((n, h, d, e), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  seq = jnp.searchsorted(cu[1:], pos, side="right").astype(jnp.int32)
+  is_start, is_end = pos == cu[seq], pos == cu[seq + 1] - 1
+
+  def varlen_step(carry, xs):
+    state, finals = carry  # [H, D, E], [N, H, D, E]
+    seq_t, start_t, end_t, q_t, k_t, v_t, a_t = xs
+    state, o_t = update(jnp.where(start_t, s0[seq_t], state), q_t, k_t, v_t, a_t)
+    return (state, finals.at[seq_t].set(jnp.where(end_t, state, finals[seq_t]))), o_t
+
+  # Empty sequences see no token: their final state stays their initial one.
+  (_, finals), o = jax.lax.scan(varlen_step, (s0[0], s0), (seq, is_start, is_end, *(x[0] for x in (*qkv, a))))
+  return o[None], finals
 
 
 def lightning_attention_quadratic(q, k, v, decay=None, *, scale, initial_state=None):
   """Masked quadratic ("attention") form. Returns (o [B,T,H,E] float32, S_T [B,H,D,E])."""
   b, t, h, d = q.shape
-  e = v.shape[-1]
   hi = jax.lax.Precision.HIGHEST
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   lam = _decay_rates(decay, h)

@@ -22,8 +22,16 @@ walks S_t: with U_t = -dS_t/dlambda carried beside S_t (see `chunk_common`),
 
 All of U's terms carry non-negative distance weights, so no large terms cancel
 (a reverse-mode reduction such as sum_t t (q_t . dq_t - k_t . dk_t) is exact in
-real arithmetic but loses every digit to cancellation in bfloat16). Residuals
-are the inputs: nothing of size O(T D E) is kept. Cotangents nobody asked for
+real arithmetic but loses every digit to cancellation in bfloat16).
+
+Per-token rates need one gradient per token, which forward mode cannot give. With B_t the rates summed from the start of t's segment, o_t weighs
+token j by exp(-(B_t - B_j)), so, with float32 row dots from the sweeps,
+
+    dL/dB_t = k_t . dk_t - q_t . dq_t  (- <dS_T, S_T> at the last token),
+    dL/dr_s = sum_{t >= s in s's segment} dL/dB_t   (0 where s starts a segment),
+
+as flash-linear-attention's simple GLA does. Residuals are the inputs (and the
+final state, for that last term): nothing of size O(T D E) is kept. Cotangents nobody asked for
 (`symbolic_zeros`) are not computed: a decay that is not differentiated costs
 no tangent, unused q or k, v gradients no sweep.
 """
@@ -38,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu
@@ -55,34 +64,66 @@ class Needs(NamedTuple):
   d_initial: bool
 
 
-def _primal(q, k, v, decay, initial_state, opts):
+def _gates(decay, segment_starts):
+  """The SweepOperands fields of the decay (per-head or per-token rates) and the segment starts."""
+  if decay is not None and decay.ndim == 3:
+    return dict(token_decay=decay, segment_starts=segment_starts)
+  return dict(decay=decay, segment_starts=segment_starts)
+
+
+def _primal(q, k, v, decay, segment_starts, initial_state, opts):
   if opts.variant == "warp_specialized":
     o, final_state = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts)
   else:
-    res = pallas_triton.sweep(SweepOperands(decay=decay, x=q, y=k, z=v, initial_state=initial_state),
+    res = pallas_triton.sweep(SweepOperands(**_gates(decay, segment_starts), x=q, y=k, z=v,
+                                            initial_state=initial_state),
                               reverse=False, with_final_state=opts.return_final_state, out_dtype=q.dtype, opts=opts)
     o, final_state = res.out, res.final_state
   return (o, final_state) if opts.return_final_state else o
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def lightning_attention_pallas(q, k, v, decay, initial_state, opts: PallasOptions):
-  """q, k: [B, T, H, D], v: [B, T, H, E], decay: [H] float32 or None, initial_state float32 or None."""
-  return _primal(q, k, v, decay, initial_state, opts)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def lightning_attention_pallas(q, k, v, decay, segment_starts, initial_state, opts: PallasOptions):
+  """q, k: [B, T, H, D], v: [B, T, H, E]; decay: [H] or (per-token) [B, T, H] float32 or None;
+  segment_starts: [B, T] bool or None (`chunk_common.segment_starts`);
+  initial_state: [B, H, D, E] float32 or None."""
+  return _primal(q, k, v, decay, segment_starts, initial_state, opts)
 
 
-def _forward(q, k, v, decay, initial_state, opts):
+def _forward(q, k, v, decay, segment_starts, initial_state, opts):
   # With symbolic_zeros the primals arrive wrapped, saying whether each one is
   # differentiated: a fixed decay (the usual ALiBi slopes) skips the tangent.
   perturbed = lambda x: x is not None and x.perturbed  # noqa: E731
   needs = Needs(dq=perturbed(q), dk=perturbed(k), dv=perturbed(v), d_decay=perturbed(decay),
                 d_initial=perturbed(initial_state))
-  q, k, v, decay, initial_state = (None if x is None else x.value for x in (q, k, v, decay, initial_state))
-  return _primal(q, k, v, decay, initial_state, opts), (q, k, v, decay, initial_state, needs)
+  q, k, v, decay, segment_starts, initial_state = (
+      None if x is None else x.value for x in (q, k, v, decay, segment_starts, initial_state))
+  out = _primal(q, k, v, decay, segment_starts, initial_state, opts)
+  # The per-token decay gradient's last term reads the final state.
+  final_state = out[1] if opts.return_final_state and needs.d_decay and "token_decay" in _gates(
+      decay, segment_starts) else None
+  return out, (q, k, v, decay, segment_starts, initial_state, final_state, needs)
+
+
+def _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state):
+  """dL/d(per-token rates) [B, T, H] from the row dots q.dq, k.dk [B, H, T] (see the module docstring)."""
+  d_cum = k_dk - q_dq
+  if d_final is not None:
+    d_cum = d_cum.at[..., -1].add(-jnp.sum(d_final * final_state, axis=(-2, -1)))
+  d_cum = jnp.swapaxes(d_cum, 1, 2)  # [B, T, H]
+  starts = (jnp.zeros(d_cum.shape[:2], bool) if segment_starts is None else segment_starts)
+  # Summed backwards within each segment: a segment ends where the next one starts.
+  ends = jnp.pad(starts[:, 1:], ((0, 0), (0, 1)), constant_values=True)
+  d_rate = chunk_common.segmented_cumsum(d_cum, ends, axis=1, reverse=True)
+  # Rates past the clamp change no factor (chunk_common.MAX_LOG2_RATE); a start's own rate scales a zero state.
+  live = (decay * chunk_common.LOG2_E < chunk_common.MAX_LOG2_RATE) & ~starts[..., None]
+  return jnp.where(live, d_rate, 0.0)
 
 
 def _backward(opts, residuals, cotangents):
-  q, k, v, decay, initial_state, needs = residuals
+  q, k, v, decay, segment_starts, initial_state, final_state, needs = residuals
+  gates = _gates(decay, segment_starts)
+  per_token = "token_decay" in gates
   if opts.variant == "warp_specialized":  # a forward kernel only: the backward sweeps are chunk_loop's
     opts = dataclasses.replace(opts, variant="chunk_loop")
   do, d_final = cotangents if opts.return_final_state else (cotangents, None)
@@ -93,17 +134,21 @@ def _backward(opts, residuals, cotangents):
   scale = opts.scale
   transpose = lambda s: None if s is None else jnp.swapaxes(s, -1, -2)  # noqa: E731
   d_final_scaled = None if d_final is None else d_final / scale
-  with_tangent = needs.d_decay and decay is not None
+  with_tangent = needs.d_decay and decay is not None and not per_token  # forward mode, per-head rate
+  token_grad = needs.d_decay and decay is not None and per_token  # reverse mode, per-token rates
 
   sweep = functools.partial(pallas_triton.sweep, opts=opts)
-  dq = d_decay = d_initial = dk = dv = None
-  if needs.dq or with_tangent:
+  dq = d_decay = d_initial = dk = dv = q_dq = None
+  if needs.dq or with_tangent or token_grad:
     # The dq sweep carries S^T; for the decay gradient it also carries
-    # U^T = -dS^T/dlambda and reduces q_t . (scale do_t U_t^T) per token.
-    res = sweep(SweepOperands(decay=decay, x=do, y=v, z=k, initial_state=transpose(initial_state),
-                              tangent_with=q if with_tangent else None),
+    # U^T = -dS^T/dlambda and reduces q_t . (scale do_t U_t^T) per token, or
+    # for per-token rates reduces q_t . dq_t.
+    res = sweep(SweepOperands(**gates, x=do, y=v, z=k, initial_state=transpose(initial_state),
+                              tangent_with=q if with_tangent else None, dot_with=q if token_grad else None),
                 reverse=False, with_final_state=with_tangent and d_final is not None, out_dtype=q.dtype)
     dq = res.out
+    if token_grad:
+      q_dq = res.row_dots
     if with_tangent:
       d_decay = -jnp.sum(res.row_dots, axis=(0, 2))
       if d_final is not None:
@@ -111,20 +156,27 @@ def _backward(opts, residuals, cotangents):
   # Reverse sweeps over G (the state gradient): dv = k G + ..., and
   # dk = v G^T + ..., the dv sweep's dual output or a sweep of its own (see
   # `heuristics.fuse_dk_dv`). The state the dv sweep ends with gives d initial_state.
-  fuse = needs.dk and heuristics.fuse_dk_dv(dim_k=config_lib.padded_dim(q.shape[-1]),
-                                            dim_v=config_lib.padded_dim(v.shape[-1]))
+  # With per-token rates k . dk comes from dk's own sweep, whose row dots are float32.
+  fuse = needs.dk and not token_grad and heuristics.fuse_dk_dv(dim_k=config_lib.padded_dim(q.shape[-1]),
+                                                               dim_v=config_lib.padded_dim(v.shape[-1]))
   with_initial = needs.d_initial and initial_state is not None
   if needs.dv or with_initial or fuse:
-    res = sweep(SweepOperands(decay=decay, x=k, y=q, z=do, initial_state=d_final_scaled,
+    res = sweep(SweepOperands(**gates, x=k, y=q, z=do, initial_state=d_final_scaled,
                               dual_with=v if fuse else None),
                 reverse=True, with_final_state=with_initial, out_dtype=v.dtype)
     dv, dk = res.out, res.dual
     if with_initial:
-      d_initial = scale * res.final_state
-  if needs.dk and not fuse:
-    dk = sweep(SweepOperands(decay=decay, x=v, y=do, z=q, initial_state=transpose(d_final_scaled)),
-               reverse=True, with_final_state=False, out_dtype=k.dtype).out
-  return dq, dk, dv, d_decay, d_initial
+      # A per-token reverse sweep ends at G_0; S_0 reached it through token 0's factor.
+      first_decay = 1.0 if not per_token or decay is None else jnp.exp(-decay[:, 0])[..., None, None]
+      d_initial = scale * first_decay * res.final_state
+  if (needs.dk and not fuse) or token_grad:
+    res = sweep(SweepOperands(**gates, x=v, y=do, z=q, initial_state=transpose(d_final_scaled),
+                              dot_with=k if token_grad else None),
+                reverse=True, with_final_state=False, out_dtype=k.dtype)
+    dk = res.out
+    if token_grad:
+      d_decay = _token_decay_grad(decay, segment_starts, q_dq, res.row_dots, d_final, final_state)
+  return dq, dk, dv, d_decay, None, d_initial
 
 
 lightning_attention_pallas.defvjp(_forward, _backward, symbolic_zeros=True)

@@ -1,0 +1,298 @@
+"""Packed sequences (segment_ids, cu_seqlens) and per-token decay.
+
+A packed call against each sequence run alone through the token-serial oracle
+(outputs, per-sequence final states and every gradient), in every impl and
+Pallas variant (split included); per-token decay at extreme rates against the
+oracle; the oracle itself against a float64 loop; one compilation for
+changing boundaries; the errors of bad input.
+"""
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import BF16, DECAY_TOL, F32, TOL, rel_err
+
+import lightning_jax as lj
+from lightning_jax.ops.lightning_attention import reference
+
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+  """Rows of sequence lengths: `segment_ids` rows, or with `cu_seqlens` one row (empty sequences allowed)."""
+  rows: tuple
+  h: int = 2
+  d: int = 16
+  e: int = 24
+  dtype: object = F32
+  decay: str | None = "token"  # None, "head" ([H]) or "token" ([B, T, H])
+  initial_state: bool = True
+  cu_seqlens: bool = False
+
+  @property
+  def t(self):
+    return sum(self.rows[0])
+
+  def __str__(self):
+    name = getattr(self.dtype, "__name__", str(self.dtype))
+    return (f"{'cu' if self.cu_seqlens else 'seg'}{list(map(list, self.rows))}H{self.h}D{self.d}E{self.e}-{name}"
+            f"-decay_{self.decay}-s0_{int(self.initial_state)}")
+
+
+# Boundaries inside chunks and on the edges of 16- and 64-token chunks,
+# length-1 and (cu_seqlens) empty sequences, odd dims.
+PACKINGS = [
+    Packing(((64, 1, 50, 35), (20, 44, 86)), d=24, e=40),
+    Packing(((1, 0, 63, 64, 0, 17, 1),), cu_seqlens=True),
+    Packing(((100, 48),), h=3, d=16, e=16, dtype=BF16, decay="head", initial_state=False),
+    Packing(((0, 30, 99, 0),), h=1, d=40, e=8, decay=None, cu_seqlens=True),
+]
+
+
+def make_inputs(p: Packing, seed):
+  rng = np.random.default_rng(seed)
+  b, t, n = len(p.rows), p.t, len(p.rows[0])
+  q, k = (jnp.asarray(rng.normal(size=(b, t, p.h, p.d)), p.dtype) for _ in range(2))
+  v = jnp.asarray(rng.normal(size=(b, t, p.h, p.e)), p.dtype)
+  decay = {None: None, "head": lambda: rng.uniform(0.005, 1.0, p.h),
+           "token": lambda: rng.uniform(0.005, 1.0, (b, t, p.h))}[p.decay]
+  decay = None if decay is None else jnp.asarray(decay(), F32)
+  states = n if p.cu_seqlens else b
+  s0 = jnp.asarray(rng.normal(size=(states, p.h, p.d, p.e)), F32) if p.initial_state else None
+  do = jnp.asarray(rng.normal(size=(b, t, p.h, p.e)), F32)
+  d_final = jnp.asarray(rng.normal(size=(states, p.h, p.d, p.e)), F32)
+  return q, k, v, decay, s0, do, d_final
+
+
+def packing_args(p: Packing):
+  if p.cu_seqlens:
+    return dict(cu_seqlens=jnp.asarray(np.cumsum((0,) + p.rows[0]), jnp.int32))
+  ids = [np.repeat(np.arange(len(row)) * 7 % 5, row) for row in p.rows]  # ids repeat: runs, not values, count
+  return dict(segment_ids=jnp.asarray(np.stack(ids), jnp.int32))
+
+
+def alone(p: Packing, q, k, v, decay, s0):
+  """Each sequence run by itself through the oracle: (o, final states), packed like the call's."""
+  scale = p.d ** -0.5
+  outs, finals = [], []
+  for r, row in enumerate(p.rows):
+    row_out, start = [], 0
+    for i, length in enumerate(row):
+      state_idx = i if p.cu_seqlens else r
+      first = p.cu_seqlens or i == 0
+      init = s0[state_idx][None] if (s0 is not None and first) else None
+      if length == 0:
+        final = jnp.zeros((1, p.h, p.d, p.e), F32) if init is None else init
+      else:
+        sl = slice(start, start + length)
+        rates = None if decay is None else (decay if decay.ndim == 1 else decay[r:r + 1, sl])
+        o, final = reference.lightning_attention_recurrent(q[r:r + 1, sl], k[r:r + 1, sl], v[r:r + 1, sl], rates,
+                                                           scale=scale, initial_state=init)
+        row_out.append(o)
+      if p.cu_seqlens:
+        finals.append(final)
+      start += length
+    if not p.cu_seqlens:
+      finals.append(final)
+    outs.append(jnp.concatenate(row_out, axis=1))
+  return jnp.concatenate(outs, axis=0), jnp.concatenate(finals, axis=0)
+
+
+def outputs_and_grads(fn, args, do, d_final):
+  argnums = tuple(i for i, a in enumerate(args) if a is not None)
+
+  def loss(*a):
+    o, final = fn(*a)
+    return jnp.sum(o.astype(F32) * do) + jnp.sum(final * d_final), (o, final)
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(*args)
+  return out, dict(zip(("q", "k", "v", "decay", "initial_state"), (None,) * 5)) | dict(
+      zip([("q", "k", "v", "decay", "initial_state")[i] for i in argnums], grads))
+
+
+def check_packed(p: Packing, seed, **kwargs):
+  q, k, v, decay, s0, do, d_final = make_inputs(p, seed)
+  pack = packing_args(p)
+
+  def ours(q, k, v, decay, s0):
+    return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, **pack, **kwargs)
+
+  (o, final), grads = outputs_and_grads(ours, (q, k, v, decay, s0), do, d_final)
+  (o_ref, final_ref), grads_ref = outputs_and_grads(lambda *a: alone(p, *a), (q, k, v, decay, s0), do, d_final)
+  tol = TOL[p.dtype]
+  assert o.shape == o_ref.shape and o.dtype == p.dtype
+  assert rel_err(o, o_ref) < tol, ("o", rel_err(o, o_ref))
+  assert final.shape == final_ref.shape and final.dtype == F32
+  assert rel_err(final, final_ref) < tol, ("final_state", rel_err(final, final_ref))
+  for name, g in grads.items():
+    if g is not None:
+      limit = DECAY_TOL[p.dtype] if name == "decay" else tol
+      assert rel_err(g, grads_ref[name]) < limit, (name, rel_err(g, grads_ref[name]))
+
+
+@pytest.mark.parametrize("p", PACKINGS, ids=str)
+def test_reference_packed_matches_sequences_alone(p):
+  check_packed(p, zlib.crc32(f"{p}ref".encode()), impl="reference")
+
+
+@pytest.mark.parametrize("p", PACKINGS, ids=str)
+def test_xla_packed_matches_sequences_alone(p):
+  check_packed(p, zlib.crc32(f"{p}xla".encode()), impl="xla")
+
+
+SMALL_SPLIT = lj.LightningConfig(
+    chunk_loop=lj.ChunkLoopConfig(chunk_size=16, block_e=16, num_warps=2, num_stages=1),
+    chunk_states=lj.ChunkStatesConfig(block_d=16, block_e=16, num_warps=2, num_stages=1), slice_size=48)
+PALLAS = {"chunk_loop": dict(variant="chunk_loop"), "parallel": dict(variant="parallel"),
+          "split": dict(variant="chunk_loop", config=lj.LightningConfig(slice_size=64)),
+          "split_small": dict(variant="chunk_loop", config=SMALL_SPLIT)}
+
+
+@pytest.mark.parametrize("variant", list(PALLAS))
+@pytest.mark.parametrize("p", PACKINGS, ids=str)
+def test_pallas_packed_matches_sequences_alone(p, variant, kernel_mode):
+  if variant == "split_small" and p.d > 16 and kernel_mode:
+    pytest.skip("the small split config runs on the first packing's dims only (interpret time)")
+  check_packed(p, zlib.crc32(f"{p}{variant}".encode()), impl="pallas", interpret=kernel_mode, **PALLAS[variant])
+
+
+# --- per-token decay at extreme rates --------------------------------------------
+
+EXTREME_RATES = np.array([0.0, 1e-7, 0.3, 8.0, 60.0, 1e4], np.float32)
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunk_loop", "parallel", "split"])
+def test_extreme_token_rates_match_oracle(impl, kernel_mode):
+  if impl == "xla" and not kernel_mode:
+    pytest.skip("xla has no kernel mode")
+  rng = np.random.default_rng(zlib.crc32(impl.encode()))
+  b, t, h, d, e = 2, 200, 2, 16, 32
+  q, k = (jnp.asarray(rng.normal(size=(b, t, h, d)), F32) for _ in range(2))
+  v = jnp.asarray(rng.normal(size=(b, t, h, e)), F32)
+  # Runs of one rate (so tiny rates follow huge ones inside a chunk) and single tokens.
+  decay = jnp.asarray(np.repeat(rng.choice(EXTREME_RATES, size=(b, t // 4, h)), 4, axis=1), F32)
+  decay = decay.at[:, 7].set(1e4).at[:, 8].set(1e-7)
+  s0 = jnp.asarray(rng.normal(size=(b, h, d, e)), F32)
+  do, d_final = jnp.asarray(rng.normal(size=(b, t, h, e)), F32), jnp.asarray(rng.normal(size=(b, h, d, e)), F32)
+  kwargs = dict(impl="xla") if impl == "xla" else dict(impl="pallas", interpret=kernel_mode, **PALLAS[impl])
+
+  def call(**kw):
+    return lambda q, k, v, decay, s0: lj.lightning_attention(q, k, v, decay, initial_state=s0,
+                                                             return_final_state=True, **kw)
+
+  args = (q, k, v, decay, s0)
+  (o, final), grads = outputs_and_grads(call(**kwargs), args, do, d_final)
+  (o_ref, final_ref), grads_ref = outputs_and_grads(call(impl="reference"), args, do, d_final)
+  assert rel_err(o, o_ref) < TOL[F32] and rel_err(final, final_ref) < TOL[F32]
+  for name, g in grads.items():
+    if g is not None:
+      assert rel_err(g, grads_ref[name]) < (DECAY_TOL if name == "decay" else TOL)[F32], name
+
+
+# --- the oracle against a float64 loop -----------------------------------------------
+
+def loop_float64(q, k, v, rates, starts, s0, scale):
+  """[T] tokens of one head: S_t = (0 if start else a_t S_{t-1}) + k_t v_t, from s0."""
+  state, out = np.asarray(s0, np.float64), []
+  for t in range(q.shape[0]):
+    state = (0.0 if starts[t] else np.exp(-rates[t])) * state + np.outer(k[t], v[t])
+    out.append(scale * q[t] @ state)
+  return np.stack(out), state
+
+
+def test_reference_matches_a_float64_loop():
+  rng = np.random.default_rng(3)
+  t, h, d, e = 23, 2, 3, 4
+  q, k, v = (rng.normal(size=(2, t, h, n)) for n in (d, d, e))
+  rates, s0 = rng.uniform(0, 2, (2, t, h)), rng.normal(size=(2, h, d, e))
+  ids = np.stack([np.repeat([0, 1, 0], [5, 9, 9]), np.repeat([4, 4, 2], [1, 1, 21])])
+  o, final = reference.lightning_attention_recurrent(*(jnp.asarray(x, F32) for x in (q, k, v, rates)), scale=0.7,
+                                                     initial_state=jnp.asarray(s0, F32),
+                                                     segment_ids=jnp.asarray(ids))
+  for b in range(2):
+    starts = np.r_[False, ids[b, 1:] != ids[b, :-1]]
+    for hh in range(h):
+      o_want, final_want = loop_float64(q[b, :, hh], k[b, :, hh], v[b, :, hh], rates[b, :, hh], starts,
+                                        s0[b, hh], 0.7)
+      assert rel_err(o[b, :, hh], o_want) < 1e-5 and rel_err(final[b, hh], final_want) < 1e-5
+  # cu_seqlens: each sequence from its own state, an empty one keeps it.
+  cu = np.array([0, 4, 4, 23])
+  s0n = rng.normal(size=(3, h, d, e))
+  o, finals = reference.lightning_attention_recurrent(*(jnp.asarray(x[:1], F32) for x in (q, k, v, rates)),
+                                                      scale=0.7, initial_state=jnp.asarray(s0n, F32),
+                                                      cu_seqlens=jnp.asarray(cu))
+  for n in range(3):
+    for hh in range(h):
+      sl = slice(cu[n], cu[n + 1])
+      if cu[n] == cu[n + 1]:
+        assert rel_err(finals[n, hh], s0n[n, hh]) < 1e-6
+        continue
+      o_want, final_want = loop_float64(q[0, sl, hh], k[0, sl, hh], v[0, sl, hh], rates[0, sl, hh],
+                                        np.zeros(cu[n + 1] - cu[n], bool), s0n[n, hh], 0.7)
+      assert rel_err(o[0, sl, hh], o_want) < 1e-5 and rel_err(finals[n, hh], final_want) < 1e-5
+
+
+# --- one compilation, helper, errors -------------------------------------------------
+
+@pytest.mark.parametrize("packing", ["segment_ids", "cu_seqlens"])
+def test_changing_boundaries_reuse_one_compilation(packing):
+  traces = []
+
+  @jax.jit
+  def f(q, boundaries):
+    traces.append(1)
+    kw = (dict(segment_ids=boundaries) if packing == "segment_ids"
+          else dict(cu_seqlens=boundaries, initial_state=jnp.ones((3, 1, 8, 8)), return_final_state=True))
+    return lj.lightning_attention(q, q, q, impl="xla", **kw)
+
+  q = jnp.ones((1, 40, 1, 8))
+  first = [jnp.asarray(np.repeat([0, 1, 2], [10, 10, 20])[None]), jnp.asarray([0, 10, 20, 40])]
+  second = [jnp.asarray(np.repeat([0, 1, 2], [1, 30, 9])[None]), jnp.asarray([0, 0, 31, 40])]
+  pick = 0 if packing == "segment_ids" else 1
+  a, b = f(q, first[pick]), f(q, second[pick])
+  assert len(traces) == 1
+  assert not np.allclose(np.asarray(jax.tree.leaves(a)[0]), np.asarray(jax.tree.leaves(b)[0]))
+
+
+def test_segment_ids_from_cu_seqlens():
+  ids = lj.segment_ids_from_cu_seqlens(jnp.asarray([0, 2, 2, 5]), 5)
+  assert ids.shape == (1, 5) and ids.dtype == jnp.int32
+  assert ids.tolist() == [[0, 0, 2, 2, 2]]
+  with pytest.raises(ValueError, match="cu_seqlens must be an int"):
+    lj.segment_ids_from_cu_seqlens(jnp.asarray([0.0, 5.0]), 5)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(decay=jnp.ones((2, 9, 2))), ValueError, r"decay must be None, per-head rates \[H\]"),
+    (dict(decay=jnp.full((1, 9, 2), -1.0)), ValueError, "finite and >= 0"),
+    (dict(decay=jnp.full((1, 9, 2), jnp.nan)), ValueError, "finite and >= 0"),
+    (dict(segment_ids=jnp.zeros((1, 8), jnp.int32)), ValueError, r"segment_ids must be None or an int \[B, T\]"),
+    (dict(segment_ids=jnp.zeros((1, 9))), TypeError, "segment_ids must be an integer array"),
+    (dict(cu_seqlens=jnp.asarray([0, 5, 3, 9])), ValueError, "non-decreasing"),
+    (dict(cu_seqlens=jnp.asarray([0, 5, 8])), ValueError, "end at T = 9"),
+    (dict(cu_seqlens=jnp.asarray([0.0, 9.0])), TypeError, "cu_seqlens must be an integer array"),
+    (dict(cu_seqlens=jnp.asarray([0, 9]), segment_ids=jnp.zeros((1, 9), jnp.int32)), ValueError, "not both"),
+    (dict(cu_seqlens=jnp.asarray([0, 4, 9]), initial_state=jnp.zeros((1, 2, 4, 4))), ValueError,
+     r"\[N, H, D, E\] \(with cu_seqlens\)"),
+])
+def test_bad_packing_input_is_rejected(kwargs, error, match):
+  q = jnp.zeros((1, 9, 2, 4))
+  with pytest.raises(error, match=match):
+    lj.lightning_attention(q, q, q, impl="xla", **kwargs)
+
+
+def test_cu_seqlens_needs_a_batch_of_one():
+  q = jnp.zeros((2, 9, 2, 4))
+  with pytest.raises(ValueError, match="batch of one"):
+    lj.lightning_attention(q, q, q, cu_seqlens=jnp.asarray([0, 9]), impl="xla")
+
+
+def test_warp_specialized_refuses_per_token_decay():
+  q = jnp.zeros((1, 9, 2, 64), BF16)
+  with pytest.raises(ValueError, match="per-head decay only"):
+    lj.lightning_attention(q, q, q, jnp.ones((1, 9, 2)), impl="pallas", variant="warp_specialized", interpret=True)
