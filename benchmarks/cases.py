@@ -1,21 +1,28 @@
 """What the benchmark measures: implementations, shapes, profiles and jobs.
 
 Pure Python (no JAX, no torch): the parent process and every worker import it.
+The functions that build a job's arrays import numpy; only the workers call them.
 
-A *job* is one implementation on one shape, dtype and decay setting; its worker
-measures every requested mode of it and returns one result per mode. Jobs of
-one *group* run in one subprocess, in the order of `make_jobs` (growing T).
+A *job* is one implementation on one shape, dtype, decay and packing setting;
+its worker measures every requested mode of it and returns one result per mode.
+Jobs of one *group* run in one subprocess, in the order of `make_jobs` (growing T).
+
+A job's `decay` is True (per-head rates [H]), False (none), "token" (per-token
+rates [B, T, H]) or None (softmax attention, which has no decay); its
+`segments` is the number of sequences packed in each row (1: unpacked).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 from typing import NamedTuple
 
 MODES = ("fwd", "bwd", "fwdbwd")
 DTYPE_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-DECAYS = {"on": True, "off": False}
+DECAYS = {"on": True, "off": False, "token": "token"}
+DECAY_LABELS = {True: "decay", False: "no decay", "token": "per-token decay", None: ""}
 KINDS = ("ours", "baseline", "peer")
 
 
@@ -27,6 +34,9 @@ class Impl:
   kind: str  # "ours", "baseline" or "peer"
   decay_aware: bool  # False: decay does not apply (softmax attention)
   label: str
+  # Why it cannot run per-token decay or packed sequences (None: it can); those jobs are reported skipped.
+  no_token_decay: str | None = None
+  no_packing: str | None = None
 
 
 # Groups that need an NVIDIA GPU: skipped without starting a worker when the probe finds none.
@@ -42,6 +52,7 @@ GROUP_MODULES = {
     "lj-pallas": "benchmarks.jax_impls",
 }
 
+_SOFTMAX_NO_PACKING = "jax.nn.dot_product_attention takes no segment ids (packed rows not measured)"
 IMPLS = (
     Impl("lj-pallas-chunk_loop", "lj-pallas", "ours", True, "lightning_jax pallas chunk_loop"),
     Impl("lj-pallas-parallel", "lj-pallas", "ours", True, "lightning_jax pallas parallel"),
@@ -49,11 +60,15 @@ IMPLS = (
          "lightning_jax pallas warp_specialized (Mosaic GPU forward, chunk_loop backward)"),
     Impl("lj-pallas-auto", "lj-pallas", "ours", True, "lightning_jax pallas auto"),
     Impl("lj-xla", "lj-xla", "ours", True, "lightning_jax xla (chunked jnp)"),
-    Impl("cudnn-flash", "cudnn", "baseline", False, "cuDNN FlashAttention (causal softmax)"),
-    Impl("xla-softmax", "xla-softmax", "baseline", False, "XLA softmax attention (causal)"),
+    Impl("cudnn-flash", "cudnn", "baseline", False, "cuDNN FlashAttention (causal softmax)",
+         no_packing=_SOFTMAX_NO_PACKING),
+    Impl("xla-softmax", "xla-softmax", "baseline", False, "XLA softmax attention (causal)",
+         no_packing=_SOFTMAX_NO_PACKING),
     Impl("fla-chunk", "fla", "peer", True, "fla chunk_simple_gla"),
     Impl("fla-fused_chunk", "fla", "peer", True, "fla fused_chunk_simple_gla"),
-    Impl("lightning-attn2", "lightning-attn", "peer", True, "lightning-attn lightning_attn2"),
+    Impl("lightning-attn2", "lightning-attn", "peer", True, "lightning-attn lightning_attn2",
+         no_token_decay="lightning_attn2 takes per-head decay rates s [H, 1, 1] only",
+         no_packing="lightning_attn2 takes no cu_seqlens or segment ids"),
     Impl("jla-mosaic", "jla", "peer", True, "jax-linear-attention simple_gla (mosaic_gpu)"),
 )
 IMPL_BY_NAME = {impl.name: impl for impl in IMPLS}
@@ -102,6 +117,9 @@ SHAPE_SETS = {
     "la3-long": _families(_seq_lens(1024, 131072)),
     "quick": _families([1024, 4096, 16384]),
     "smoke": [Shape(1, t, 2, 16, 16) for t in (32, 64)],
+    # The performance targets of per-token decay and of packed sequences.
+    "token": _families([8192, 32768]),
+    "packed": [Shape(1, 32768, 32, 128, 128)],
 }
 
 # A sample of 20 ms of back-to-back calls: with 1 ms samples (2 calls of a
@@ -112,20 +130,30 @@ SHAPE_SETS = {
 GPU_SAMPLE_SECONDS = 0.02
 _GPU_SETTINGS = dict(dtype="bf16", warmup=2, iters=20, case_seconds=0.3, sample_seconds=GPU_SAMPLE_SECONDS,
                      compile_threads=4, rotate_bytes=256 << 20)
+_SMOKE_SETTINGS = dict(dtype="bf16", warmup=1, iters=3, case_seconds=0.05, sample_seconds=0.001, compile_threads=1,
+                       rotate_bytes=0, max_seconds=600.0)
 PROFILES = {
     # Everything, bounded by --max-seconds (cases past the budget are reported as skipped).
-    "full": dict(shapes="la3-long", impls="all", modes="fwd,bwd,fwdbwd", decay="on,off", max_seconds=420.0,
-                 **_GPU_SETTINGS),
-    "quick": dict(shapes="quick", impls="all", modes="fwd,bwd,fwdbwd", decay="on", max_seconds=180.0,
+    "full": dict(shapes="la3-long", impls="all", modes="fwd,bwd,fwdbwd", decay="on,off", segments="1",
+                 max_seconds=420.0, **_GPU_SETTINGS),
+    "quick": dict(shapes="quick", impls="all", modes="fwd,bwd,fwdbwd", decay="on", segments="1", max_seconds=180.0,
                   **_GPU_SETTINGS),
     # Long context against every peer (the quadratic baselines would take minutes a call there).
     "long": dict(shapes="long", impls="lj-pallas-auto,lj-pallas-chunk_loop,lj-pallas-warp_specialized,peer",
-                 modes="fwd,fwdbwd", decay="on,off",
+                 modes="fwd,fwdbwd", decay="on,off", segments="1",
                  max_seconds=540.0, **_GPU_SETTINGS),
+    # Per-token decay against the peers that take it (the others are reported skipped).
+    "token": dict(shapes="token", impls="lj-pallas-auto,peer", modes="fwd,fwdbwd", decay="token", segments="1",
+                  max_seconds=420.0, **_GPU_SETTINGS),
+    # A row of 8 packed sequences and the same row unpacked (the report gives their ratio).
+    "packed": dict(shapes="packed", impls="lj-pallas-auto,peer", modes="fwd,fwdbwd", decay="on,token",
+                   segments="1,8", max_seconds=420.0, **_GPU_SETTINGS),
     # Tiny shapes that run on a CPU in seconds (Pallas in interpret mode).
     "smoke": dict(shapes="smoke", impls="lj-pallas-auto,lj-xla,baseline,peer", modes="fwd,bwd,fwdbwd",
-                  decay="on", dtype="bf16", warmup=1, iters=3, case_seconds=0.05, sample_seconds=0.001,
-                  compile_threads=1, rotate_bytes=0, max_seconds=600.0),
+                  decay="on", segments="1", **_SMOKE_SETTINGS),
+    # Per-token decay, unpacked and packed, on one tiny shape (the implementations of `token` and `packed`).
+    "smoke-token-packed": dict(shapes="1x64x2x16", impls="lj-pallas-auto,peer", modes="fwd,fwdbwd", decay="token",
+                               segments="1,3", **_SMOKE_SETTINGS),
 }
 
 
@@ -170,27 +198,60 @@ def parse_choices(text: str, allowed, what: str) -> list[str]:
   return list(dict.fromkeys(values))
 
 
-def make_jobs(impls: list[str], shapes: list[Shape], decays: list[bool], modes: list[str], dtype: str) -> list[dict]:
-  """Jobs ordered by T, then shape, decay and implementation; `tier` 1 marks T > CORE_MAX_SEQ_LEN.
+def parse_segments(text: str) -> list[int]:
+  """Comma-separated numbers of sequences packed in a row (1: unpacked)."""
+  parts = _split(text)
+  if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+    raise ValueError(f"bad --segments {text!r}: comma-separated integers >= 1, e.g. 1,8")
+  return list(dict.fromkeys(int(p) for p in parts))
 
-  Softmax attention ignores decay: it gets one job per shape, with decay None.
+
+def make_jobs(impls: list[str], shapes: list[Shape], decays: list, modes: list[str], dtype: str,
+              segments=(1,)) -> list[dict]:
+  """Jobs ordered by T, then shape, packing, decay and implementation; `tier` 1 marks T > CORE_MAX_SEQ_LEN.
+
+  Softmax attention ignores decay: it gets one job per shape and packing, with decay None.
   """
   jobs = []
   for shape in sorted(shapes, key=lambda s: s.seq_len):
-    for decay in decays:
-      for name in impls:
-        impl = IMPL_BY_NAME[name]
-        if not impl.decay_aware and decay != decays[0]:
-          continue
-        jobs.append(dict(id=len(jobs), impl=name, group=impl.group, tier=int(shape.seq_len > CORE_MAX_SEQ_LEN),
-                         **shape._asdict(), dtype=dtype, decay=decay if impl.decay_aware else None,
-                         modes=list(modes)))
+    for n in segments:
+      if n > 1 and _cut_count(shape.seq_len) < n - 1:
+        raise ValueError(f"T = {shape.seq_len} cannot hold {n} packed sequences (boundaries avoid multiples of 64)")
+      for decay in decays:
+        for name in impls:
+          impl = IMPL_BY_NAME[name]
+          if not impl.decay_aware and decay != decays[0]:
+            continue
+          jobs.append(dict(id=len(jobs), impl=name, group=impl.group, tier=int(shape.seq_len > CORE_MAX_SEQ_LEN),
+                           **shape._asdict(), dtype=dtype, decay=decay if impl.decay_aware else None, segments=n,
+                           modes=list(modes)))
   return jobs
+
+
+def segments_of(case: dict) -> int:
+  """Sequences packed in a row of a job or result (results from before packing have no field: 1)."""
+  return case.get("segments", 1)
 
 
 def case_key(case: dict, mode: str) -> tuple:
   """Identifies a measurement: a job (or result) and a mode."""
-  return (case["impl"], mode, *(case[f] for f in Shape._fields), case["dtype"], case["decay"])
+  return (case["impl"], mode, *(case[f] for f in Shape._fields), case["dtype"], case["decay"], segments_of(case))
+
+
+def unsupported(job: dict) -> str | None:
+  """Why the implementation cannot run the job's decay or packing (it is reported skipped), else None."""
+  impl = IMPL_BY_NAME[job["impl"]]
+  if job["decay"] == "token" and impl.no_token_decay:
+    return impl.no_token_decay
+  if segments_of(job) > 1 and impl.no_packing:
+    return impl.no_packing
+  return None
+
+
+def setting_label(decay, segments: int) -> str:
+  """A setting in words, e.g. "per-token decay, 8 packed sequences"; "" for softmax on unpacked rows."""
+  packing = f"{segments} packed sequences" if segments > 1 else ""
+  return ", ".join(x for x in (DECAY_LABELS[decay], packing) if x)
 
 
 def job_shape(job: dict) -> Shape:
@@ -206,6 +267,70 @@ def input_set_bytes(job: dict) -> int:
 def decay_rates(heads: int) -> list[float]:
   """Per-head decay rates (a = exp(-rate)): the ALiBi slopes 2^(-8 (h+1) / H) of Lightning Attention."""
   return [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)]
+
+
+# A job's inputs besides q, k and v. Every implementation gets the same values (fixed
+# seeds), in its own form.
+
+def decay_array(job: dict):
+  """float32 rates: [H] (decay on), [B, T, H] (per-token), or None (no decay, softmax).
+
+  Per-token rates are the head's ALiBi slope times a factor per (b, t, h) drawn
+  uniformly from [0.5, 1.5]: a data-dependent gate around the per-head rates.
+  """
+  import numpy as np  # noqa: PLC0415 -- the parent process imports no numerics
+
+  if not job["decay"]:
+    return None
+  rates = np.asarray(decay_rates(job["heads"]), np.float32)
+  if job["decay"] != "token":
+    return rates
+  b, t, h, _, _ = job_shape(job)
+  return (rates * np.random.default_rng(0).uniform(0.5, 1.5, (b, t, h))).astype(np.float32)
+
+
+def differentiates_decay(job: dict) -> bool:
+  """Whether the backward modes differentiate the decay rates along with q, k and v.
+
+  Per-token rates are (a model's gates are trained, and fla's backward computes
+  their gradient whether asked or not); fixed per-head rates (the ALiBi slopes) are not.
+  """
+  return job["decay"] == "token"
+
+
+def _cut_count(seq_len: int) -> int:
+  """Positions 1..T-1 not on a multiple of 64, where a packed sequence may start."""
+  return seq_len - 1 - (seq_len - 1) // 64
+
+
+def segment_starts(job: dict) -> list[list[int]]:
+  """Each row's sequence starts (0 first): `segments` random lengths summing to T, each at least 1 token.
+
+  No sequence starts on a multiple of 64, so that every boundary falls inside a
+  chunk of the chunked kernels (the case that needs masking). Rows differ; the
+  seed is fixed.
+  """
+  rng = random.Random(0)
+  cuts = [c for c in range(1, job["seq_len"]) if c % 64]
+  return [[0, *sorted(rng.sample(cuts, segments_of(job) - 1))] for _ in range(job["batch"])]
+
+
+def segment_ids(job: dict):
+  """int32 [B, T], the index of each token's sequence in its row; None when unpacked."""
+  import numpy as np  # noqa: PLC0415
+
+  if segments_of(job) == 1:
+    return None
+  ids = np.zeros((job["batch"], job["seq_len"]), np.int32)
+  for row, starts in zip(ids, segment_starts(job)):
+    row[starts[1:]] = 1
+  return np.cumsum(ids, axis=1, dtype=np.int32)
+
+
+def cu_seqlens(job: dict) -> list[int]:
+  """The packed sequences of all rows as one row of B * T tokens: [N + 1] cumulative lengths (varlen APIs)."""
+  t = job["seq_len"]
+  return [row * t + s for row, starts in enumerate(segment_starts(job)) for s in starts] + [job["batch"] * t]
 
 
 def device_slug(device_kind: str) -> str:

@@ -18,6 +18,8 @@ compiled (in parallel threads) before anything is timed:
 * fwdbwd: o and the VJP of f at once (o is returned, so the forward cannot be
           eliminated).
 
+The VJP is taken with respect to q, k and v, and per-token decay rates.
+
 Memory: XLA's compiled memory analysis of the timed function (argument,
 output, temporary and aliased bytes; footprint = argument + output + temp -
 alias), checked against the device's memory before running (a case that
@@ -90,6 +92,16 @@ def probe(path: str, sample_seconds: float):
     json.dump(info, f)
 
 
+def bind(call, inputs: dict):
+  """(attn(q, k, v, *extras) -> o, extras) for call(q, k, v, **inputs).
+
+  The inputs (decay, segment ids) become arguments of the compiled functions,
+  so that XLA cannot fold them into constants.
+  """
+  names = tuple(inputs)
+  return (lambda q, k, v, *extras: call(q, k, v, **dict(zip(names, extras)))), tuple(inputs.values())
+
+
 def lightning_or_baseline(job: dict):
   """(attn(q, k, v, *extras) -> o, extras) for the implementations of this module."""
   impl = job["impl"]
@@ -98,37 +110,36 @@ def lightning_or_baseline(job: dict):
     return (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=backend)), ()
   options = (dict(impl="pallas", variant=impl.removeprefix("lj-pallas-")) if impl.startswith("lj-pallas-")
              else dict(impl="xla"))
-  if not job["decay"]:
-    return (lambda q, k, v: lightning_jax.lightning_attention(q, k, v, **options)), ()
-  decay = jnp.asarray(cases.decay_rates(job["heads"]), jnp.float32)
-  return (lambda q, k, v, rates: lightning_jax.lightning_attention(q, k, v, rates, **options)), (decay,)
+  inputs = {name: jnp.asarray(x) for name, x in (("decay", cases.decay_array(job)),
+                                                 ("segment_ids", cases.segment_ids(job))) if x is not None}
+  return bind(lambda q, k, v, **inputs: lightning_jax.lightning_attention(q, k, v, **inputs, **options), inputs)
 
 
 def lightning_unavailable(job: dict) -> str | None:
-  """Why a variant of ours cannot run this job here (the warp-specialised forward has limits), else None.
+  """Why a variant of ours cannot run this job here, else None.
 
-  The op's own check, which raises a ValueError before any kernel is traced.
+  The warp-specialised forward has limits (sm90, jax >= 0.11, per-head decay
+  without packing); the op's own check raises a ValueError before any kernel is traced.
   """
   if job["impl"] != "lj-pallas-warp_specialized":
     return None
-  dtype = DTYPES[job["dtype"]]
-  q = jax.ShapeDtypeStruct((1, 1, 1, job["dim_k"]), dtype)
-  v = jax.ShapeDtypeStruct((1, 1, 1, job["dim_v"]), dtype)
+  attn, extras = lightning_or_baseline(job)
   try:
-    jax.eval_shape(lambda q, k, v: lightning_jax.lightning_attention(q, k, v, impl="pallas",
-                                                                     variant="warp_specialized"), q, q, v)
+    jax.eval_shape(attn, *_abstract_args(job, extras)["fwd"])
   except ValueError as err:
     return str(err)
   return None
 
 
-def mode_functions(attn):
-  """The four functions of `MODE_FUNCTIONS`, for attn(q, k, v, *extras)."""
+def mode_functions(attn, n_grad: int = 0):
+  """The four functions of `MODE_FUNCTIONS`, for attn(q, k, v, *extras); the first `n_grad` extras are
+  differentiated with q, k and v."""
   def fwd(q, k, v, *extras):
     return attn(q, k, v, *extras)
 
   def vjp_fwd(q, k, v, *extras):
-    return jax.vjp(lambda q, k, v: attn(q, k, v, *extras), q, k, v)
+    fixed = extras[n_grad:]
+    return jax.vjp(lambda q, k, v, *grad: attn(q, k, v, *grad, *fixed), q, k, v, *extras[:n_grad])
 
   def bwd(vjp_fn, do):
     return vjp_fn(do)
@@ -172,8 +183,11 @@ def _compile_fwd_and_bwd(fns: dict, args: tuple) -> dict:
 
 
 def compile_modes(attn, extras, job: dict, threads: int) -> dict:
-  """{function name: (compiled or exception, compile seconds)} for the job's modes, compiled in parallel."""
-  fns = mode_functions(attn)
+  """{function name: (compiled or exception, compile seconds)} for the job's modes, compiled in parallel.
+
+  Per-token decay rates, the first of the extras, are differentiated (`cases.differentiates_decay`).
+  """
+  fns = mode_functions(attn, int(cases.differentiates_decay(job)))
   args = _abstract_args(job, extras)
   with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
     futures = [pool.submit(lambda m: {m: _compile(fns[m], args[m])}, mode) for mode in ("fwd", "fwdbwd")

@@ -5,15 +5,19 @@ Pure Python; `derive(results, copy_bandwidth_gbps)` adds to every "ok" result:
 * tokens_per_s: B * T / time;
 * floor_bytes: the bytes the mode must move at least. fwd reads q, k, v and
   writes o; bwd reads q, k, v, do and writes dq, dk, dv; fwdbwd is both;
+  per-token decay rates (float32) are read by each, their gradient written by
+  bwd (the segment ids, a 1/H of that, are left out);
   floor_ms: those bytes at the copy bandwidth measured in the same run (the
   result's own `copy_bandwidth_gbps`, stamped by the run that measured it, so
   that a `--resume` run does not re-floor older results; else the argument);
   floor_ratio: time / floor_ms (1.0 would be a memory-bound kernel at copy speed);
 * speedup_vs_cudnn: cuDNN FlashAttention's time on the same shape and mode
-  (softmax attention has no decay: the same cuDNN row serves both settings)
+  (softmax attention has no decay: the same cuDNN row serves every decay setting)
   divided by this time;
 * scaling_ratio: this time divided by the time of the same case at T / 2
-  (2 for a linear cost, 4 for a quadratic one).
+  (2 for a linear cost, 4 for a quadratic one);
+* packing_ratio (packed rows): this time divided by the time of the same case
+  unpacked (one sequence a row).
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ def floor_bytes(r: dict) -> int:
   fwd = 2 * d + 2 * e  # read q, k, v; write o
   bwd = (2 * d + 2 * e) + (2 * d + e)  # read q, k, v, do; write dq, dk, dv
   per_token = {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[r["mode"]]
-  return itemsize * tokens * per_token
+  rates = {"fwd": 4, "bwd": 8, "fwdbwd": 12}[r["mode"]] if r["decay"] == "token" else 0  # float32
+  return tokens * (itemsize * per_token + rates)
 
 
-def _key(r: dict, *, seq_len=None, decay=True, impl=None) -> tuple:
+def _key(r: dict, *, seq_len=None, decay=True, impl=None, segments=None) -> tuple:
   return ((impl or r["impl"]), r["mode"], seq_len or r["seq_len"], *(r[k] for k in SHAPE_KEY),
-          r["decay"] if decay else None)
+          r["decay"] if decay else None, segments or cases.segments_of(r))
 
 
 def derive(results: list[dict], copy_bandwidth_gbps: float | None) -> list[dict]:
@@ -58,4 +63,7 @@ def derive(results: list[dict], copy_bandwidth_gbps: float | None) -> list[dict]
     half = by_key.get(_key(r, seq_len=r["seq_len"] // 2)) if r["seq_len"] % 2 == 0 else None
     if half is not None:
       r["scaling_ratio"] = r["time_ms"] / half["time_ms"]
+    unpacked = by_key.get(_key(r, segments=1)) if cases.segments_of(r) > 1 else None
+    if unpacked is not None:
+      r["packing_ratio"] = r["time_ms"] / unpacked["time_ms"]
   return results

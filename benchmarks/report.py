@@ -17,6 +17,8 @@ import argparse
 import collections
 import json
 import pathlib
+import textwrap
+from typing import NamedTuple
 
 from benchmarks import cases
 
@@ -26,32 +28,50 @@ STATUS_TEXT = {"oom": "OOM", "skipped": "skip", "error": "error"}
 
 # ----------------------------------------------------------------------------- indexing
 
+class Panel(NamedTuple):
+  """A group of results over T (a plot panel, a table): a shape family (T = 0), dtype, decay and packing."""
+  family: cases.Shape
+  dtype: str
+  decay: object  # a job's decay: True, False, "token" or None
+  segments: int
+
+  @classmethod
+  def of(cls, r: dict, decay) -> Panel:
+    return cls(cases.job_shape(r)._replace(seq_len=0), r["dtype"], decay, cases.segments_of(r))
+
+  def title(self) -> str:
+    return ", ".join(x for x in (self.family.family(), self.dtype, cases.setting_label(self.decay, self.segments))
+                     if x)
+
+
 class Index:
-  """The results of a run, looked up by (impl, mode, shape, decay)."""
+  """The results of a run, looked up by (impl, mode, panel, T)."""
 
   def __init__(self, data: dict):
     self.results = data["results"]
-    self.rows = {self._key(r["impl"], r["mode"], cases.job_shape(r), r["dtype"], r["decay"]): r
-                 for r in self.results}
+    self.rows = {self.key_of(r): r for r in self.results}
     present = {r["impl"] for r in self.results}
     self.impls = [impl.name for impl in cases.IMPLS if impl.name in present]
     self.modes = [m for m in cases.MODES if any(r["mode"] == m for r in self.results)]
-    self.panels = list(dict.fromkeys((cases.job_shape(r)._replace(seq_len=0), r["dtype"], r["decay"])
-                                     for r in self.results if r["decay"] is not None))
+    self.panels = list(dict.fromkeys(Panel.of(r, r["decay"]) for r in self.results if r["decay"] is not None))
     if not self.panels:  # only decay-agnostic implementations were run
-      self.panels = list(dict.fromkeys((cases.job_shape(r)._replace(seq_len=0), r["dtype"], None)
-                                       for r in self.results))
+      self.panels = list(dict.fromkeys(Panel.of(r, None) for r in self.results))
 
   @staticmethod
-  def _key(impl, mode, shape, dtype, decay):
-    return impl, mode, tuple(shape), dtype, decay if cases.IMPL_BY_NAME[impl].decay_aware else None
+  def _key(impl: str, mode: str, panel: Panel, t: int) -> tuple:
+    decay = panel.decay if cases.IMPL_BY_NAME[impl].decay_aware else None
+    return impl, mode, panel._replace(decay=decay), t
 
-  def get(self, impl: str, mode: str, shape: cases.Shape, dtype: str, decay) -> dict | None:
-    return self.rows.get(self._key(impl, mode, shape, dtype, decay))
+  @staticmethod
+  def key_of(r: dict) -> tuple:
+    return Index._key(r["impl"], r["mode"], Panel.of(r, r["decay"]), r["seq_len"])
 
-  def seq_lens(self, family: cases.Shape, dtype: str) -> list[int]:
+  def get(self, impl: str, mode: str, panel: Panel, t: int) -> dict | None:
+    return self.rows.get(self._key(impl, mode, panel, t))
+
+  def seq_lens(self, panel: Panel) -> list[int]:
     return sorted({r["seq_len"] for r in self.results
-                   if cases.job_shape(r)._replace(seq_len=0) == family and r["dtype"] == dtype})
+                   if cases.job_shape(r)._replace(seq_len=0) == panel.family and r["dtype"] == panel.dtype})
 
   def ours(self) -> list[str]:
     return [i for i in self.impls if cases.IMPL_BY_NAME[i].kind == "ours"]
@@ -64,11 +84,6 @@ class Index:
 
 def ok(r: dict | None) -> bool:
   return r is not None and r["status"] == "ok"
-
-
-def panel_title(family: cases.Shape, dtype: str, decay) -> str:
-  setting = {True: "decay", False: "no decay", None: ""}[decay]
-  return ", ".join(x for x in (family.family(), dtype, setting) if x)
 
 
 def fmt_t(t: int) -> str:
@@ -127,8 +142,8 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 
 # ----------------------------------------------------------------------------- markdown sections
 
-def _fastest(index: Index, impls, mode, shape, dtype, decay) -> dict | None:
-  rows = [r for r in (index.get(i, mode, shape, dtype, decay) for i in impls) if ok(r)]
+def _fastest(index: Index, impls, mode, panel: Panel, t: int) -> dict | None:
+  rows = [r for r in (index.get(i, mode, panel, t) for i in impls) if ok(r)]
   return min(rows, key=lambda r: r["time_ms"], default=None)
 
 
@@ -159,15 +174,14 @@ def summary_table(data: dict, drop_empty: bool = False) -> str:
             "fastest peer fwd (ms)", "fastest peer fwd+bwd (ms)", "speedup vs cuDNN fwd / fwd+bwd",
             "x HBM floor fwd / fwd+bwd", "fastest peer / ours fwd / fwd+bwd"]
   rows = []
-  for family, dtype, decay in index.panels:
-    for t in index.seq_lens(family, dtype):
-      shape = family._replace(seq_len=t)
-      mine = {m: index.get(ours, m, shape, dtype, decay) for m in ("fwd", "fwdbwd")}
-      cudnn = {m: index.get(cases.BASELINE_IMPL, m, shape, dtype, decay) for m in ("fwd", "fwdbwd")}
-      peer = {m: _fastest(index, peers, m, shape, dtype, decay) for m in ("fwd", "fwdbwd")}
+  for panel in index.panels:
+    for t in index.seq_lens(panel):
+      mine = {m: index.get(ours, m, panel, t) for m in ("fwd", "fwdbwd")}
+      cudnn = {m: index.get(cases.BASELINE_IMPL, m, panel, t) for m in ("fwd", "fwdbwd")}
+      peer = {m: _fastest(index, peers, m, panel, t) for m in ("fwd", "fwdbwd")}
       speedups = " / ".join(fmt_cell(mine[m], "speedup_vs_cudnn", "{:.2f}x") or "–" for m in ("fwd", "fwdbwd"))
       floors = " / ".join(fmt_cell(mine[m], "floor_ratio", "{:.2f}") or "–" for m in ("fwd", "fwdbwd"))
-      rows.append([panel_title(family, dtype, decay), fmt_t(t), fmt_cell(mine["fwd"]), fmt_cell(mine["fwdbwd"]),
+      rows.append([panel.title(), fmt_t(t), fmt_cell(mine["fwd"]), fmt_cell(mine["fwdbwd"]),
                    fmt_cell(cudnn["fwd"]), fmt_cell(cudnn["fwdbwd"]),
                    *(f"{peer[m]['impl']} ({fmt_cell(peer[m])})" if peer[m] else "–" for m in ("fwd", "fwdbwd")),
                    speedups, floors, " / ".join(_peer_ratio(mine[m], peer[m]) for m in ("fwd", "fwdbwd"))])
@@ -188,7 +202,7 @@ def merge_runs(runs: list[dict]) -> dict:
   seen = set()
   for run in runs:
     for r in run["results"]:
-      key = Index._key(r["impl"], r["mode"], cases.job_shape(r), r["dtype"], r["decay"])
+      key = Index.key_of(r)
       if key in seen:
         raise ValueError(f"two of the runs measured the same case {key}")
       seen.add(key)
@@ -282,14 +296,13 @@ def by_shape_tables(data: dict) -> str:
   """One table per shape: implementations x modes, median ms (or the status)."""
   index = Index(data)
   parts = []
-  for family, dtype, decay in index.panels:
-    for t in index.seq_lens(family, dtype):
-      shape = family._replace(seq_len=t)
-      found = {impl: [index.get(impl, m, shape, dtype, decay) for m in index.modes] for impl in index.impls}
+  for panel in index.panels:
+    for t in index.seq_lens(panel):
+      found = {impl: [index.get(impl, m, panel, t) for m in index.modes] for impl in index.impls}
       rows = [[impl, *map(fmt_cell, rs)] for impl, rs in found.items()
               if any(r is not None and r["status"] != "skipped" for r in rs)]
       if rows:
-        parts.append(f"### {panel_title(family, dtype, decay)}, T = {t}\n\n"
+        parts.append(f"### {panel.title()}, T = {t}\n\n"
                      + md_table(["implementation", *(f"{m} ms" for m in index.modes)], rows))
   return "\n\n".join(parts) or "Nothing was measured."
 
@@ -297,14 +310,13 @@ def by_shape_tables(data: dict) -> str:
 def _per_t_tables(index: Index, title, field: str, cell, impls=None) -> str:
   """One table per panel and mode: rows implementations (those with a `field` value), columns T."""
   parts = []
-  for family, dtype, decay in index.panels:
-    ts = index.seq_lens(family, dtype)
+  for panel in index.panels:
+    ts = index.seq_lens(panel)
     for mode in index.modes:
-      found = {impl: [index.get(impl, mode, family._replace(seq_len=t), dtype, decay) for t in ts]
-               for impl in impls or index.impls}
+      found = {impl: [index.get(impl, mode, panel, t) for t in ts] for impl in impls or index.impls}
       rows = [[impl, *map(cell, rs)] for impl, rs in found.items() if any(ok(r) and field_of(r, field) for r in rs)]
       if rows:
-        parts.append(f"**{title}, {panel_title(family, dtype, decay)}, {mode}**\n\n"
+        parts.append(f"**{title}, {panel.title()}, {mode}**\n\n"
                      + md_table(["implementation", *(f"T={fmt_t(t)}" for t in ts)], rows))
   return "\n\n".join(parts) or "Not measured in this run."
 
@@ -315,16 +327,15 @@ def where_we_lose(data: dict) -> str:
   ours = index.ours()
   others = [i for i in index.impls if i not in ours]
   rows = []
-  for family, dtype, decay in index.panels:
-    for t in index.seq_lens(family, dtype):
-      shape = family._replace(seq_len=t)
+  for panel in index.panels:
+    for t in index.seq_lens(panel):
       for mode in index.modes:
-        best = _fastest(index, ours, mode, shape, dtype, decay)
+        best = _fastest(index, ours, mode, panel, t)
         for impl in others:
-          r = index.get(impl, mode, shape, dtype, decay)
+          r = index.get(impl, mode, panel, t)
           if best and ok(r) and r["time_ms"] < best["time_ms"]:
             spread = {True: "yes", False: "no", None: "–"}[overlap(best, r)]
-            rows.append([panel_title(family, dtype, decay), fmt_t(t), mode, f"{best['impl']} {fmt_cell(best)}",
+            rows.append([panel.title(), fmt_t(t), mode, f"{best['impl']} {fmt_cell(best)}",
                          f"{impl} {fmt_cell(r)}", f"{best['time_ms'] / r['time_ms']:.2f}x", spread])
   if not rows:
     return "No measured implementation beat the fastest lightning_jax implementation on any case."
@@ -365,6 +376,10 @@ def markdown(data: dict, plots: dict | None = None) -> str:
                       lambda r: memory_cell(r, "footprint_bytes")),
       "## Scaling with T\n\nTime at T / time at T/2: 2 is linear, 4 quadratic.\n\n"
       + _per_t_tables(index, "scaling ratio", "scaling_ratio", lambda r: fmt_cell(r, "scaling_ratio", "{:.2f}")),
+      *(["## Packed sequences\n\nTime of a row of packed sequences / time of the same row unpacked (1: packing "
+         "costs nothing).\n\n" + _per_t_tables(index, "packed / unpacked", "packing_ratio",
+                                                 lambda r: fmt_cell(r, "packing_ratio", "{:.3f}"))]
+        if any(panel.segments > 1 for panel in index.panels) else []),
       "## Distance to the HBM floor\n\nTime / (bytes that must move at the measured copy bandwidth): "
       "fwd moves q, k, v, o; bwd q, k, v, do, dq, dk, dv; fwd+bwd both.\n\n"
       + _per_t_tables(index, "x HBM floor", "floor_ratio", lambda r: fmt_cell(r, "floor_ratio", "{:.2f}"),
@@ -384,15 +399,19 @@ def _color(impl: str):
   return matplotlib.colormaps["tab10"](list(cases.IMPL_BY_NAME).index(impl) % 10)
 
 
+def _fit(title: str) -> str:
+  """A panel title in lines that fit its width (packed settings make long ones)."""
+  return textwrap.fill(title, 50)
+
+
 def _grid(plt, index: Index, rows: int):
   cols = max(1, len(index.panels))
   fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows + 0.8), squeeze=False)
   return fig, axes
 
 
-def _series(index: Index, impl, mode, family, dtype, decay, value):
-  points = [(t, value(r)) for t in index.seq_lens(family, dtype)
-            if ok(r := index.get(impl, mode, family._replace(seq_len=t), dtype, decay))]
+def _series(index: Index, impl, mode, panel: Panel, value):
+  points = [(t, value(r)) for t in index.seq_lens(panel) if ok(r := index.get(impl, mode, panel, t))]
   return [p for p in points if p[1] is not None]
 
 
@@ -401,18 +420,18 @@ def _line_plot(plt, index: Index, value, ylabel: str):
   fig, axes = _grid(plt, index, len(index.modes))
   handles = {}
   for row, mode in enumerate(index.modes):
-    for col, (family, dtype, decay) in enumerate(index.panels):
+    for col, panel in enumerate(index.panels):
       ax = axes[row][col]
       for impl in index.impls:
-        points = _series(index, impl, mode, family, dtype, decay, value)
+        points = _series(index, impl, mode, panel, value)
         if points:
           handles[impl], = ax.plot(*zip(*points), marker="o", ms=3, color=_color(impl), label=impl)
-      ts = index.seq_lens(family, dtype)
+      ts = index.seq_lens(panel)
       ax.set_xscale("log", base=2)
       ax.set_yscale("log")
       ax.set_xticks(ts, [fmt_t(t) for t in ts], fontsize=7)
       ax.set_xticks([], minor=True)
-      ax.set_title(f"{panel_title(family, dtype, decay)}: {mode}", fontsize=9)
+      ax.set_title(_fit(f"{panel.title()}: {mode}"), fontsize=9)
       ax.set_xlabel("T")
       ax.set_ylabel(ylabel)
       ax.grid(True, alpha=0.3)
@@ -425,13 +444,11 @@ def _line_plot(plt, index: Index, value, ylabel: str):
 def _split_plot(plt, index: Index):
   """Stacked fwd / bwd bars per implementation at the largest T of each panel that has both."""
   fig, axes = _grid(plt, index, 1)
-  for col, (family, dtype, decay) in enumerate(index.panels):
+  for col, panel in enumerate(index.panels):
     ax = axes[0][col]
     bars = []
-    for t in reversed(index.seq_lens(family, dtype)):
-      shape = family._replace(seq_len=t)
-      pairs = [(i, index.get(i, "fwd", shape, dtype, decay), index.get(i, "bwd", shape, dtype, decay))
-               for i in index.impls]
+    for t in reversed(index.seq_lens(panel)):
+      pairs = [(i, index.get(i, "fwd", panel, t), index.get(i, "bwd", panel, t)) for i in index.impls]
       bars = [(i, f["time_ms"], b["time_ms"]) for i, f, b in pairs if ok(f) and ok(b)]
       if bars:
         break
@@ -441,7 +458,7 @@ def _split_plot(plt, index: Index):
     names, fwd, bwd = zip(*bars)
     ax.barh(names, fwd, label="fwd")
     ax.barh(names, bwd, left=fwd, label="bwd")
-    ax.set_title(f"{panel_title(family, dtype, decay)}, T={fmt_t(t)}", fontsize=9)
+    ax.set_title(_fit(f"{panel.title()}, T={fmt_t(t)}"), fontsize=9)
     ax.set_xlabel("ms")
     ax.legend(fontsize=8)
     ax.tick_params(axis="y", labelsize=8)
@@ -506,16 +523,18 @@ MANIFEST_NAME = "MANIFEST.md"
 
 
 def _shapes_label(md: dict) -> str:
-  """The plan's shapes by family, dtype and decay settings: "B4 H32 D64: T 2K-32K (4); bf16; decay"."""
+  """The plan's shapes by family, dtype, decay and packing settings: "B4 H32 D64: T 2K-32K (4); bf16; decay"."""
+  plan = md.get("plan", {})
   families = {}
-  for shape in md.get("plan", {}).get("shapes", []):
+  for shape in plan.get("shapes", []):
     shape = cases.Shape(*shape)
     families.setdefault(shape._replace(seq_len=0).family(), []).append(shape.seq_len)
-  decays = {True: "decay", False: "no decay"}
+  segments = plan.get("segments", [1])  # runs before packing have none
+  packing = " and ".join(f"{n} packed sequences" if n > 1 else "unpacked" for n in segments)
   return "; ".join([*(f"{name}: T {fmt_t(min(ts))}-{fmt_t(max(ts))} ({len(ts)})" if len(ts) > 1
                       else f"{name}: T {fmt_t(ts[0])}" for name, ts in families.items()),
-                    str(md.get("plan", {}).get("dtype")),
-                    " and ".join(decays[d] for d in md.get("plan", {}).get("decays", []))])
+                    str(plan.get("dtype")), " and ".join(cases.DECAY_LABELS[d] for d in plan.get("decays", [])),
+                    *([packing] if segments != [1] else [])])
 
 
 def manifest(runs: dict[str, dict]) -> str:

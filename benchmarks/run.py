@@ -73,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--impls", help=f"implementations or sets {list(cases.IMPL_SETS)}, comma-separated; "
                                  f"names: {', '.join(cases.IMPL_BY_NAME)}")
   p.add_argument("--modes", help="comma-separated from fwd,bwd,fwdbwd")
-  p.add_argument("--decay", help="comma-separated from on,off")
+  p.add_argument("--decay", help="comma-separated from on (per-head rates), off, token (per-token rates)")
+  p.add_argument("--segments", help="sequences packed in each row, comma-separated (1: unpacked; 1,8: both)")
   p.add_argument("--dtype", choices=sorted(cases.DTYPE_ITEMSIZE))
   p.add_argument("--warmup", type=int, help="warm-up calls per case (after compilation)")
   p.add_argument("--iters", type=int, help="most timed samples per case")
@@ -118,10 +119,12 @@ def make_plan(args) -> Plan:
   shapes = cases.parse_shapes(args.shapes)
   modes = cases.parse_choices(args.modes, cases.MODES, "--modes")
   decays = [cases.DECAYS[d] for d in cases.parse_choices(args.decay, cases.DECAYS, "--decay")]
-  jobs = cases.make_jobs(impls, shapes, decays, modes, args.dtype)
+  segments = cases.parse_segments(args.segments)
+  jobs = cases.make_jobs(impls, shapes, decays, modes, args.dtype, segments)
   settings = {key: getattr(args, key) for key in SETTINGS}
   description = dict(profile=args.profile, impls=impls, shapes=[list(s) for s in shapes], modes=modes,
-                     decays=decays, dtype=args.dtype, max_seconds=args.max_seconds, repeats=args.repeats)
+                     decays=decays, segments=segments, dtype=args.dtype, max_seconds=args.max_seconds,
+                     repeats=args.repeats)
   return Plan(jobs, settings, description)
 
 
@@ -151,9 +154,10 @@ def _read_lines(path: pathlib.Path, skip: int) -> list[dict]:
 
 def _progress(r: dict, start: float):
   shape = f"B{r['batch']} T{r['seq_len']} H{r['heads']} D{r['dim_k']}"
-  decay = {True: "decay", False: "no-decay", None: ""}[r["decay"]]
+  setting = cases.setting_label(r["decay"], r["segments"])
   what = f"{r['time_ms']:10.3f} ms" if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')[:80]}"
-  print(f"[{time.time() - start:6.1f}s] {r['impl']:<21} {shape:<24} {decay:<8} {r['mode']:<6} {what}", flush=True)
+  print(f"[{time.time() - start:6.1f}s] {r['impl']:<21} {shape:<24} {setting:<8} {r['mode']:<6} {what}",
+        flush=True)
 
 
 def run_worker(module: str, args: list[str], workdir: pathlib.Path, name: str, kill_at: float,

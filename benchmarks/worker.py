@@ -12,7 +12,8 @@ that a crash loses only the case that was running:
 A result's status is "ok", "oom" (out of device memory, from XLA's
 RESOURCE_EXHAUSTED, torch's OutOfMemoryError, or the compiled memory analysis
 exceeding the device), "skipped" (package or device missing, time budget
-spent; with the reason) or "error" (any other exception; with its message).
+spent, a decay or packing the implementation cannot take; with the reason) or
+"error" (any other exception; with its message).
 Pure Python: the backends import their frameworks.
 """
 
@@ -28,7 +29,9 @@ import sys
 import time
 import traceback
 
-RESULT_FIELDS = ("impl", "group", "batch", "seq_len", "heads", "dim_k", "dim_v", "dtype", "decay")
+from benchmarks import cases
+
+RESULT_FIELDS = ("impl", "group", "batch", "seq_len", "heads", "dim_k", "dim_v", "dtype", "decay", "segments")
 
 
 def package_versions(names) -> dict:
@@ -114,7 +117,7 @@ def run_job(backend: Backend, job: dict, settings: dict, deadline: float):
   """Yields one result per mode of `job`; never raises."""
   pending = list(job["modes"])
   try:
-    reason = backend.unavailable_reason(job)
+    reason = cases.unsupported(job) or backend.unavailable_reason(job)
     if reason is None and time.time() > deadline:
       reason = TIME_BUDGET
     if reason is not None:

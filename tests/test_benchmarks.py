@@ -1,6 +1,8 @@
-"""The benchmark suite: `python -m benchmarks.run --smoke` end to end on the CPU, and its pure parts."""
+"""The benchmark suite: `python -m benchmarks.run --smoke` (and the per-token decay and packing smoke profile)
+end to end on the CPU, and its pure parts."""
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -18,16 +20,35 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 STATUSES = {"ok", "oom", "skipped", "error"}
 
 
+def _run_cli(tmp_path_factory, name: str, *args: str):
+  """(output folder, results JSON, stdout) of `python -m benchmarks.run *args` with every output.
+
+  Run once per session: pytest-xdist workers share the folder of the first
+  (under a lock), instead of each running it on the same few cores.
+  """
+  shared = os.environ.get("PYTEST_XDIST_WORKER")
+  root = tmp_path_factory.getbasetemp().parent if shared else tmp_path_factory.getbasetemp()
+  out, log = root / name, root / f"{name}.stdout"
+  with open(root / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not log.exists():
+      env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+      proc = subprocess.run([sys.executable, "-m", "benchmarks.run", *args, "--save", "--plot", "--report",
+                             "--out-dir", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+      assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+      log.write_text(proc.stdout)
+  (path,) = out.glob("*.json")
+  return out, json.loads(path.read_text()), log.read_text()
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-  """(output folder, results JSON, stdout) of one smoke run with every output."""
-  out = tmp_path_factory.mktemp("bench")
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-  proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--save", "--plot", "--report",
-                         "--out-dir", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  (path,) = out.glob("*.json")
-  return out, json.loads(path.read_text()), proc.stdout
+  return _run_cli(tmp_path_factory, "smoke", "--smoke")
+
+
+@pytest.fixture(scope="module")
+def smoke_token_packed(tmp_path_factory):
+  return _run_cli(tmp_path_factory, "smoke-token-packed", "--profile", "smoke-token-packed")
 
 
 @pytest.mark.slow  # one end-to-end run in a subprocess
@@ -58,16 +79,22 @@ def test_smoke_metadata(smoke):
   assert md["device_slug"] == cases.device_slug(md["device_kind"])
 
 
+def _check_plan_order(data):
+  """The results are the plan's cases, in its order, each with a known status."""
+  plan = data["metadata"]["plan"]
+  jobs = cases.make_jobs(plan["impls"], [cases.Shape(*s) for s in plan["shapes"]], plan["decays"], plan["modes"],
+                         plan["dtype"], plan["segments"])
+  results = data["results"]
+  assert [(r["impl"], r["seq_len"], r["decay"], r["segments"], r["mode"]) for r in results] == [
+      (j["impl"], j["seq_len"], j["decay"], j["segments"], m) for j in jobs for m in j["modes"]]
+  assert {r["status"] for r in results} <= STATUSES
+
+
 @pytest.mark.slow  # one end-to-end run in a subprocess
 def test_smoke_results_are_complete_and_consistent(smoke):
   _, data, _ = smoke
-  plan = data["metadata"]["plan"]
-  jobs = cases.make_jobs(plan["impls"], [cases.Shape(*s) for s in plan["shapes"]], plan["decays"], plan["modes"],
-                         plan["dtype"])
+  _check_plan_order(data)
   results = data["results"]
-  assert [(r["impl"], r["seq_len"], r["mode"]) for r in results] == [
-      (j["impl"], j["seq_len"], m) for j in jobs for m in j["modes"]]
-  assert {r["status"] for r in results} <= STATUSES
   for r in results:
     if r["status"] != "ok":
       assert r["reason"]
@@ -82,6 +109,25 @@ def test_smoke_results_are_complete_and_consistent(smoke):
     assert all(r["status"] == "skipped" for r in results if r["impl"].startswith(("fla", "lightning-attn")))
 
 
+@pytest.mark.slow  # one end-to-end run in a subprocess
+def test_smoke_token_decay_and_packing(smoke_token_packed):
+  """Per-token decay unpacked and packed: ours measured, the packing ratio derived and reported, the peers that
+  cannot take them skipped with the reason."""
+  out, data, stdout = smoke_token_packed
+  _check_plan_order(data)
+  ours = {(r["segments"], r["mode"]): r for r in data["results"] if r["impl"] == "lj-pallas-auto"}
+  assert set(ours) == {(n, m) for n in (1, 3) for m in ("fwd", "fwdbwd")}
+  assert all(r["status"] == "ok" and r["decay"] == "token" for r in ours.values()), ours
+  for mode in ("fwd", "fwdbwd"):
+    assert ours[3, mode]["packing_ratio"] == pytest.approx(ours[3, mode]["time_ms"] / ours[1, mode]["time_ms"])
+    assert "packing_ratio" not in ours[1, mode]
+  la2 = {r["reason"] for r in data["results"] if r["impl"] == "lightning-attn2"}
+  assert la2 == {cases.IMPL_BY_NAME["lightning-attn2"].no_token_decay}
+  md = (out / f"{data['metadata']['device_slug']}.md").read_text()
+  assert "## Packed sequences" in md and "**packed / unpacked, B1 H2 D16, bf16, per-token decay, 3 packed" in md
+  assert "| B1 H2 D16, bf16, per-token decay, 3 packed sequences | 64 |" in stdout
+
+
 def test_parse_shapes_and_impls():
   assert cases.parse_shapes("2x1024x4x64,1x8x2x16x32") == [cases.Shape(2, 1024, 4, 64, 64),
                                                           cases.Shape(1, 8, 2, 16, 32)]
@@ -93,6 +139,78 @@ def test_parse_shapes_and_impls():
       cases.parse_shapes(bad)
   with pytest.raises(ValueError):
     cases.parse_impls("flash")
+
+
+def test_token_and_packed_options_and_profiles():
+  assert cases.parse_segments("1, 8,8") == [1, 8]
+  for bad in ("0", "1,x", "", "-2"):
+    with pytest.raises(ValueError):
+      cases.parse_segments(bad)
+  with pytest.raises(ValueError):
+    run.make_plan(run.parse_args(["--smoke", "--decay", "per-token"]))
+  plan = run.make_plan(run.parse_args(["--smoke", "--decay", "off,token", "--segments", "1,4", "--impls", "lj-xla"]))
+  assert [(j["seq_len"], j["segments"], j["decay"]) for j in plan.jobs] == [
+      (t, n, d) for t in (32, 64) for n in (1, 4) for d in (False, "token")]
+  assert plan.description["segments"] == [1, 4] and plan.description["decays"] == [False, "token"]
+  # The GPU runs of the targets: per-token decay at the LA3 families, T 8K and 32K; a packed 32K row and the same
+  # row unpacked. Other profiles are unpacked.
+  token = run.make_plan(run.parse_args(["--profile", "token"]))
+  assert {(j["batch"], j["seq_len"], j["heads"], j["dim_k"]) for j in token.jobs} == {
+      (b, t, 32, d) for b, d in ((4, 64), (2, 128)) for t in (8192, 32768)}
+  assert {j["decay"] for j in token.jobs} == {"token"} and {j["segments"] for j in token.jobs} == {1}
+  assert {"lj-pallas-auto", "fla-chunk", "fla-fused_chunk", "jla-mosaic"} <= {j["impl"] for j in token.jobs}
+  assert token.description["modes"] == ["fwd", "fwdbwd"]
+  packed = run.make_plan(run.parse_args(["--profile", "packed"]))
+  assert {cases.job_shape(j) for j in packed.jobs} == {cases.Shape(1, 32768, 32, 128, 128)}
+  assert {(j["decay"], j["segments"]) for j in packed.jobs if j["impl"] == "lj-pallas-auto"} == {
+      (d, n) for d in (True, "token") for n in (1, 8)}
+  assert all(run.make_plan(run.parse_args(["--profile", p])).description["segments"] == [1]
+             for p in ("full", "quick", "long", "smoke"))
+
+
+def test_packed_jobs_and_what_each_implementation_takes():
+  """Softmax gets one job per shape and packing; jobs an implementation cannot take are skipped with the reason,
+  without asking the backend."""
+  jobs = cases.make_jobs(["fla-chunk", "xla-softmax", "lightning-attn2"], [cases.Shape(1, 64, 2, 16, 16)],
+                         [True, "token"], ["fwd"], "bf16", [1, 3])
+  skipped = [(j["impl"], j["decay"], j["segments"], cases.unsupported(j)) for j in jobs]
+  la2 = cases.IMPL_BY_NAME["lightning-attn2"]
+  assert skipped == [
+      ("fla-chunk", True, 1, None), ("xla-softmax", None, 1, None), ("lightning-attn2", True, 1, None),
+      ("fla-chunk", "token", 1, None), ("lightning-attn2", "token", 1, la2.no_token_decay),
+      ("fla-chunk", True, 3, None), ("xla-softmax", None, 3, cases.IMPL_BY_NAME["xla-softmax"].no_packing),
+      ("lightning-attn2", True, 3, la2.no_packing),
+      ("fla-chunk", "token", 3, None), ("lightning-attn2", "token", 3, la2.no_token_decay)]
+  (late,) = worker.run_job(_Backend(), jobs[4], {}, deadline=float("inf"))
+  assert (late["status"], late["reason"], late["segments"]) == ("skipped", la2.no_token_decay, 1)
+  # T = 65 has 63 places for a boundary (1..64, less 64): at most 64 sequences.
+  assert cases.make_jobs(["lj-xla"], [cases.Shape(1, 65, 1, 16, 16)], [True], ["fwd"], "bf16", [64])
+  with pytest.raises(ValueError, match="cannot hold 65"):
+    cases.make_jobs(["lj-xla"], [cases.Shape(1, 65, 1, 16, 16)], [True], ["fwd"], "bf16", [65])
+
+
+def test_segments_and_per_token_rates():
+  """Random sequence lengths and per-token rates: deterministic, each implementation's form of the same values."""
+  job = cases.make_jobs(["lj-xla"], [cases.Shape(2, 1000, 3, 16, 16)], ["token"], ["fwd"], "bf16", [8])[0]
+  starts = cases.segment_starts(job)
+  assert starts == cases.segment_starts(job) and starts[0] != starts[1]  # fixed seed; the rows differ
+  for row in starts:
+    assert len(row) == 8 and row[0] == 0 and row == sorted(set(row)) and row[-1] < 1000
+    assert all(s % 64 for s in row[1:])  # every boundary inside a chunk
+  ids = cases.segment_ids(job)
+  assert ids.shape == (2, 1000) and ids.dtype == "int32"
+  for row, row_ids in zip(starts, ids):
+    assert [0, *(1 + (row_ids[1:] != row_ids[:-1]).nonzero()[0]).tolist()] == row and row_ids[-1] == 7
+  assert cases.cu_seqlens(job) == [*starts[0], *(1000 + s for s in starts[1]), 2000]
+  assert cases.segment_ids({**job, "segments": 1}) is None
+  rates = cases.decay_array(job)
+  per_head = cases.decay_array({**job, "decay": True})
+  assert rates.shape == (2, 1000, 3) and rates.dtype == per_head.dtype == "float32"
+  assert (rates >= 0.5 * per_head).all() and (rates <= 1.5 * per_head).all() and rates.std() > 0
+  assert (rates == cases.decay_array(job)).all()
+  assert per_head.tolist() == pytest.approx(cases.decay_rates(3))
+  assert cases.decay_array({**job, "decay": False}) is None and cases.decay_array({**job, "decay": None}) is None
+  assert cases.differentiates_decay(job) and not cases.differentiates_decay({**job, "decay": True})
 
 
 def test_make_jobs_orders_by_t_and_runs_softmax_once_per_shape():
@@ -152,6 +270,46 @@ def test_report_where_we_lose_and_summary():
           "| – / 2.00x | – / – |") in md
 
 
+def test_report_of_packed_and_per_token_results_beside_older_ones():
+  """Results written before packing (no `segments`) read as unpacked rows; packed rows get their ratio to them."""
+  older = _result("lj-pallas-auto", 1024, 2.0)
+  packed = {**_result("lj-pallas-auto", 1024, 2.1), "segments": 8}
+  token = {**_result("lj-pallas-auto", 1024, 3.0, decay="token"), "segments": 1}
+  token_packed = {**_result("lj-pallas-auto", 1024, 3.3, decay="token"), "segments": 8}
+  peer = {**_result("fla-chunk", 1024, 3.6, decay="token"), "segments": 1}
+  data = {"metadata": {"device_kind": "test"},
+          "results": metrics.derive([older, packed, token, token_packed, peer], None)}
+  assert packed["packing_ratio"] == pytest.approx(1.05) and token_packed["packing_ratio"] == pytest.approx(1.1)
+  assert "packing_ratio" not in older and "packing_ratio" not in token
+  assert token["floor_bytes"] - older["floor_bytes"] == 2 * 1024 * 4 * 12  # rates read twice, gradient written
+  md = report.markdown(data)
+  assert "**packed / unpacked, B2 H4 D64 E32, bf16, per-token decay, 8 packed sequences, fwdbwd**" in md
+  assert "| lj-pallas-auto | 1.050 |" in md and "| lj-pallas-auto | 1.100 |" in md
+  summary = report.summary_table(data, drop_empty=True)
+  assert "| B2 H4 D64 E32, bf16, decay, 8 packed sequences | 1K | 2.100 | – | – / – |" in summary
+  assert "| B2 H4 D64 E32, bf16, per-token decay | 1K | 3.000 | fla-chunk (3.600) | – / 1.20x |" in summary
+  with pytest.raises(ValueError, match="same case"):  # an older result and a new unpacked one are one case
+    report.merge_runs([{"metadata": {}, "results": [older]}, {"metadata": {}, "results": [{**older, "segments": 1}]}])
+  plan = {"shapes": [[1, 32768, 32, 128, 128]], "dtype": "bf16", "decays": [True, "token"], "segments": [1, 8]}
+  assert report._shapes_label({"plan": plan}) == (
+      "B1 H32 D128: T 32K; bf16; decay and per-token decay; unpacked and 8 packed sequences")
+
+
+def test_per_token_rates_are_differentiated():
+  """fwd+bwd and bwd differentiate the first extra argument where asked (per-token rates), not the others."""
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from benchmarks import jax_impls  # noqa: PLC0415 -- imports JAX
+
+  def attn(q, k, v, rates, ids):
+    return (q + k + v) * rates[..., None] * ids[..., None, None]
+
+  x, rates, ids = jnp.ones((1, 4, 2, 3)), jnp.full((1, 4, 2), 2.0), jnp.ones((1, 4), jnp.int32)
+  _, grads = jax_impls.mode_functions(attn, 1)["fwdbwd"](x, x, x, x, rates, ids)
+  assert len(grads) == 4 and (grads[3] == 9.0).all()
+  assert len(jax_impls.mode_functions(attn)["fwdbwd"](x, x, x, x, rates, ids)[1]) == 3
+
+
 def test_sample_seconds_of_the_profiles():
   assert run.make_plan(run.parse_args(["--sample-seconds", "0.05"])).settings["sample_seconds"] == 0.05
   assert run.make_plan(run.parse_args([])).settings["sample_seconds"] == cases.GPU_SAMPLE_SECONDS
@@ -187,6 +345,8 @@ def test_resume_runs_only_missing_modes_and_merges_in_plan_order():
   earlier = [worker.result(jobs[1], "fwd", "ok", time_ms=1.0), worker.result(jobs[0], "bwd", "oom", reason="x")]
   todo = run.still_to_run(jobs, earlier)
   assert [(j["seq_len"], j["modes"]) for j in todo] == [(8, ["fwd"]), (16, ["bwd"])]
+  older = [{k: v for k, v in r.items() if k != "segments"} for r in earlier]  # a JSON from before packing
+  assert run.still_to_run(jobs, older) == todo
   new = [worker.result(j, m, "ok", time_ms=2.0) for j in todo for m in j["modes"]]
   merged = run.merge(jobs, earlier, new)
   assert [(r["seq_len"], r["mode"], r["status"]) for r in merged] == [

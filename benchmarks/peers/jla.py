@@ -4,8 +4,10 @@
 
 q, k: [B, T, H, K], v: [B, T, H, V] (our layout), bf16/fp16 with K, V in
 {64, 128}, on an sm_90 GPU. `g` is the [B, T, H] natural-log decay of every
-token, so `g = -decay` broadcast over B and T (zeros without decay); it is an
-argument of the compiled functions, not differentiated. `impl="mosaic_gpu"`
+token, so `g = -decay` (per-head rates broadcast over B and T; zeros without
+decay); it is an argument of the compiled functions, not differentiated.
+Packed rows: `segment_ids` [B, T] (the Mosaic GPU kernels take no
+`cu_seqlens`). `impl="mosaic_gpu"`
 selects the Pallas Mosaic GPU kernels (registered when `jla.ops.mosaic_gpu`
 imports); other impls are "chunked" (plain JAX) and "reference".
 Measured with the JAX worker of `benchmarks.jax_impls`.
@@ -17,16 +19,20 @@ from benchmarks import cases, worker
 
 
 def make_attention(job: dict):
-  """(attn(q, k, v, g) -> o, (g,)) for one jla job."""
+  """(attn(q, k, v, g[, segment_ids]) -> o, (g[, segment_ids])) for one jla job."""
   import jax.numpy as jnp  # noqa: PLC0415
   from jla import ops  # noqa: PLC0415 -- the package is optional
 
+  from benchmarks import jax_impls  # noqa: PLC0415 -- imports JAX
+
   b, t, h, d, _ = cases.job_shape(job)
-  rates = jnp.asarray(cases.decay_rates(h), jnp.float32) if job["decay"] else jnp.zeros((h,), jnp.float32)
-  g = jnp.broadcast_to(-rates, (b, t, h))
-  attn = lambda q, k, v, g: ops.linear_attention("simple_gla", q, k, v, g=g, impl="mosaic_gpu",  # noqa: E731
-                                                 scale=d ** -0.5)[0]
-  return attn, (g,)
+  rates = cases.decay_array(job)
+  inputs = {"g": -jnp.broadcast_to(jnp.zeros(h, jnp.float32) if rates is None else rates, (b, t, h))}
+  ids = cases.segment_ids(job)
+  if ids is not None:
+    inputs["segment_ids"] = jnp.asarray(ids)
+  return jax_impls.bind(lambda q, k, v, **inputs: ops.linear_attention("simple_gla", q, k, v, impl="mosaic_gpu",
+                                                                       scale=d ** -0.5, **inputs)[0], inputs)
 
 
 def unavailable(job: dict) -> str | None:
