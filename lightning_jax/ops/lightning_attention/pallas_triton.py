@@ -65,8 +65,9 @@ class SweepOperands(NamedTuple):
     segment_starts: [B, T] bool, tokens that start a segment, or None; `sweep`
       only (the kernels get chunk_runs).
     chunk_cumdecay, chunk_runs: [B, H, Tp] float32 and [B, Tp] int32, the
-      per-token factors' inputs in the sweep's convention
-      (`chunk_common.token_chunk_gates`); None for a per-head rate.
+      per-chunk factors' inputs in the sweep's convention
+      (`chunk_common.token_chunk_gates`): cumdecay with per-token rates only,
+      runs with per-token rates or segments (a per-head rate is then masked).
     x, y: [B, T, H, K]; z: [B, T, H, V].
     dual_with: [B, T, H, V] u of the dual output, or None.
     initial_state: [B, H, K, V] float32, or None (zeros); in the chunk loop's
