@@ -67,7 +67,8 @@ def sequence_states(q, k, v, decay, cu_seqlens, *, scale, initial_state, with_fi
   num_pairs = nc + n - 1
   pair_chunk = jnp.clip(jax.ops.segment_max(chunk, pair, num_pairs), 0, nc - 1)
   pair_seq = jnp.clip(jax.ops.segment_max(seq, pair, num_pairs), 0, n - 1)
-  in_pair = pair.reshape(nc, c)[pair_chunk] == jnp.arange(num_pairs)[:, None]  # [P, C]
+  # [P, C, 1]: 1 where row c of pair p's chunk belongs to pair p.
+  in_pair = jnp.where(pair.reshape(nc, c)[pair_chunk] == jnp.arange(num_pairs)[:, None], 1.0, 0.0)[..., None]
 
   rates = jnp.zeros((t, h), jnp.float32) if decay is None else jnp.broadcast_to(decay, (1, t, h))[0]
   rates = jnp.pad(rates.astype(jnp.float32), ((0, tp - t), (0, 0)))
@@ -78,7 +79,7 @@ def sequence_states(q, k, v, decay, cu_seqlens, *, scale, initial_state, with_fi
   o_extra = final_states = None
   if initial_state is not None:
     from_start = segmented_exp(rates, first, reverse=False)  # exp(-F_t)
-    weights = jnp.where(in_pair, 1.0, 0.0)[..., None] * by_pair(from_start)  # [P, C, H]
+    weights = in_pair * by_pair(from_start)  # [P, C, H]
     o_pairs = jnp.einsum("pchd,phde->pche", by_pair(pad(q)) * weights[..., None], initial_state[pair_seq],
                          precision=_HI)
     o_extra = scale * jax.ops.segment_sum(o_pairs, pair_chunk, nc).reshape(tp, h, e)[None, :t]
@@ -86,7 +87,7 @@ def sequence_states(q, k, v, decay, cu_seqlens, *, scale, initial_state, with_fi
     # R_j: the rates after j, so the token after j's rate, summed backwards within the sequence.
     after = jnp.where(last[:, None], 0.0, jnp.pad(rates[1:], ((0, 1), (0, 0))))
     to_end = segmented_exp(after, last, reverse=True)  # exp(-R_j)
-    weights = jnp.where(in_pair, 1.0, 0.0)[..., None] * by_pair(to_end)
+    weights = in_pair * by_pair(to_end)
     partial = jnp.einsum("pchd,pche->phde", by_pair(pad(k)) * weights[..., None], by_pair(pad(v)), precision=_HI)
     final_states = jax.ops.segment_sum(partial, pair_seq, n)
     if initial_state is not None:

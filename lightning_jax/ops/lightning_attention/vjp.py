@@ -24,16 +24,17 @@ All of U's terms carry non-negative distance weights, so no large terms cancel
 (a reverse-mode reduction such as sum_t t (q_t . dq_t - k_t . dk_t) is exact in
 real arithmetic but loses every digit to cancellation in bfloat16).
 
-Per-token rates need one gradient per token, which forward mode cannot give. With B_t the rates summed from the start of t's segment, o_t weighs
-token j by exp(-(B_t - B_j)), so, with float32 row dots from the sweeps,
+Per-token rates need one gradient per token, which forward mode cannot give.
+With B_t the rates summed from the start of t's segment, o_t weighs token j by
+exp(-(B_t - B_j)), so, with float32 row dots from the sweeps,
 
     dL/dB_t = k_t . dk_t - q_t . dq_t  (- <dS_T, S_T> at the last token),
     dL/dr_s = sum_{t >= s in s's segment} dL/dB_t   (0 where s starts a segment),
 
 as flash-linear-attention's simple GLA does. Residuals are the inputs (and the
-final state, for that last term): nothing of size O(T D E) is kept. Cotangents nobody asked for
-(`symbolic_zeros`) are not computed: a decay that is not differentiated costs
-no tangent, unused q or k, v gradients no sweep.
+final state, for that last term): nothing of size O(T D E) is kept. Cotangents
+nobody asked for (`symbolic_zeros`) are not computed: a decay that is not
+differentiated costs no tangent, unused q or k, v gradients no sweep.
 """
 
 from __future__ import annotations
@@ -64,9 +65,13 @@ class Needs(NamedTuple):
   d_initial: bool
 
 
+def _per_token(decay):
+  return decay is not None and decay.ndim == 3
+
+
 def _gates(decay, segment_starts):
   """The SweepOperands fields of the decay (per-head or per-token rates) and the segment starts."""
-  if decay is not None and decay.ndim == 3:
+  if _per_token(decay):
     return dict(token_decay=decay, segment_starts=segment_starts)
   return dict(decay=decay, segment_starts=segment_starts)
 
@@ -100,8 +105,7 @@ def _forward(q, k, v, decay, segment_starts, initial_state, opts):
       None if x is None else x.value for x in (q, k, v, decay, segment_starts, initial_state))
   out = _primal(q, k, v, decay, segment_starts, initial_state, opts)
   # The per-token decay gradient's last term reads the final state.
-  final_state = out[1] if opts.return_final_state and needs.d_decay and "token_decay" in _gates(
-      decay, segment_starts) else None
+  final_state = out[1] if opts.return_final_state and needs.d_decay and _per_token(decay) else None
   return out, (q, k, v, decay, segment_starts, initial_state, final_state, needs)
 
 
@@ -123,7 +127,7 @@ def _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state):
 def _backward(opts, residuals, cotangents):
   q, k, v, decay, segment_starts, initial_state, final_state, needs = residuals
   gates = _gates(decay, segment_starts)
-  per_token = "token_decay" in gates
+  per_token = _per_token(decay)
   if opts.variant == "warp_specialized":  # a forward kernel only: the backward sweeps are chunk_loop's
     opts = dataclasses.replace(opts, variant="chunk_loop")
   do, d_final = cotangents if opts.return_final_state else (cotangents, None)
@@ -135,7 +139,7 @@ def _backward(opts, residuals, cotangents):
   transpose = lambda s: None if s is None else jnp.swapaxes(s, -1, -2)  # noqa: E731
   d_final_scaled = None if d_final is None else d_final / scale
   with_tangent = needs.d_decay and decay is not None and not per_token  # forward mode, per-head rate
-  token_grad = needs.d_decay and decay is not None and per_token  # reverse mode, per-token rates
+  token_grad = needs.d_decay and per_token  # reverse mode, per-token rates
 
   sweep = functools.partial(pallas_triton.sweep, opts=opts)
   dq = d_decay = d_initial = dk = dv = q_dq = None
@@ -167,7 +171,7 @@ def _backward(opts, residuals, cotangents):
     dv, dk = res.out, res.dual
     if with_initial:
       # A per-token reverse sweep ends at G_0; S_0 reached it through token 0's factor.
-      first_decay = 1.0 if not per_token or decay is None else jnp.exp(-decay[:, 0])[..., None, None]
+      first_decay = jnp.exp(-decay[:, 0])[..., None, None] if per_token else 1.0
       d_initial = scale * first_decay * res.final_state
   if (needs.dk and not fuse) or token_grad:
     res = sweep(SweepOperands(**gates, x=v, y=do, z=q, initial_state=transpose(d_final_scaled),
