@@ -13,6 +13,7 @@ from lightning_jax.ops.lightning_attention import (
     lightning_attention_quadratic,
     lightning_attention_recurrent,
     segment_ids_from_cu_seqlens,
+    sharded_lightning_attention,
     use_tuning_cache,
 )
 from lightning_jax.attention_fn import attention_fn
@@ -36,6 +37,7 @@ __all__ = [
     "lightning_attention_recurrent",
     "minimax_slopes",
     "segment_ids_from_cu_seqlens",
+    "sharded_lightning_attention",
     "use_tuning_cache",
 ]
 

@@ -110,10 +110,39 @@ class LayerSpec:
   impl: str
   variant: str
   config: LightningConfig | None
+  sharding: Sharding | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+  """Where the op runs: over `mesh` (`sharded_lightning_attention`), or, mesh None, inside the caller's
+  shard_map with T split over `sequence_axis`."""
+  mesh: jax.sharding.Mesh | None
+  batch_axes: tuple[str, ...] | str | None
+  head_axis: str | None
+  sequence_axis: str | None
+
+
+def make_sharding(*, mesh, batch_axes, head_axis, sequence_axis) -> Sharding | None:
+  """Checks the layer's mesh arguments (None when none is given)."""
+  if mesh is None and batch_axes is None and head_axis is None and sequence_axis is None:
+    return None
+  if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh must be None or a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if mesh is None and (batch_axes is not None or head_axis is not None):
+    raise ValueError("batch_axes and head_axis need a mesh (inside your own shard_map, give sequence_axis only)")
+  if isinstance(batch_axes, list):
+    batch_axes = tuple(batch_axes)
+  names = (() if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes) + tuple(
+      a for a in (head_axis, sequence_axis) if a is not None)
+  if mesh is not None and any(a not in mesh.axis_names for a in names):
+    raise ValueError(f"mesh axes {names} must be among the mesh's {tuple(mesh.axis_names)}")
+  return Sharding(mesh, batch_axes, head_axis, sequence_axis)
 
 
 def make_spec(*, num_heads, in_features, qkv_features, out_features, decay, layer_idx, num_layers,
-              learnable_decay, feature_map, output_gate, output_norm, scale, impl, variant, config) -> LayerSpec:
+              learnable_decay, feature_map, output_gate, output_norm, scale, impl, variant, config,
+              mesh=None, batch_axes=None, head_axis=None, sequence_axis=None) -> LayerSpec:
   """Validates the layer arguments (clear errors naming each one) and resolves defaults."""
   for name, value, optional in (("num_heads", num_heads, False), ("in_features", in_features, False),
                                 ("qkv_features", qkv_features, True), ("out_features", out_features, True)):
@@ -143,7 +172,8 @@ def make_spec(*, num_heads, in_features, qkv_features, out_features, decay, laye
       out_features=in_features if out_features is None else out_features, head_dim=head_dim,
       decay=None if rates is None else tuple(float(r) for r in rates), learnable_decay=learnable_decay,
       feature_map=feature_map, output_gate=output_gate, output_norm=output_norm,
-      scale=float(head_dim ** -0.5 if scale is None else scale), impl=impl, variant=variant, config=config)
+      scale=float(head_dim ** -0.5 if scale is None else scale), impl=impl, variant=variant, config=config,
+      sharding=make_sharding(mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=sequence_axis))
 
 
 def check_inputs(inputs, spec: LayerSpec) -> None:
@@ -189,26 +219,32 @@ def rms_norm(x, scale, axes) -> jax.Array:
 # `linear_attention` and `attend` are jitted so that eager calls (e.g. a decode
 # loop outside jit) compile once per shape instead of dispatching op by op;
 # under an outer jit they are inlined.
-@functools.partial(jax.jit, static_argnames=("scale", "impl", "variant", "config", "interpret"))
-def linear_attention(q, k, v, decay, *, scale, impl, variant, config, interpret=None, state=None, segment_ids=None):
+@functools.partial(jax.jit, static_argnames=("scale", "impl", "variant", "config", "interpret", "sharding"))
+def linear_attention(q, k, v, decay, *, scale, impl, variant, config, interpret=None, state=None, segment_ids=None,
+                     sharding: Sharding | None = None):
   """Causal linear attention; with `state` also returns the state after these tokens.
 
   q, k: [B, T, H, D]; v: [B, T, H, E]; decay: float32 [H] or None; state: [B, H, D, E]
   or None; segment_ids: int [B, T] or None (packed sequences; `state` feeds each
-  row's first segment). Returns o [B, T, H, E] (q.dtype), or (o, new float32
-  state: at the end of each row's last segment) given `state`.
+  row's first segment); sharding: where the op runs (`Sharding`), or None.
+  Returns o [B, T, H, E] (q.dtype), or (o, new float32 state: at the end of
+  each row's last segment) given `state`.
   """
-  if state is None:
-    return op_api.lightning_attention(q, k, v, decay, scale=scale, segment_ids=segment_ids, impl=impl,
-                                      variant=variant, config=config, interpret=interpret)
-  if q.shape[1] == 1:  # a decode step: a few flops in jnp (the oracle's scan), not worth a kernel launch
-    # One token is one segment: its ids change nothing here (the caller restarts the state).
+  if state is not None and q.shape[1] == 1:
+    # A decode step: a few flops in jnp (the oracle's scan), not worth a kernel
+    # launch (XLA splits it over any mesh). One token is one segment: its ids
+    # change nothing here (the caller restarts the state).
     o, new_state = reference.lightning_attention_recurrent(q, k, v, decay, scale=scale, initial_state=state)
     return o.astype(q.dtype), new_state
-  # Chunked prefill: the kernel resumes from and returns the state.
-  return op_api.lightning_attention(q, k, v, decay, scale=scale, initial_state=state, return_final_state=True,
-                                    segment_ids=segment_ids, impl=impl, variant=variant, config=config,
-                                    interpret=interpret)
+  # Chunked prefill (with `state`): the kernel resumes from and returns the state.
+  kwargs = dict(scale=scale, initial_state=state, return_final_state=state is not None, segment_ids=segment_ids,
+                impl=impl, variant=variant, config=config, interpret=interpret)
+  if sharding is not None and sharding.mesh is not None:
+    return op_api.sharded_lightning_attention(q, k, v, decay, mesh=sharding.mesh, batch_axes=sharding.batch_axes,
+                                              head_axis=sharding.head_axis, sequence_axis=sharding.sequence_axis,
+                                              **kwargs)
+  return op_api.lightning_attention(q, k, v, decay, sequence_axis=None if sharding is None else sharding.sequence_axis,
+                                    **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames="spec")
@@ -233,7 +269,7 @@ def attend(spec: LayerSpec, q, k, v, *, decay, gate=None, norm_scale=None, segme
   fmap = FEATURE_MAPS[spec.feature_map]
   q, k = fmap(q), fmap(k)
   out = linear_attention(q, k, v, decay, scale=spec.scale, impl=spec.impl, variant=spec.variant,
-                         config=spec.config, state=state, segment_ids=segment_ids)
+                         config=spec.config, state=state, segment_ids=segment_ids, sharding=spec.sharding)
   o, new_cache = (out, None) if state is None else (out[0], (out[1].astype(state.dtype), last_ids))
   if spec.output_norm is not None:
     o = rms_norm(o, norm_scale, (-2, -1) if spec.output_norm == "rms" else -1)
@@ -297,4 +333,11 @@ LAYER_DOC = """Lightning Attention layer: causal linear attention with per-head 
       (`init_cache`) and update it; overridable per call.
     impl, variant, config: passed to `lightning_attention` ("auto": the Pallas
       kernels on supported GPUs, the chunked XLA path elsewhere).
+    mesh, batch_axes, head_axis, sequence_axis: several devices. With a
+      `jax.sharding.Mesh`, the op runs through `sharded_lightning_attention`
+      with B split over batch_axes, H over head_axis and T over sequence_axis
+      (sequence parallelism; a name each, batch_axes also a tuple). Without a
+      mesh, sequence_axis alone: the layer is called inside your own
+      `jax.shard_map` with T split over that axis. One-token decode steps run
+      in jnp, which XLA splits by itself.
   """

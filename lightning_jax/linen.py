@@ -47,6 +47,10 @@ class LightningAttention(nn.Module):
   impl: str = "auto"
   variant: str = "auto"
   config: Any = None
+  mesh: Any = None
+  batch_axes: Any = None
+  head_axis: str | None = None
+  sequence_axis: str | None = None
 
   def __post_init__(self):
     _ = self.spec  # validates the arguments at construction, as the NNX layer does
@@ -58,7 +62,8 @@ class LightningAttention(nn.Module):
         num_heads=self.num_heads, in_features=self.in_features, qkv_features=self.qkv_features,
         out_features=self.out_features, decay=self.decay, layer_idx=self.layer_idx, num_layers=self.num_layers,
         learnable_decay=self.learnable_decay, feature_map=self.feature_map, output_gate=self.output_gate,
-        output_norm=self.output_norm, scale=self.scale, impl=self.impl, variant=self.variant, config=self.config)
+        output_norm=self.output_norm, scale=self.scale, impl=self.impl, variant=self.variant, config=self.config,
+        mesh=self.mesh, batch_axes=self.batch_axes, head_axis=self.head_axis, sequence_axis=self.sequence_axis)
 
   def init_cache(self, batch_size: int, dtype=jnp.float32) -> None:
     """Creates (or resets) `cache/cached_state`, a zero state [B, H, Dh, Dh], and

@@ -1,6 +1,6 @@
 """Lightning Attention: chunked causal linear attention with per-head or per-token decay, packed sequences."""
 
-from lightning_jax.ops.lightning_attention.api import lightning_attention
+from lightning_jax.ops.lightning_attention.api import lightning_attention, sharded_lightning_attention
 from lightning_jax.ops.lightning_attention.config import (
     ChunkLoopConfig,
     ChunkOutputConfig,
@@ -29,5 +29,6 @@ __all__ = [
     "lightning_attention_quadratic",
     "lightning_attention_recurrent",
     "segment_ids_from_cu_seqlens",
+    "sharded_lightning_attention",
     "use_tuning_cache",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import jax
@@ -11,8 +12,12 @@ import numpy as np
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import packing
+from lightning_jax.ops.lightning_attention import pallas_triton
 from lightning_jax.ops.lightning_attention import reference
+from lightning_jax.ops.lightning_attention import sequence_parallel
+from lightning_jax.ops.lightning_attention import sharding
 from lightning_jax.ops.lightning_attention import vjp
 from lightning_jax.ops.lightning_attention import xla
 
@@ -71,7 +76,7 @@ def _validate_packing(segment_ids, cu_seqlens, b, t):
 
 
 def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, interpret, return_final_state,
-              segment_ids, cu_seqlens):
+              segment_ids, cu_seqlens, sequence_axis):
   for name, x in (("q", q), ("k", k), ("v", v)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -117,11 +122,21 @@ def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, inter
     raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
   if not isinstance(return_final_state, bool):
     raise TypeError(f"return_final_state must be a bool, got {return_final_state!r}")
+  if sequence_axis is not None:
+    if cu_seqlens is not None:
+      raise ValueError("cu_seqlens does not combine with sequence_axis: give segment_ids sharded like q "
+                       "(segment_ids_from_cu_seqlens converts)")
+    try:
+      jax.lax.axis_size(sequence_axis)
+    except NameError:
+      raise ValueError(f"sequence_axis={sequence_axis!r} is not an axis of the enclosing shard_map (call "
+                       "lightning_attention inside jax.shard_map over a mesh with that axis, or use "
+                       "sharded_lightning_attention)") from None
 
 
 def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, return_final_state=False,
-                        segment_ids=None, cu_seqlens=None, impl="auto", variant="auto", config=None,
-                        interpret=None):
+                        segment_ids=None, cu_seqlens=None, sequence_axis=None, impl="auto", variant="auto",
+                        config=None, interpret=None):
   r"""Causal linear attention with decay (Lightning Attention-2), optionally per token and packed.
 
   With a_t = exp(-decay) (per head, or per token; a = 1 without decay), for
@@ -159,6 +174,15 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
       1), sequence n being tokens cu_seqlens[n]:cu_seqlens[n + 1] (empty ones
       allowed; flash-linear-attention's convention). Not with segment_ids.
       `segment_ids_from_cu_seqlens` converts.
+    sequence_axis: None, or the name of a mesh axis over which T is sharded,
+      when called inside `jax.shard_map` (sequence parallelism): q, k, v, a
+      per-token decay and segment_ids are this device's slice of T (devices in
+      axis order), initial_state is the state before the whole sequence and
+      the final state is the one after it, the same on every device. Each
+      device runs its slice from the state of the slices before it: one
+      all-gather of [B, H, D, E] float32 states forward and one backward
+      (`sequence_parallel`). Not with cu_seqlens. See also
+      `sharded_lightning_attention`.
     impl: "pallas" (Triton kernels; interpret mode without a supported GPU),
       "xla" (chunked jnp, O(T)), "reference" (token-serial scan, the oracle) or
       "auto" (pallas on NVIDIA GPUs with compute capability >= 8.0, else xla).
@@ -181,21 +205,123 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
     o: [B, T, H, E] in the input dtype; with return_final_state, (o, final state).
   """
   _validate(q, k, v, decay, scale, initial_state, impl, variant, config, interpret, return_final_state,
-            segment_ids, cu_seqlens)
-  b, t, h, d = q.shape
+            segment_ids, cu_seqlens, sequence_axis)
+  layout = _explicit_layout(q) if sequence_axis is None and cu_seqlens is None else None
+  if layout is not None:  # q typed as split over a mesh: run on each device's block
+    mesh, (batch_axes, sequence_axis, head_axis) = layout
+    return sharded_lightning_attention(
+        q, k, v, decay, mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=sequence_axis,
+        scale=scale, initial_state=initial_state, return_final_state=return_final_state, segment_ids=segment_ids,
+        impl=impl, variant=variant, config=config, interpret=interpret)
+  d = q.shape[-1]
   scale = float(d ** -0.5 if scale is None else scale)
   decay = None if decay is None else decay.astype(jnp.float32)
   initial_state = None if initial_state is None else initial_state.astype(jnp.float32)
-
   device = heuristics.device_of(q, k, v)
   cc = heuristics.compute_capability(device)
   if impl == "auto":
     impl = "pallas" if heuristics.supported_gpu(cc) else "xla"
+  if impl == "pallas":
+    interpret = (not heuristics.supported_gpu(cc)) if interpret is None else interpret
+    if interpret and manual_axes.varying_axes(q):
+      raise ValueError("Pallas interpret mode cannot run inside jax.shard_map with check_vma=True (a limitation of "
+                       "jax's interpreter): pass check_vma=False to shard_map, or impl='xla' off the GPU")
+  run = functools.partial(_run, scale=scale, impl=impl, variant=variant, config=config, interpret=interpret,
+                          device=device)
+  if sequence_axis is not None and jax.lax.axis_size(sequence_axis) > 1:
+    local = sequence_parallel.Local(
+        axis=sequence_axis, scale=scale, with_final_state=return_final_state,
+        run_op=functools.partial(run, return_final_state=True, cu_seqlens=None),
+        slice_state=functools.partial(_slice_state, scale=scale, impl=impl, config=config, interpret=interpret,
+                                      device=device))
+    return sequence_parallel.sequence_parallel(local, q, k, v, decay, initial_state, segment_ids)
+  out = run(q, k, v, decay, initial_state, segment_ids, return_final_state=return_final_state,
+            cu_seqlens=cu_seqlens)
+  if not return_final_state:
+    return out[0]
+  o, final_state = out
+  if sequence_axis is not None and sequence_axis in manual_axes.varying_axes(final_state):
+    # One device along the axis: the final state is typed as the same on every
+    # device of the axis, as with several (a sum over one device).
+    final_state = jax.lax.psum(final_state, sequence_axis)
+  return o, final_state
+
+
+def sharded_lightning_attention(q, k, v, decay=None, *, mesh, batch_axes=None, head_axis=None, sequence_axis=None,
+                                scale=None, initial_state=None, return_final_state=False, segment_ids=None,
+                                impl="auto", variant="auto", config=None, interpret=None):
+  """`lightning_attention` with B, H and T split over the axes of `mesh` (jit-able, differentiable).
+
+  Each device runs the kernels on its own block of q, k, v: q, k, v, o and
+  their gradients never leave it. With `sequence_axis`, T is split too
+  (sequence parallelism): devices along that axis hold consecutive slices of
+  the sequence, and only [B, H, D, E] float32 states cross devices (one
+  all-gather forward, one backward; see `lightning_attention`'s
+  `sequence_axis`).
+
+  Args:
+    q, k: [B, T, H, D]; v: [B, T, H, E]; decay: None, [H] or [B, T, H] rates
+      (as in `lightning_attention`).
+    mesh: a `jax.sharding.Mesh`.
+    batch_axes: None, a mesh axis name or a tuple of names splitting B.
+    head_axis: None or a mesh axis name splitting H (and the decay's H).
+    sequence_axis: None or a mesh axis name splitting T.
+    scale, initial_state ([B, H, D, E]), return_final_state, segment_ids
+      ([B, T]), impl, variant, config, interpret: as in `lightning_attention`
+      (cu_seqlens: convert with `segment_ids_from_cu_seqlens`).
+
+  The inputs may live anywhere: under `jax.jit` they are laid out on the mesh
+  as these axes say (pass them already sharded so to avoid a copy).
+
+  Returns:
+    o [B, T, H, E] sharded as q, and with return_final_state the final state
+    [B, H, D, E] float32 split over batch_axes and head_axis.
+  """
+  def op(q, k, v, decay, initial_state, segment_ids, sequence_axis):
+    return lightning_attention(q, k, v, decay, scale=scale, initial_state=initial_state,
+                               return_final_state=return_final_state, segment_ids=segment_ids,
+                               sequence_axis=sequence_axis, impl=impl, variant=variant, config=config,
+                               interpret=interpret)
+
+  return sharding.run_sharded(op, q, k, v, decay, initial_state, segment_ids, mesh=mesh, batch_axes=batch_axes,
+                              head_axis=head_axis, sequence_axis=sequence_axis, return_final_state=return_final_state)
+
+
+def _explicit_layout(q):
+  """(mesh, (B, T, H entries of q's spec)) when q's type says it is split over explicit mesh axes, else None.
+
+  With an explicit-sharding mesh (`jax.make_mesh`'s default), arrays carry
+  their layout in their type under `jax.jit`, so the op can split itself.
+  """
+  sharding = getattr(jax.typeof(q), "sharding", None)
+  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+  if mesh is None or spec is None or not any(spec[:3]):
+    return None
+  explicit = jax.sharding.AxisType.Explicit
+  types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+  names = [n for entry in spec[:3] for n in ((entry,) if isinstance(entry, str) else entry or ())]
+  if not all(types.get(n) == explicit for n in names):
+    return None
+  return mesh, tuple(spec[:3]) + (None,) * (3 - len(spec[:3]))
+
+
+def _pallas_options(q, v, *, scale, per_token, return_final_state, variant, config, interpret, device):
+  cc = heuristics.compute_capability(device)
+  variant = heuristics.pallas_variant(variant, d=q.shape[-1], e=v.shape[-1], dtype=q.dtype, compute_capability=cc,
+                                      interpret=interpret, per_token=per_token)
+  return config_lib.PallasOptions(scale=scale, return_final_state=return_final_state, variant=variant,
+                                  config=config, compute_capability=cc, num_sms=heuristics.num_sms(device),
+                                  interpret=interpret)
+
+
+def _run(q, k, v, decay, initial_state, segment_ids, *, return_final_state, cu_seqlens, scale, impl, variant,
+         config, interpret, device):
+  """The op on validated inputs (float32 decay and initial_state, impl resolved): returns (o, final state or None)."""
+  t = q.shape[1]
   if impl == "reference":  # the oracle takes packing as given
     o, final_state = reference.lightning_attention_recurrent(q, k, v, decay, scale=scale, initial_state=initial_state,
                                                              segment_ids=segment_ids, cu_seqlens=cu_seqlens)
-    o = o.astype(q.dtype)
-    return (o, final_state) if return_final_state else o
+    return o.astype(q.dtype), final_state
 
   # cu_seqlens runs as the segments of one row from zero states; each
   # sequence's own initial and final states come from `packing`.
@@ -206,13 +332,9 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
   kernel_final_state = return_final_state and cu_seqlens is None
 
   if impl == "pallas":
-    interpret = (not heuristics.supported_gpu(cc)) if interpret is None else interpret
     per_token = segment_ids is not None or (decay is not None and decay.ndim == 3)
-    variant = heuristics.pallas_variant(variant, d=d, e=v.shape[-1], dtype=q.dtype, compute_capability=cc,
-                                        interpret=interpret, per_token=per_token)
-    opts = config_lib.PallasOptions(scale=scale, return_final_state=kernel_final_state, variant=variant,
-                                    config=config, compute_capability=cc, num_sms=heuristics.num_sms(device),
-                                    interpret=interpret)
+    opts = _pallas_options(q, v, scale=scale, per_token=per_token, return_final_state=kernel_final_state,
+                           variant=variant, config=config, interpret=interpret, device=device)
     starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
     out = vjp.lightning_attention_pallas(q, k, v, decay, starts, initial_state, opts)
     o, final_state = out if kernel_final_state else (out, None)
@@ -225,5 +347,23 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
                                                    with_final_state=return_final_state)
     if o_extra is not None:
       o = o.astype(jnp.float32) + o_extra
-  o = o.astype(q.dtype)
-  return (o, final_state) if return_final_state else o
+  return o.astype(q.dtype), final_state
+
+
+def _slice_state(y, z, decay, starts, reverse, *, scale, impl, config, interpret, device):
+  """The state a sweep over y, z ends with from zeros (the local states of `sequence_parallel`).
+
+  Forward (y=k, z=v): the slice's own final state. Reverse (y=q, z=do): the
+  gradient of the slice's outputs with respect to its initial state, over scale.
+  """
+  if impl != "pallas":
+    return sequence_parallel.slice_state_jnp(y, z, decay, starts, reverse=reverse)
+  opts = _pallas_options(y, z, scale=scale, per_token=True, return_final_state=True, variant="chunk_loop",
+                         config=config, interpret=interpret, device=device)
+  token = decay is not None and decay.ndim == 3
+  ins = pallas_triton.SweepOperands(decay=None if token else decay, token_decay=decay if token else None,
+                                    segment_starts=starts, y=y, z=z)
+  state = pallas_triton.sweep_final_state(ins, reverse=reverse, opts=opts)
+  if reverse and token:  # the reverse sweep ends before token 0's own factor (see `vjp`)
+    state = jnp.exp(-decay[:, 0])[..., None, None] * state
+  return state

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lightning_jax.ops.lightning_attention import chunk_common
+from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import pallas_triton
 from lightning_jax.ops.lightning_attention.config import PallasOptions, WarpSpecializedConfig
@@ -288,13 +289,13 @@ def forward_padded(q, k, v, decay, initial_state=None, *, scale: float, seq_len:
        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
       + ((plgpu.Barrier(num_barriers=1),) if initial_state is not None else ()),
   )
-  out_type = jax.ShapeDtypeStruct((b, tp, h, dim_v), dtype)
+  inputs = (intra, vectors, q, k, v) + (() if initial_state is None else (initial_state,))
+  out_type = manual_axes.struct((b, tp, h, dim_v), dtype, *inputs)
   if return_final_state:
-    out_type = (out_type, jax.ShapeDtypeStruct((b, h, dim_v, dim_k), _F32))
+    out_type = (out_type, manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs))
   kernel = functools.partial(_kernel, num_chunks=num_chunks, num_slices=num_slices, num_stages=num_stages,
                              has_decay=decay is not None, has_initial=initial_state is not None,
                              has_final=return_final_state, last_rows=last_rows)
-  inputs = (intra, vectors, q, k, v) + (() if initial_state is None else (initial_state,))
   return plgpu.kernel(
       kernel,
       out_type=out_type,

@@ -38,6 +38,7 @@ beside the operands (`_present`), so one kernel serves every combination.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -50,6 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention.config import PallasOptions, SweepConfigs
 
 _F32 = jnp.float32
@@ -322,7 +324,11 @@ def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk
 
 def _call(kernel, grid, ins: SweepOperands, in_specs, results: SweepResults, out_specs, cfg, name,
           interpret) -> SweepResults:
-  """One pallas_call on the present operands, writing the present results."""
+  """One pallas_call on the present operands, writing the present results.
+
+  The results vary over the mesh axes the operands vary over (inside shard_map).
+  """
+  results = results._make(None if r is None else manual_axes.struct(r.shape, r.dtype, *ins) for r in results)
   (outs,) = pl.pallas_call(
       kernel, grid=grid, in_specs=(in_specs,), out_specs=(out_specs,), out_shape=(results,),
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -520,6 +526,41 @@ LAUNCHERS = {"chunk_loop": _chunk_loop, "parallel": _parallel}
 
 
 
+def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
+  """Pads `ins` for `opts.variant`'s kernels; returns (padded operands, configs, chunk size, slice chunks).
+
+  T goes to a multiple of the chunk size and the feature dims to powers of two
+  >= 16 (`config.padded_dim`); per-token rates and segment starts become the
+  chunk gates of this sweep's direction (`chunk_common.token_chunk_gates`).
+  """
+  if ins.tangent_with is not None and ins.decay is None:
+    raise ValueError("the decay tangent needs a per-head decay")
+  t, dim_k, dim_v = ins.y.shape[1], ins.y.shape[-1], ins.z.shape[-1]
+  kp, vp = config_lib.padded_dim(dim_k), config_lib.padded_dim(dim_v)
+  configs = heuristics.resolve(opts.config, dim_k=kp, dim_v=vp, itemsize=ins.y.dtype.itemsize,
+                               compute_capability=opts.compute_capability,
+                               job=config_lib.sweep_job(tangent=ins.tangent_with is not None,
+                                                        dual=ins.dual_with is not None))
+  chunk = (configs.chunk_loop if opts.variant == "chunk_loop" else configs.chunk_output).chunk_size
+  tp = math.ceil(t / chunk) * chunk
+  b, h = ins.y.shape[0], ins.y.shape[2]
+  slice_chunks = heuristics.slice_chunks(
+      programs=b * h * (vp // configs.chunk_loop.block_e), num_chunks=tp // chunk, chunk_size=chunk,
+      num_sms=opts.num_sms, slice_size=None if opts.config is None else opts.config.slice_size)
+  pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
+  padded = ins._replace(x=pad_rows(ins.x, dim=kp), y=pad_rows(ins.y, dim=kp), z=pad_rows(ins.z, dim=vp),
+                        dual_with=pad_rows(ins.dual_with, dim=vp), tangent_with=pad_rows(ins.tangent_with, dim=vp),
+                        dot_with=pad_rows(ins.dot_with, dim=vp),
+                        initial_state=chunk_common.pad_state(ins.initial_state, kp, vp))
+  if ins.token_decay is not None or ins.segment_starts is not None:
+    if ins.decay is not None and ins.token_decay is not None:
+      raise ValueError("give decay (per head) or token_decay, not both")
+    cumdecay, runs = chunk_common.token_chunk_gates(ins.token_decay, ins.segment_starts, chunk_size=chunk,
+                                                    num_tokens=tp, reverse=reverse)
+    padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay, chunk_runs=runs)
+  return padded, configs, chunk, slice_chunks
+
+
 def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtype,
           opts: PallasOptions) -> SweepResults:
   """One sweep of `opts.variant` ("chunk_loop" or "parallel") on unpadded operands.
@@ -541,31 +582,8 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
     `SweepResults` with out, and dual, final_state, row_dots, final_tangent
     where asked for (see `SweepOperands`), unpadded.
   """
-  if ins.tangent_with is not None and ins.decay is None:
-    raise ValueError("the decay tangent needs a per-head decay")
   t, dim_k, dim_v = ins.x.shape[1], ins.x.shape[-1], ins.z.shape[-1]
-  kp, vp = config_lib.padded_dim(dim_k), config_lib.padded_dim(dim_v)
-  configs = heuristics.resolve(opts.config, dim_k=kp, dim_v=vp, itemsize=ins.x.dtype.itemsize,
-                               compute_capability=opts.compute_capability,
-                               job=config_lib.sweep_job(tangent=ins.tangent_with is not None,
-                                                        dual=ins.dual_with is not None))
-  chunk = (configs.chunk_loop if opts.variant == "chunk_loop" else configs.chunk_output).chunk_size
-  tp = math.ceil(t / chunk) * chunk
-  b, h = ins.x.shape[0], ins.x.shape[2]
-  slice_chunks = heuristics.slice_chunks(
-      programs=b * h * (vp // configs.chunk_loop.block_e), num_chunks=tp // chunk, chunk_size=chunk,
-      num_sms=opts.num_sms, slice_size=None if opts.config is None else opts.config.slice_size)
-  pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
-  padded = ins._replace(x=pad_rows(ins.x, dim=kp), y=pad_rows(ins.y, dim=kp), z=pad_rows(ins.z, dim=vp),
-                        dual_with=pad_rows(ins.dual_with, dim=vp), tangent_with=pad_rows(ins.tangent_with, dim=vp),
-                        dot_with=pad_rows(ins.dot_with, dim=vp),
-                        initial_state=chunk_common.pad_state(ins.initial_state, kp, vp))
-  if ins.token_decay is not None or ins.segment_starts is not None:
-    if ins.decay is not None and ins.token_decay is not None:
-      raise ValueError("give decay (per head) or token_decay, not both")
-    cumdecay, runs = chunk_common.token_chunk_gates(ins.token_decay, ins.segment_starts, chunk_size=chunk,
-                                                    num_tokens=tp, reverse=reverse)
-    padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay, chunk_runs=runs)
+  padded, configs, _, slice_chunks = _prepare(ins, reverse=reverse, opts=opts)
   res = LAUNCHERS[opts.variant](padded, scale=opts.scale, seq_len=t, reverse=reverse,
                                 with_final_state=with_final_state, configs=configs, out_dtype=out_dtype,
                                 slice_chunks=slice_chunks, interpret=opts.interpret)
@@ -579,3 +597,19 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
   return SweepResults(out=res.out[:, :t, :, :dim_v], dual=dual, final_state=unpad_state(res.final_state),
                       row_dots=None if res.row_dots is None else res.row_dots.sum(axis=2)[:, :, :t],
                       final_tangent=unpad_state(res.final_tangent))
+
+
+def sweep_final_state(ins: SweepOperands, *, reverse: bool, opts: PallasOptions) -> jax.Array:
+  """The state a sweep ends with, from `ins.initial_state` (or zeros), without its outputs: [B, H, K, V] float32.
+
+  Reads y, z and the gates only (x is not needed): the states kernel of the
+  chunk loop, over slices of the sequence combined as in the sequence split.
+  This is the local state of sequence parallelism (`sequence_parallel`).
+  """
+  dim_k, dim_v = ins.y.shape[-1], ins.z.shape[-1]
+  opts = dataclasses.replace(opts, variant="chunk_loop")
+  padded, configs, chunk, slice_chunks = _prepare(ins._replace(x=None), reverse=reverse, opts=opts)
+  _, (final_state, _) = slice_starts(padded, cfg=configs.slice_states, chunk_size=chunk, seq_len=ins.y.shape[1],
+                                     reverse=reverse, slice_chunks=slice_chunks, with_final_state=True,
+                                     interpret=opts.interpret)
+  return final_state[:, :, :dim_k, :dim_v]

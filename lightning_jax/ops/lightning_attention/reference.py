@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lightning_jax.ops.lightning_attention import manual_axes
+
 
 def _decay_rates(decay, num_heads):
   if decay is None:
@@ -52,6 +54,7 @@ def lightning_attention_recurrent(q, k, v, decay=None, *, scale, initial_state=N
     starts = (jnp.zeros((b, t), bool) if segment_ids is None
               else jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0))))
     s0 = jnp.zeros((b, h, d, e), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    s0 = manual_axes.vary_like(s0, q, k, v)  # inside shard_map, the carry varies like the inputs
 
     def step(state, xs):
       q_t, k_t, v_t, a_t, start_t = xs  # [B, H, D] x2, [B, H, E], [B, H], [B]
@@ -65,6 +68,7 @@ def lightning_attention_recurrent(q, k, v, decay=None, *, scale, initial_state=N
   cu = jnp.asarray(cu_seqlens, jnp.int32)
   n = cu.shape[0] - 1
   s0 = jnp.zeros((n, h, d, e), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+  s0 = manual_axes.vary_like(s0, q, k, v)
   pos = jnp.arange(t, dtype=jnp.int32)
   seq = jnp.searchsorted(cu[1:], pos, side="right").astype(jnp.int32)
   is_start, is_end = pos == cu[seq], pos == cu[seq + 1] - 1

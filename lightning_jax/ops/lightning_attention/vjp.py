@@ -50,6 +50,7 @@ from jax.custom_derivatives import SymbolicZero
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu
 from lightning_jax.ops.lightning_attention import pallas_triton
 from lightning_jax.ops.lightning_attention.config import PallasOptions
@@ -180,7 +181,9 @@ def _backward(opts, residuals, cotangents):
     dk = res.out
     if token_grad:
       d_decay = _token_decay_grad(decay, segment_starts, q_dq, res.row_dots, d_final, final_state)
-  return dq, dk, dv, d_decay, None, d_initial
+  # Inside shard_map, a replicated decay or initial state collects every device's share.
+  return (dq, dk, dv, manual_axes.sum_to_type_of(d_decay, decay), None,
+          manual_axes.sum_to_type_of(d_initial, initial_state))
 
 
 lightning_attention_pallas.defvjp(_forward, _backward, symbolic_zeros=True)

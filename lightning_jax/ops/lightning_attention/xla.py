@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from lightning_jax.ops.lightning_attention import chunk_common
+from lightning_jax.ops.lightning_attention import manual_axes
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -60,6 +61,7 @@ def lightning_attention_chunked(q, k, v, decay=None, *, scale, initial_state=Non
   chunk_kv = jnp.einsum("bnchd,bnche->nbhde", k, v * key[..., None], precision=_HI)
   s0 = (jnp.zeros((b, h, d, e), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
+  s0 = manual_axes.vary_like(s0, chunk_kv)  # inside shard_map, the carry varies like the inputs
 
   def step(s, xs):
     kv, dec = xs  # [B, H, D, E], [B', H]

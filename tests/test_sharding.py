@@ -1,0 +1,314 @@
+"""Several devices: sequence parallelism (`sequence_axis`), `sharded_lightning_attention` and the layers' mesh.
+
+On the CPU the mesh is made of host devices (conftest asks XLA for 8). Every
+result is compared with the single-device op on the same inputs: outputs, the
+final state and the gradients of q, k, v, the decay and the initial state.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import GPU_ONLY, rel_err
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import lightning_jax as lj
+from lightning_jax import linen
+from lightning_jax.nnx import LightningAttention
+
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
+
+B, H, D, E = 2, 3, 8, 5
+ARGNUMS = (0, 1, 2, 3, 4)
+
+
+def cpu_mesh(shape, names):
+  devices = jax.devices("cpu")
+  if len(devices) < int(np.prod(shape)):
+    pytest.skip(f"needs {int(np.prod(shape))} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  return Mesh(np.array(devices[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def make_inputs(t, decay_kind, *, segments, seed, h=H):
+  keys = jax.random.split(jax.random.key(seed), 8)
+  q, k = (jax.random.normal(key, (B, t, h, D)) for key in keys[:2])
+  v = jax.random.normal(keys[2], (B, t, h, E))
+  decay = {"none": None, "head": jax.random.uniform(keys[3], (h,), minval=0.02, maxval=0.5),
+           "token": jax.random.uniform(keys[3], (B, t, h), maxval=0.6)}[decay_kind]
+  s0 = jax.random.normal(keys[4], (B, h, D, E))
+  ids = None
+  if segments:  # random boundaries, inside slices and on a slice edge
+    ids = jnp.cumsum(jax.random.bernoulli(keys[5], 0.08, (B, t)), axis=1).astype(jnp.int32)
+    ids = ids.at[:, t // 2:].add(7)
+  return q, k, v, decay, s0, ids, jax.random.normal(keys[6], (B, t, h, E)), jax.random.normal(keys[7], (B, h, D, E))
+
+
+def value_and_grads(fn, do, d_final, argnums):
+  def loss(*args):
+    o, final = fn(*args)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * d_final), (o, final)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
+
+
+def check_close(got, want, names, tol=2e-5):
+  for name, a, b in zip(names, got, want):
+    assert rel_err(a, b) < tol, (name, rel_err(a, b))
+
+
+def single_device(ids):
+  def fn(q, k, v, decay, s0):
+    return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, segment_ids=ids,
+                                  impl="reference")
+  return fn
+
+
+# (devices, tokens per device, decay, packed, impl, check_vma): every count of
+# devices, decays and packing, both shard_map typings, the XLA path and the
+# Pallas kernels (interpret mode; check_vma=True needs compiled kernels).
+SP_CASES = [
+    (2, 21, "head", False, "xla", True),
+    (4, 37, "none", False, "pallas", False),
+    (8, 9, "token", True, "xla", False),
+    (4, 21, "token", True, "pallas", False),
+    (2, 33, "head", True, "pallas", False),
+    (8, 13, "head", False, "xla", True),
+    (4, 21, "token", False, "xla", True),
+]
+
+
+@pytest.mark.parametrize("devices,t_local,decay_kind,segments,impl,check_vma", SP_CASES)
+def test_sequence_parallel_equals_one_device(devices, t_local, decay_kind, segments, impl, check_vma):
+  """T split over 2, 4, 8 devices inside shard_map: outputs, final state and every gradient as on one device."""
+  mesh = cpu_mesh((devices,), ("sp",))
+  t = devices * t_local
+  q, k, v, decay, s0, ids, do, d_final = make_inputs(t, decay_kind, segments=segments, seed=devices + t_local)
+  kwargs = dict(impl=impl, interpret=True) if impl == "pallas" else dict(impl=impl)
+  rows, token = P(None, "sp"), P(None, "sp", None)
+
+  def local(q, k, v, decay, s0, ids):
+    return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, segment_ids=ids,
+                                  sequence_axis="sp", **kwargs)
+
+  in_specs = (rows, rows, rows, token if decay_kind == "token" else P(), P(), None if ids is None else rows)
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(rows, P()), check_vma=check_vma)
+  argnums = ARGNUMS if decay is not None else (0, 1, 2, 4)
+  (_, want), want_grads = value_and_grads(single_device(ids), do, d_final, argnums)(q, k, v, decay, s0)
+  (_, got), got_grads = value_and_grads(lambda *a: sharded(*a, ids), do, d_final, argnums)(q, k, v, decay, s0)
+  check_close(got, want, ("o", "final_state"))
+  check_close(got_grads, want_grads, [("q", "k", "v", "decay", "initial_state")[i] for i in argnums],
+              tol=2e-4 if decay_kind == "head" else 2e-5)  # dL/d(rate) sums T position-weighted terms
+
+
+def test_sequence_axis_of_one_device_is_the_plain_op():
+  """One device along the axis: the plain op, its final state typed as replicated (out_specs P()) as with several."""
+  mesh = cpu_mesh((1,), ("sp",))
+  q, k, v, decay, s0, _, _, _ = make_inputs(40, "head", segments=False, seed=3)
+  fn = jax.shard_map(lambda q: lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True,
+                                                      sequence_axis="sp", impl="xla"),
+                     mesh=mesh, in_specs=P(None, "sp"), out_specs=(P(None, "sp"), P()))
+  want = lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, impl="xla")
+  for got, ref in zip(fn(q), want):
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_plain_op_inside_shard_map_with_check_vma(impl):
+  """Batch split inside the caller's shard_map (check_vma=True): packed rows, per-token decay, no initial state."""
+  mesh = cpu_mesh((2,), ("data",))
+  q, k, v, decay, _, ids, _, _ = make_inputs(30, "token", segments=True, seed=4)
+
+  def op(q, k, v, decay, ids):
+    return lj.lightning_attention(q, k, v, decay, segment_ids=ids, return_final_state=True, impl=impl)
+
+  fn = jax.shard_map(op, mesh=mesh, in_specs=(P("data"),) * 5, out_specs=(P("data"), P("data")))
+  for got, ref in zip(fn(q, k, v, decay, ids), op(q, k, v, decay, ids)):
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("decay_kind", ["head", "token"])
+def test_sharded_wrapper_equals_one_device(decay_kind):
+  """Batch, heads and sequence split at once, over a 2 x 2 x 2 mesh."""
+  mesh = cpu_mesh((2, 2, 2), ("data", "sp", "model"))
+  q, k, v, decay, s0, ids, do, d_final = make_inputs(2 * 19, decay_kind, segments=decay_kind == "token", seed=11,
+                                                     h=4)
+
+  def sharded(q, k, v, decay, s0):
+    return lj.sharded_lightning_attention(q, k, v, decay, mesh=mesh, batch_axes="data", sequence_axis="sp",
+                                          head_axis="model", initial_state=s0, return_final_state=True,
+                                          segment_ids=ids, impl="xla")
+
+  (_, want), want_grads = value_and_grads(single_device(ids), do, d_final, ARGNUMS)(q, k, v, decay, s0)
+  (_, got), got_grads = value_and_grads(sharded, do, d_final, ARGNUMS)(q, k, v, decay, s0)
+  check_close(got, want, ("o", "final_state"))
+  check_close(got_grads, want_grads, ("q", "k", "v", "decay", "initial_state"), tol=2e-4)
+
+
+def collectives(fn, *args):
+  """{kind: [result shapes]} of the collectives in fn's compiled HLO."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  found = {}
+  for kind in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"):
+    for match in re.finditer(rf"= (\S+) {kind}(-start)?\(", text):
+      found.setdefault(kind, []).append(match.group(1))
+  return found
+
+
+def elements(shape_text):
+  dims = re.search(r"\[([\d,]*)\]", shape_text).group(1)
+  return int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+
+
+def test_batch_and_head_sharding_moves_no_activations():
+  """Split over batch and heads: the forward has no collective; the backward only sums the [H] decay gradient."""
+  mesh = cpu_mesh((2, 4), ("data", "model"))
+  q = jnp.ones((4, 64, 8, 16))
+  decay = jnp.full((8,), 0.1)
+
+  def fwd(q, decay):
+    return lj.sharded_lightning_attention(q, q, q, decay, mesh=mesh, batch_axes="data", head_axis="model",
+                                          impl="xla")
+
+  assert collectives(fwd, q, decay) == {}
+  grads = collectives(jax.grad(lambda q, d: fwd(q, d).sum(), argnums=(0, 1)), q, decay)
+  assert set(grads) <= {"all-reduce"} and all(elements(s) <= 8 for s in grads.get("all-reduce", [])), grads
+
+
+def explicit_mesh(shape, names):
+  cpu_mesh(shape, names)  # skips without enough devices
+  return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape),
+                       devices=jax.devices("cpu")[:int(np.prod(shape))])
+
+
+@pytest.mark.parametrize("spec", [P("data", None, "model"), P("data", "model"), P(None, "model", "data")],
+                         ids=["batch-heads", "batch-sequence", "sequence-heads"])
+def test_explicitly_sharded_inputs_split_the_plain_op(spec):
+  """Arrays typed as split over an explicit mesh: the plain op runs per device, with no all-gather of activations."""
+  mesh = explicit_mesh((2, 4), ("data", "model"))
+  q, k, v, decay, s0, _, do, d_final = make_inputs(4 * 12, "head", segments=False, seed=2, h=4)
+  place = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+  q, k, v, do = (place(x, spec) for x in (q, k, v, do))
+
+  def ours(q, k, v, decay, s0):
+    return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, impl="pallas",
+                                  interpret=True)
+
+  (_, want), want_grads = value_and_grads(single_device(None), do, d_final, ARGNUMS)(q, k, v, decay, s0)
+  (_, got), got_grads = value_and_grads(ours, do, d_final, ARGNUMS)(q, k, v, decay, s0)
+  check_close(got, want, ("o", "final_state"))
+  check_close(got_grads, want_grads, ("q", "k", "v", "decay", "initial_state"), tol=2e-4)
+  assert got[0].sharding.spec[:3] == tuple(spec) + (None,) * (3 - len(spec))
+  state_size = B * 4 * D * E
+  for fn in (ours, jax.grad(lambda *a: ours(*a)[0].sum(), argnums=ARGNUMS)):
+    for kind, shapes in collectives(fn, q, k, v, decay, s0).items():
+      assert kind in ("all-gather", "all-reduce"), (kind, shapes)
+      assert all(elements(s) <= 4 * (state_size + B * 4) for s in shapes), (kind, shapes)  # states, never q, k, v
+
+
+def test_sequence_parallel_exchanges_only_states():
+  """Forward: one all-gather, of the states (and decays, ids); backward: its mirror, plus the [H] decay gradient."""
+  devices, t_local = 4, 32
+  mesh = cpu_mesh((devices,), ("sp",))
+  q = jnp.ones((B, devices * t_local, H, D))
+  decay = jnp.full((H,), 0.1)
+  state_size = B * H * D * D
+
+  def fwd(q, decay):
+    return lj.sharded_lightning_attention(q, q, q, decay, mesh=mesh, sequence_axis="sp", impl="xla")
+
+  found = collectives(fwd, q, decay)
+  assert list(found) == ["all-gather"] and len(found["all-gather"]) == 1, found
+  # [P, B H D E + B H]: the states and each slice's decay, nothing of size T.
+  assert elements(found["all-gather"][0]) == devices * (state_size + B * H), found
+  grads = collectives(jax.grad(lambda q, d: fwd(q, d).sum(), argnums=(0, 1)), q, decay)
+  assert set(grads) <= {"all-gather", "all-reduce"}, grads
+  assert len(grads["all-gather"]) == 2 and all(elements(s) <= devices * (state_size + B * H)
+                                               for s in grads["all-gather"]), grads
+  assert all(elements(s) <= H for s in grads.get("all-reduce", [])), grads
+
+
+@pytest.mark.parametrize("mode", ["nnx_mesh", "nnx_shard_map", "linen_mesh"])
+def test_layers_on_a_mesh_equal_one_device(mode):
+  mesh = cpu_mesh((2, 4), ("data", "sp"))
+  x = jax.random.normal(jax.random.key(0), (4, 4 * 11, 32))
+  if mode == "linen_mesh":
+    plain = linen.LightningAttention(4, 32, impl="xla")
+    on_mesh = linen.LightningAttention(4, 32, impl="xla", mesh=mesh, batch_axes="data", sequence_axis="sp")
+    params = plain.init(jax.random.key(1), x)
+    want, want_grad = jax.value_and_grad(lambda p: plain.apply(p, x).sum())(params)
+    got, got_grad = jax.jit(jax.value_and_grad(lambda p: on_mesh.apply(p, x).sum()))(params)
+    assert rel_err(got, want) < 1e-5
+    for a, b in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad)):
+      assert rel_err(a, b) < 1e-4
+    return
+  plain = LightningAttention(4, 32, impl="xla", rngs=nnx.Rngs(0))
+  if mode == "nnx_mesh":
+    layer = LightningAttention(4, 32, impl="xla", mesh=mesh, batch_axes="data", sequence_axis="sp", rngs=nnx.Rngs(0))
+    run = nnx.jit(lambda m, x: m(x))
+  else:
+    layer = LightningAttention(4, 32, impl="xla", sequence_axis="sp", rngs=nnx.Rngs(0))
+    mapped = jax.shard_map(lambda x: layer(x), mesh=mesh, in_specs=P("data", "sp"), out_specs=P("data", "sp"))
+    run = lambda m, x: mapped(x)  # noqa: E731
+  np.testing.assert_allclose(run(layer, x), plain(x), rtol=1e-5, atol=1e-5)
+  if mode == "nnx_mesh":
+    got = nnx.grad(lambda m: m(x).sum())(layer)
+    want = nnx.grad(lambda m: m(x).sum())(plain)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert rel_err(a, b) < 1e-4
+
+
+def test_errors_name_the_argument():
+  mesh = cpu_mesh((2,), ("sp",))
+  q = jnp.ones((1, 10, 2, 4))
+  with pytest.raises(ValueError, match="sequence_axis='sp' is not an axis"):
+    lj.lightning_attention(q, q, q, sequence_axis="sp")
+  with pytest.raises(ValueError, match="cu_seqlens does not combine with sequence_axis"):
+    jax.shard_map(lambda q: lj.lightning_attention(q, q, q, cu_seqlens=jnp.array([0, 10]), sequence_axis="sp"),
+                  mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q)
+  with pytest.raises(ValueError, match="interpret mode cannot run inside jax.shard_map with check_vma=True"):
+    jax.shard_map(lambda q: lj.lightning_attention(q, q, q, impl="pallas", interpret=True, sequence_axis="sp"),
+                  mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q)
+  with pytest.raises(ValueError, match="T = 9 must be divisible by the 2 devices"):
+    lj.sharded_lightning_attention(jnp.ones((1, 9, 2, 4)), q[:, :9], q[:, :9], mesh=mesh, sequence_axis="sp")
+  with pytest.raises(ValueError, match="names an axis not in the mesh"):
+    lj.sharded_lightning_attention(q, q, q, mesh=mesh, batch_axes="data")
+  with pytest.raises(ValueError, match="may split only one dimension"):
+    lj.sharded_lightning_attention(q, q, q, mesh=mesh, batch_axes="sp", sequence_axis="sp")
+  with pytest.raises(ValueError, match="batch_axes and head_axis need a mesh"):
+    LightningAttention(2, 8, batch_axes="data", rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="mesh must be None or a jax.sharding.Mesh"):
+    LightningAttention(2, 8, mesh="sp", rngs=nnx.Rngs(0))
+
+
+def gpu_only(test):
+  for mark in GPU_ONLY:
+    test = mark(test)
+  return test
+
+
+@gpu_only
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("decay_kind", ["head", "token"])
+def test_compiled_kernels_inside_shard_map(check_vma, decay_kind):
+  """The compiled kernels (forward and backward) under shard_map, T split over the GPUs there are."""
+  devices = jax.devices()
+  mesh = Mesh(np.array(devices), ("sp",))
+  q, k, v, decay, s0, ids, do, d_final = make_inputs(len(devices) * 150, decay_kind, segments=decay_kind == "token",
+                                                     seed=5)
+  rows = P(None, "sp")
+
+  def local(q, k, v, decay, s0):
+    return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, segment_ids=ids,
+                                  sequence_axis="sp", impl="pallas")
+
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, rows if decay_kind == "token" else P(), P()),
+                          out_specs=(rows, P()), check_vma=check_vma)
+  (_, want), want_grads = value_and_grads(single_device(ids), do, d_final, ARGNUMS)(q, k, v, decay, s0)
+  (_, got), got_grads = value_and_grads(sharded, do, d_final, ARGNUMS)(q, k, v, decay, s0)
+  check_close(got, want, ("o", "final_state"), tol=1e-4)
+  check_close(got_grads, want_grads, ("q", "k", "v", "decay", "initial_state"), tol=1e-3)
+
