@@ -332,7 +332,7 @@ def _run(q, k, v, decay, initial_state, segment_ids, *, return_final_state, cu_s
   kernel_final_state = return_final_state and cu_seqlens is None
 
   if impl == "pallas":
-    per_token = segment_ids is not None or (decay is not None and decay.ndim == 3)
+    per_token = segment_ids is not None or chunk_common.per_token(decay)
     opts = _pallas_options(q, v, scale=scale, per_token=per_token, return_final_state=kernel_final_state,
                            variant=variant, config=config, interpret=interpret, device=device)
     starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
@@ -360,10 +360,6 @@ def _slice_state(y, z, decay, starts, reverse, *, scale, impl, config, interpret
     return sequence_parallel.slice_state_jnp(y, z, decay, starts, reverse=reverse)
   opts = _pallas_options(y, z, scale=scale, per_token=True, return_final_state=True, variant="chunk_loop",
                          config=config, interpret=interpret, device=device)
-  token = decay is not None and decay.ndim == 3
-  ins = pallas_triton.SweepOperands(decay=None if token else decay, token_decay=decay if token else None,
-                                    segment_starts=starts, y=y, z=z)
+  ins = pallas_triton.SweepOperands(**vjp.sweep_gates(decay, starts), y=y, z=z)
   state = pallas_triton.sweep_final_state(ins, reverse=reverse, opts=opts)
-  if reverse and token:  # the reverse sweep ends before token 0's own factor (see `vjp`)
-    state = jnp.exp(-decay[:, 0])[..., None, None] * state
-  return state
+  return vjp.initial_state_factor(decay) * state if reverse else state

@@ -181,6 +181,11 @@ def combine_slice_states(local_states, lengths, decay=None, initial_state=None, 
   return states, tangents
 
 
+def per_token(decay) -> bool:
+  """Whether `decay` holds per-token rates [B, T, H] (else None or per-head [H])."""
+  return decay is not None and decay.ndim == 3
+
+
 def segment_starts(segment_ids):
   """[B, T] bool: token t starts a new segment (its id differs from token t - 1's); never token 0.
 

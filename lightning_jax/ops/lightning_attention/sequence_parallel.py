@@ -56,15 +56,11 @@ def _varies(x, axis) -> bool:
   return axis in manual_axes.varying_axes(x)
 
 
-def _per_token(decay):
-  return decay is not None and decay.ndim == 3
-
-
 def slice_log_decay(decay, num_tokens, batch):
   """[B, H] float32: the slice's summed rates (minus the log of A_p, before segment resets)."""
   if decay is None:
     return None
-  if _per_token(decay):
+  if chunk_common.per_token(decay):
     return jnp.sum(decay.astype(jnp.float32), axis=1)
   return jnp.broadcast_to(decay.astype(jnp.float32) * num_tokens, (batch, decay.shape[0]))
 
@@ -165,11 +161,11 @@ def _forward_parts(local: Local, q, k, v, decay, initial_state, segment_ids):
   prefix = _mine(states, p, axis=2)
   if links.continues is not None:
     prefix = jnp.where(_mine(links.continues, p, axis=1)[:, None, None, None], prefix, 0.0)
-  return prefix, states[:, :, -1], links, p
+  return prefix, states[:, :, -1], links, p, starts
 
 
 def _primal(local: Local, q, k, v, decay, initial_state, segment_ids):
-  prefix, final_state, _, _ = _forward_parts(local, q, k, v, decay, initial_state, segment_ids)
+  prefix, final_state, *_ = _forward_parts(local, q, k, v, decay, initial_state, segment_ids)
   o, _ = local.run_op(q, k, v, decay, prefix, segment_ids)
   return (o, final_state) if local.with_final_state else o
 
@@ -189,22 +185,21 @@ def sequence_parallel(local: Local, q, k, v, decay, initial_state, segment_ids):
 
 
 def _fwd(local: Local, q, k, v, decay, initial_state, segment_ids):
-  prefix, final_state, links, p = _forward_parts(local, q, k, v, decay, initial_state, segment_ids)
+  prefix, final_state, links, p, starts = _forward_parts(local, q, k, v, decay, initial_state, segment_ids)
   o, op_vjp = jax.vjp(lambda q, k, v, decay, prefix: local.run_op(q, k, v, decay, prefix, segment_ids),
                       q, k, v, decay, prefix)
   out = (o[0], final_state) if local.with_final_state else o[0]
-  return out, (op_vjp, links, p, q, decay, initial_state, segment_ids)
+  return out, (op_vjp, links, p, q, decay, initial_state, starts)
 
 
 def _bwd(local: Local, residuals, cotangents):
-  op_vjp, links, p, q, decay, initial_state, segment_ids = residuals
+  op_vjp, links, p, q, decay, initial_state, starts = residuals
   do, d_final = cotangents if local.with_final_state else (cotangents, None)
   axis = local.axis
   typed = _varies(q, axis)  # False: shard_map without check_vma (q, sharded over the axis, varies)
   if d_final is not None and (not typed or _varies(d_final, axis)):
     # Every device returned the same final state: its cotangent is the sum of theirs.
     d_final = jax.lax.psum(d_final, axis)
-  starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
   own = local.scale * local.slice_state(q, do, decay, starts, True)
   if links.continues is not None:
     own = jnp.where(_mine(links.continues, p, axis=1)[:, None, None, None], own, 0.0)

@@ -66,13 +66,9 @@ class Needs(NamedTuple):
   d_initial: bool
 
 
-def _per_token(decay):
-  return decay is not None and decay.ndim == 3
-
-
-def _gates(decay, segment_starts):
+def sweep_gates(decay, segment_starts):
   """The SweepOperands fields of the decay (per-head or per-token rates) and the segment starts."""
-  if _per_token(decay):
+  if chunk_common.per_token(decay):
     return dict(token_decay=decay, segment_starts=segment_starts)
   return dict(decay=decay, segment_starts=segment_starts)
 
@@ -81,7 +77,7 @@ def _primal(q, k, v, decay, segment_starts, initial_state, opts):
   if opts.variant == "warp_specialized":
     o, final_state = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts)
   else:
-    res = pallas_triton.sweep(SweepOperands(**_gates(decay, segment_starts), x=q, y=k, z=v,
+    res = pallas_triton.sweep(SweepOperands(**sweep_gates(decay, segment_starts), x=q, y=k, z=v,
                                             initial_state=initial_state),
                               reverse=False, with_final_state=opts.return_final_state, out_dtype=q.dtype, opts=opts)
     o, final_state = res.out, res.final_state
@@ -106,8 +102,17 @@ def _forward(q, k, v, decay, segment_starts, initial_state, opts):
       None if x is None else x.value for x in (q, k, v, decay, segment_starts, initial_state))
   out = _primal(q, k, v, decay, segment_starts, initial_state, opts)
   # The per-token decay gradient's last term reads the final state.
-  final_state = out[1] if opts.return_final_state and needs.d_decay and _per_token(decay) else None
+  final_state = out[1] if opts.return_final_state and needs.d_decay and chunk_common.per_token(decay) else None
   return out, (q, k, v, decay, segment_starts, initial_state, final_state, needs)
+
+
+def initial_state_factor(decay):
+  """What turns the state a reverse sweep ends with into dL/d initial_state (over scale).
+
+  A per-token reverse sweep ends at G_0, which S_0 reached through token 0's
+  factor; a per-head one already includes it.
+  """
+  return jnp.exp(-decay[:, 0])[..., None, None] if chunk_common.per_token(decay) else 1.0
 
 
 def _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state):
@@ -127,8 +132,8 @@ def _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state):
 
 def _backward(opts, residuals, cotangents):
   q, k, v, decay, segment_starts, initial_state, final_state, needs = residuals
-  gates = _gates(decay, segment_starts)
-  per_token = _per_token(decay)
+  gates = sweep_gates(decay, segment_starts)
+  per_token = chunk_common.per_token(decay)
   if opts.variant == "warp_specialized":  # a forward kernel only: the backward sweeps are chunk_loop's
     opts = dataclasses.replace(opts, variant="chunk_loop")
   do, d_final = cotangents if opts.return_final_state else (cotangents, None)
@@ -171,9 +176,7 @@ def _backward(opts, residuals, cotangents):
                 reverse=True, with_final_state=with_initial, out_dtype=v.dtype)
     dv, dk = res.out, res.dual
     if with_initial:
-      # A per-token reverse sweep ends at G_0; S_0 reached it through token 0's factor.
-      first_decay = jnp.exp(-decay[:, 0])[..., None, None] if per_token else 1.0
-      d_initial = scale * first_decay * res.final_state
+      d_initial = scale * initial_state_factor(decay) * res.final_state
   if (needs.dk and not fuse) or token_grad:
     res = sweep(SweepOperands(**gates, x=v, y=do, z=q, initial_state=transpose(d_final_scaled),
                               dot_with=k if token_grad else None),
