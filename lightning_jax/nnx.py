@@ -72,23 +72,7 @@ class LightningAttention(nnx.Module):
 
   def __call__(self, inputs: jax.Array, *, decode: bool | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:
-    """inputs: [B, T, in_features] -> [B, T, out_features].
-
-    With decode (this argument, else the attribute) the T tokens continue the
-    sequence held in `cached_state` and update it: T == 1 is one jnp step of
-    the recurrence, T > 1 a chunked prefill through the kernel.
-
-    segment_ids: None or int [B, T], packed sequences. A segment is a maximal
-    run of equal ids in a row; a token attends only to the earlier tokens of
-    its own segment (give padding an id of its own). With decode, the cache
-    holds per row the state at the end of its last segment and that
-    segment's id (`cached_segment_id`); a call's first segment in a row
-    continues the cached state when its id equals the cached id, else it
-    starts from a zero state. So one-token steps with [B, 1] ids continue or
-    restart each row (continuous batching), and calls without segment_ids
-    continue every row's last segment. When decoding after a packed prefill,
-    pad prompts on the left: decoding continues each row's last segment.
-    """
+    """inputs: [B, T, in_features] -> [B, T, out_features]; decode, segment_ids: the class docstring, "Call"."""
     common.check_inputs(inputs, self.spec)
     common.check_segment_ids(segment_ids, inputs)
     q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
