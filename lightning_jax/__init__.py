@@ -17,6 +17,12 @@ from lightning_jax.ops.lightning_attention import (
     use_tuning_cache,
 )
 from lightning_jax.attention_fn import attention_fn
+from lightning_jax.ops.delta_attention import (
+    DeltaConfig,
+    delta_attention,
+    delta_attention_chunked,
+    delta_attention_recurrent,
+)
 from lightning_jax.slopes import alibi_slopes, minimax_slopes
 
 __version__ = "0.1.0"
@@ -25,12 +31,16 @@ __all__ = [
     "ChunkLoopConfig",
     "ChunkOutputConfig",
     "ChunkStatesConfig",
+    "DeltaConfig",
     "LightningConfig",
     "TuningCache",
     "TuningEntry",
     "WarpSpecializedConfig",
     "alibi_slopes",
     "attention_fn",
+    "delta_attention",
+    "delta_attention_chunked",
+    "delta_attention_recurrent",
     "lightning_attention",
     "lightning_attention_chunked",
     "lightning_attention_quadratic",

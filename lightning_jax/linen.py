@@ -1,4 +1,4 @@
-"""`LightningAttention` as a `flax.linen.Module`."""
+"""`LightningAttention` and `DeltaAttention` as `flax.linen.Module`s."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.linear import default_kernel_init
 
+from lightning_jax import _delta_layer_common as delta_common
 from lightning_jax import _layer_common as common
 
-__all__ = ["LightningAttention"]
+__all__ = ["DeltaAttention", "LightningAttention"]
 
 
 class LightningAttention(nn.Module):
@@ -106,3 +107,87 @@ class LightningAttention(nn.Module):
     if not initializing:  # init only creates the zero cache, as Flax's decode caches do
       state.value, ids.value = new_state, new_ids
     return out(o)
+
+
+class DeltaAttention(nn.Module):
+  __doc__ = delta_common.LAYER_DOC + """
+  Linen specifics: the decode cache lives in the `cache` collection as
+  `cached_state` (the recurrent state), `cached_q_conv`, `cached_k_conv`,
+  `cached_v_conv` (the convolution windows) and `cached_segment_id`. Create it
+  with `init_cache` (e.g. `layer.apply(variables, B, method="init_cache",
+  mutable=["cache"])`) or, as Flax's decode caches, by `init` with decode=True
+  (which only creates the zero cache); then apply with decode=True and
+  mutable=["cache"].
+  """
+
+  num_heads: int
+  in_features: int
+  num_v_heads: int | None = None
+  head_dim: int | None = None
+  value_head_dim: int | None = None
+  out_features: int | None = None
+  gate: str | None = "kda"
+  gate_rank: int | None = None
+  output_gate_activation: str | None = "sigmoid"
+  output_gate_rank: int | None = None
+  full_rank_output_gate: bool = False
+  allow_neg_eigval: bool = False
+  conv_size: int = 4
+  norm_eps: float = 1e-6
+  scale: float | None = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  precision: Any = None
+  kernel_init: Any = default_kernel_init
+  bias_init: Any = nn.initializers.zeros_init()
+  use_bias: bool = False
+  decode: bool = False
+  impl: str = "auto"
+
+  def __post_init__(self):
+    _ = self.spec  # validates the arguments at construction, as the NNX layer does
+    super().__post_init__()
+
+  @property
+  def spec(self) -> delta_common.DeltaSpec:
+    return delta_common.make_spec(
+        num_heads=self.num_heads, in_features=self.in_features, num_v_heads=self.num_v_heads,
+        head_dim=self.head_dim, value_head_dim=self.value_head_dim, out_features=self.out_features,
+        gate=self.gate, gate_rank=self.gate_rank, output_gate_activation=self.output_gate_activation,
+        output_gate_rank=self.output_gate_rank, full_rank_output_gate=self.full_rank_output_gate,
+        allow_neg_eigval=self.allow_neg_eigval, conv_size=self.conv_size, norm_eps=self.norm_eps, scale=self.scale,
+        use_bias=self.use_bias, impl=self.impl)
+
+  def init_cache(self, batch_size: int) -> None:
+    """Creates (or resets) the decode cache for batch_size rows: zeros (see the class docstring)."""
+    for name, (shape, dtype) in delta_common.cache_shapes(batch_size, self.spec).items():
+      self.put_variable("cache", name, jnp.zeros(shape, dtype))
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array, *, segment_ids: jax.Array | None = None,
+               decode: bool | None = None) -> jax.Array:
+    """inputs: [B, T, in_features] -> [B, T, out_features]; segment_ids, decode: the class docstring, "Call"."""
+    spec = self.spec
+    common.check_inputs(inputs, spec)
+    common.check_segment_ids(segment_ids, inputs)
+    dense = {name: nn.DenseGeneral(fan_out, axis=tuple(range(-len(fan_in), 0)) if isinstance(fan_in, tuple) else -1,
+                                   use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+                                   precision=self.precision, kernel_init=self.kernel_init, bias_init=self.bias_init,
+                                   name=name)
+             for name, fan_in, fan_out in delta_common.projections(spec)}
+    acts = delta_common.project(spec, dense.__getitem__, inputs)
+    params = {name: self.param(name, init, shape, self.param_dtype)
+              for name, (shape, init) in delta_common.param_specs(spec).items()}
+    if not (self.decode if decode is None else decode):
+      return dense["o_proj"](delta_common.mix(spec, acts, params, segment_ids)[0])
+    initializing = self.is_initializing()
+    if not (initializing or self.has_variable("cache", "cached_state")):
+      delta_common.check_cache(None, inputs.shape[0], spec)  # raises: call init_cache first
+    cache = {name: self.variable("cache", name, jnp.zeros, shape, dtype)
+             for name, (shape, dtype) in delta_common.cache_shapes(inputs.shape[0], spec).items()}
+    delta_common.check_cache({name: var.value for name, var in cache.items()}, inputs.shape[0], spec)
+    o, new_cache = delta_common.mix(spec, acts, params, segment_ids, {name: var.value for name, var in cache.items()})
+    if not initializing:  # init only creates the zero cache, as Flax's decode caches do
+      for name, var in cache.items():
+        var.value = new_cache[name]
+    return dense["o_proj"](o)

@@ -1,4 +1,4 @@
-"""`LightningAttention` as a `flax.nnx.Module`."""
+"""`LightningAttention` and `DeltaAttention` as `flax.nnx.Module`s."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_kernel_init
 
+from lightning_jax import _delta_layer_common as delta_common
 from lightning_jax import _layer_common as common
 
-__all__ = ["LightningAttention"]
+__all__ = ["DeltaAttention", "LightningAttention"]
 
 
 class LightningAttention(nnx.Module):
@@ -86,3 +87,70 @@ class LightningAttention(nnx.Module):
                                             cache=(state, self.cached_segment_id[...]), **kwargs)
     self.cached_state[...], self.cached_segment_id[...] = new_state, new_ids
     return self.out(o)
+
+
+class DeltaAttention(nnx.Module):
+  __doc__ = delta_common.LAYER_DOC + """
+  NNX specifics: `rngs` (nnx.Rngs) initialises the parameters. `init_cache`
+  creates the decode cache as `nnx.Cache` variables: `cached_state` (the
+  recurrent state), `cached_q_conv`, `cached_k_conv`, `cached_v_conv` (the
+  convolution windows) and `cached_segment_id`.
+
+  Example::
+
+    layer = DeltaAttention(4, 256, head_dim=64, rngs=nnx.Rngs(0))   # Kimi Linear's KDA
+    y = layer(x)                          # x: [B, T, 256] -> [B, T, 256]
+    layer.init_cache(batch_size=B)
+    y0 = layer(prompt, decode=True)       # chunked prefill, updates the cache
+    y1 = layer(next_token, decode=True)   # [B, 1, 256]: one recurrent step
+    y = layer(x, segment_ids=ids)         # packed sequences, ids: int [B, T]
+  """
+
+  def __init__(self, num_heads: int, in_features: int, *, num_v_heads: int | None = None,
+               head_dim: int | None = None, value_head_dim: int | None = None, out_features: int | None = None,
+               gate: str | None = "kda", gate_rank: int | None = None, output_gate_activation: str | None = "sigmoid",
+               output_gate_rank: int | None = None, full_rank_output_gate: bool = False,
+               allow_neg_eigval: bool = False, conv_size: int = 4, norm_eps: float = 1e-6, scale: float | None = None,
+               dtype=None, param_dtype=jnp.float32, precision=None, kernel_init=default_kernel_init,
+               bias_init=initializers.zeros_init(), use_bias: bool = False, decode: bool = False, impl: str = "auto",
+               rngs: nnx.Rngs):
+    self.spec = spec = delta_common.make_spec(
+        num_heads=num_heads, in_features=in_features, num_v_heads=num_v_heads, head_dim=head_dim,
+        value_head_dim=value_head_dim, out_features=out_features, gate=gate, gate_rank=gate_rank,
+        output_gate_activation=output_gate_activation, output_gate_rank=output_gate_rank,
+        full_rank_output_gate=full_rank_output_gate, allow_neg_eigval=allow_neg_eigval, conv_size=conv_size,
+        norm_eps=norm_eps, scale=scale, use_bias=use_bias, impl=impl)
+    self.decode = decode
+    for name, fan_in, fan_out in delta_common.projections(spec):
+      axis = tuple(range(-len(fan_in), 0)) if isinstance(fan_in, tuple) else -1
+      setattr(self, name, nnx.LinearGeneral(fan_in, fan_out, axis=axis, use_bias=use_bias, dtype=dtype,
+                                            param_dtype=param_dtype, precision=precision, kernel_init=kernel_init,
+                                            bias_init=bias_init, rngs=rngs))
+    for name, (shape, init) in delta_common.param_specs(spec).items():
+      setattr(self, name, nnx.Param(init(rngs.params(), shape, param_dtype)))
+    # Assigned by init_cache; nnx.data so that a Cache can replace the None.
+    for name in delta_common.CACHE_NAMES:
+      setattr(self, name, nnx.data(None))
+
+  def init_cache(self, batch_size: int) -> None:
+    """Creates (or resets) the decode cache for batch_size rows: zeros (see the class docstring)."""
+    for name, (shape, dtype) in delta_common.cache_shapes(batch_size, self.spec).items():
+      setattr(self, name, nnx.Cache(jnp.zeros(shape, dtype)))
+
+  def __call__(self, inputs: jax.Array, *, segment_ids: jax.Array | None = None,
+               decode: bool | None = None) -> jax.Array:
+    """inputs: [B, T, in_features] -> [B, T, out_features]; segment_ids, decode: the class docstring, "Call"."""
+    spec = self.spec
+    common.check_inputs(inputs, spec)
+    common.check_segment_ids(segment_ids, inputs)
+    acts = delta_common.project(spec, lambda name: getattr(self, name), inputs)
+    params = {name: getattr(self, name)[...] for name in delta_common.param_specs(spec)}
+    if not (self.decode if decode is None else decode):
+      return self.o_proj(delta_common.mix(spec, acts, params, segment_ids)[0])
+    cache = None if self.cached_state is None else {name: getattr(self, name)[...]
+                                                    for name in delta_common.CACHE_NAMES}
+    delta_common.check_cache(cache, inputs.shape[0], spec)
+    o, cache = delta_common.mix(spec, acts, params, segment_ids, cache)
+    for name, value in cache.items():
+      getattr(self, name)[...] = value
+    return self.o_proj(o)

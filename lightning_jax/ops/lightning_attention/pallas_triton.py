@@ -1,7 +1,7 @@
 """Pallas kernels for one Lightning Attention sweep, lowered through Triton.
 
-Every Triton-specific import of the package lives in this file, so that another
-Pallas backend can sit beside it.
+Triton itself is reached through `ops.triton_lowering`, the package's one
+Triton-specific module.
 
 A sweep computes, for x, y: [B, T, H, K], z: [B, T, H, V] and a = exp(-decay_h),
 
@@ -46,8 +46,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from lightning_jax.ops import triton_lowering
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import heuristics
@@ -128,9 +128,7 @@ def _present(values: NamedTuple, **specs) -> NamedTuple:
   return values._make(None if value is None else specs[name] for name, value in zip(values._fields, values))
 
 
-def _dot(a, b, *, exact, trans_a=False, trans_b=False):
-  # float32 inputs get IEEE float32 products (Triton would otherwise use tf32).
-  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if exact else None)
+_dot = triton_lowering.dot
 
 
 def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse):
@@ -331,7 +329,7 @@ def _call(kernel, grid, ins: SweepOperands, in_specs, results: SweepResults, out
   results = results._make(None if r is None else manual_axes.struct(r.shape, r.dtype, *ins) for r in results)
   (outs,) = pl.pallas_call(
       kernel, grid=grid, in_specs=(in_specs,), out_specs=(out_specs,), out_shape=(results,),
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      compiler_params=triton_lowering.compiler_params(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret, name=name)(ins)
   return outs
 

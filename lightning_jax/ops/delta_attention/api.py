@@ -1,0 +1,172 @@
+"""Public entry point: `delta_attention` (DeltaNet, Gated DeltaNet, Kimi Delta Attention)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lightning_jax.ops.delta_attention import pallas_triton
+from lightning_jax.ops.delta_attention import reference
+from lightning_jax.ops.delta_attention import vjp
+from lightning_jax.ops.delta_attention import xla
+from lightning_jax.ops.lightning_attention import chunk_common
+from lightning_jax.ops.lightning_attention import api as lightning_api
+from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention import packing
+
+IMPLS = ("auto", "pallas", "xla", "reference")
+MAX_HEAD_DIM = 256
+XLA_CHUNK_SIZE = 64
+# The models' L2 norm (flash-linear-attention's `l2norm`): x / sqrt(sum x^2 + eps).
+L2_NORM_EPS = 1e-6
+
+
+def _check_rates(name, x, expected):
+  if not hasattr(x, "shape") or x.shape not in expected:
+    shapes = " or ".join(f"{what} = {list(shape)}" for shape, what in expected.items())
+    raise ValueError(f"{name} must be {shapes}, got {getattr(x, 'shape', type(x).__name__)}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating array, got {x.dtype}")
+
+
+def _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, segment_ids, cu_seqlens, normalize_qk,
+              impl, config, interpret):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, T, H, D], got shape {q.shape}")
+  b, t, h, d = q.shape
+  if k.shape != q.shape:
+    raise ValueError(f"k must be [B, T, H, D] = {q.shape} like q, got shape {k.shape}")
+  if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
+    raise ValueError(f"v must be [B, T, H, E] = [{b}, {t}, {h}, E] to match q, got shape {v.shape}")
+  e = v.shape[-1]
+  if min(b, h) < 1 or t < 1:
+    raise ValueError(f"q, k, v need B, T, H >= 1, got q.shape={q.shape}")
+  for name, dim in (("D (q.shape[-1])", d), ("E (v.shape[-1])", e)):
+    if not 1 <= dim <= MAX_HEAD_DIM:
+      raise ValueError(f"head dim {name} must be in [1, {MAX_HEAD_DIM}], got {dim}")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    lightning_api._check_float(name, x)
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  _check_rates("beta", beta, {(b, t, h): "[B, T, H]"})
+  if lightning_api._concrete(beta):
+    values = np.asarray(beta, np.float32)
+    if not np.all(np.isfinite(values)) or np.any(values < 0) or np.any(values > 2):
+      bad = values[~(np.isfinite(values) & (values >= 0) & (values <= 2))]
+      raise ValueError(f"beta must be finite and in [0, 2] (the delta rule's step), got {bad[:8]}")
+  if decay is not None:
+    _check_rates("decay", decay, {(b, t, h): "None, per-token rates [B, T, H] (Gated DeltaNet)",
+                                  (b, t, h, d): "per-token, per-key-channel rates [B, T, H, D] (KDA)"})
+    if lightning_api._concrete(decay):
+      rates = np.asarray(decay, np.float32)
+      if not np.all(np.isfinite(rates)) or np.any(rates < 0):
+        bad = rates[~(np.isfinite(rates) & (rates >= 0))]
+        raise ValueError(f"decay rates must be finite and >= 0 (exp(-decay) in (0, 1]), got {bad[:8]}")
+  lightning_api._validate_packing(segment_ids, cu_seqlens, b, t)
+  if initial_state is not None:
+    n = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    want, what = ((b, h, d, e), "[B, H, D, E]") if n is None else ((n, h, d, e), "[N, H, D, E] (with cu_seqlens)")
+    if not hasattr(initial_state, "shape") or initial_state.shape != want:
+      raise ValueError(f"initial_state must be {what} = {list(want)}, got "
+                       f"{getattr(initial_state, 'shape', type(initial_state).__name__)}")
+    if not jnp.issubdtype(initial_state.dtype, jnp.floating):
+      raise TypeError(f"initial_state must be a floating array (float32), got {initial_state.dtype}")
+  lightning_api.validate_options(scale=scale, impl="auto", variant="auto", config=None)
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  for name, flag in (("return_final_state", return_final_state), ("normalize_qk", normalize_qk)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"{name} must be a bool, got {flag!r}")
+  if config is not None and not isinstance(config, pallas_triton.DeltaConfig):
+    raise TypeError(f"config must be a DeltaConfig or None, got {type(config).__name__}")
+  if interpret is not None and not isinstance(interpret, bool):
+    raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
+
+
+def l2_normalize(x):
+  """x / sqrt(sum(x^2) + eps) over the last axis, in float32, returned in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2_NORM_EPS)).astype(x.dtype)
+
+
+def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None, return_final_state=False,
+                    segment_ids=None, cu_seqlens=None, normalize_qk=False, impl="auto", config=None, interpret=None):
+  r"""Causal delta attention: DeltaNet, Gated DeltaNet and Kimi Delta Attention (KDA), in O(T).
+
+  Per batch and head, with the state S [D, E] in float32 and a_t = exp(-decay_t)
+  (1 without decay):
+
+      S_t = (I - beta_t k_t k_t^T) Diag(a_t) S_{t-1} + beta_t k_t v_t^T,   S_{-1} = initial_state
+      o_t = scale * S_t^T q_t
+
+  Args:
+    q, k: [B, T, H, D]. v: [B, T, H, E]. Any T >= 1 and D, E in [1, 256];
+      float32, bfloat16 or float16 (one dtype for all three). The delta rule
+      is stable for |k| <= 1 (use `normalize_qk`, as the models do).
+    beta: [B, T, H] step sizes in [0, 2] (a sigmoid, or twice one).
+    decay: None (DeltaNet), [B, T, H] per-token rates (Gated DeltaNet) or
+      [B, T, H, D] per-token, per-key-channel rates (KDA), all >= 0: the gate
+      g = -decay (log a). Any rate from 0 to huge is fine.
+    scale: multiplies q; default D ** -0.5.
+    initial_state: the state before the first token, float32: [B, H, D, E]
+      (with segment_ids, it feeds each row's first segment), or with
+      cu_seqlens one per sequence, [N, H, D, E].
+    return_final_state: also return the state after the last token, float32
+      [B, H, D, E] (with segment_ids, the end of each row's last segment), or
+      with cu_seqlens one per sequence, [N, H, D, E].
+    segment_ids: None or int [B, T]: packed sequences (a segment is a maximal
+      run of equal ids in a row; the state restarts from zeros at each).
+    cu_seqlens: None or int [N + 1]: N sequences packed in a batch of one
+      (flash-linear-attention's convention). Not with segment_ids.
+    normalize_qk: apply the models' L2 norm to q and k (over D) inside the op.
+    impl: "pallas" (Triton kernels, the chunked WY form; interpret mode
+      without a supported GPU), "xla" (chunked jnp, O(T)), "reference"
+      (token-serial scan, the oracle) or "auto" (pallas on NVIDIA GPUs with
+      compute capability >= 8.0, else xla).
+    config: a `DeltaConfig` (the Pallas kernels' blocks) or None.
+    interpret: force (True) or forbid (False) Pallas interpret mode.
+
+  Every array argument is differentiable (beta, decay and initial_state
+  included; the gradients of segment_ids and cu_seqlens are zero).
+
+  Returns:
+    o: [B, T, H, E] in the input dtype; with return_final_state, (o, final state).
+  """
+  _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, segment_ids, cu_seqlens, normalize_qk,
+            impl, config, interpret)
+  if normalize_qk:
+    q, k = l2_normalize(q), l2_normalize(k)
+  scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+  cc = heuristics.compute_capability(heuristics.device_of(q, k, v))
+  if impl == "auto":
+    impl = "pallas" if heuristics.supported_gpu(cc) else "xla"
+  beta = beta.astype(jnp.float32)
+  decay = None if decay is None else decay.astype(jnp.float32)
+  initial_state = None if initial_state is None else initial_state.astype(jnp.float32)
+  if impl == "reference":
+    o, final_state = reference.delta_attention_recurrent(q, k, v, beta, decay, scale=scale,
+                                                         initial_state=initial_state, segment_ids=segment_ids,
+                                                         cu_seqlens=cu_seqlens)
+  else:
+    if cu_seqlens is not None and (initial_state is not None or return_final_state):
+      raise ValueError("per-sequence initial and final states with cu_seqlens run on impl='reference' only so far; "
+                       "for the chunked path give segment_ids with one sequence per row")
+    if cu_seqlens is not None:
+      segment_ids = packing.segment_ids_from_cu_seqlens(cu_seqlens, q.shape[1])
+    starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
+    if impl == "pallas":
+      opts = vjp.PallasOptions(scale=scale, with_final_state=return_final_state,
+                               config=config or pallas_triton.DeltaConfig(),
+                               interpret=(not heuristics.supported_gpu(cc)) if interpret is None else interpret)
+      o, final_state = vjp.delta_attention_pallas(q, k, v, beta, decay, starts, initial_state, opts)
+    else:
+      o, final_state = xla.chunked(q, k, v, beta, decay, starts, initial_state, scale=scale,
+                                   chunk_size=XLA_CHUNK_SIZE)
+  o = o.astype(q.dtype)
+  return (o, final_state) if return_final_state else o
+
+

@@ -1,0 +1,176 @@
+"""Chunk algebra of the delta rule (the WY / UT form), in jnp, shared by the chunked path and the kernels' tests.
+
+Within a chunk of C tokens starting from the state S (per batch and head), let
+g_t = sum_{s <= t} log a_s be the chunk-local cumulative log decay ([D] per
+token for KDA, a scalar otherwise; g <= 0 and non-increasing). With the
+pseudo-values u_t = beta_t (v_t - (Diag(a_t) S_{t-1})^T k_t), the state after
+token t is
+
+    S_t = Diag(e^{g_t}) S + sum_{s <= t} Diag(e^{g_t - g_s}) k_s u_s^T,
+
+so the u solve the unit lower-triangular system (I + A) U = beta (V - K_g S),
+A_ts = beta_t sum_d k_td k_sd e^{g_td - g_sd} (s < t), K_g = k * e^g. With
+T = (I + A)^{-1} (the UT transform of the chunk's Householder products):
+
+    W = T beta K_g,   U_v = T beta V,   U = U_v - W S                    [C, D], [C, E]
+    O = scale (Q_g S + P U),          P_ts = sum_d q_td k_sd e^{g_td - g_sd} (s <= t)
+    S_next = Diag(e^{g_C}) S + K_C^T U,   K_C = k * e^{g_C - g}.
+
+Everything but U, O and S_next is independent of S, so it is computed for all
+chunks at once; only two [C, D] x [D, E]-sized products per chunk are serial.
+
+Gated pair products e^{g_t - g_s} (KDA: per key channel) are formed without
+ever exponentiating a positive number: across sub-chunks of `SUB_CHUNK` rows
+they factor through the last row r before t's sub-chunk, e^{g_t - g_r} e^{g_r - g_s}
+(both <= 1), and within a sub-chunk they are taken pair by pair.
+
+Packed sequences: `runs` counts the segment starts among a chunk's rows up to
+each row. Pairs of different runs do not interact, rows after a start do not
+see S (their K_g, Q_g rows are 0), and S reaches S_next only if no segment
+starts in the chunk. A segment start's own decay never matters (it multiplies
+a zero state).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lightning_jax.ops.lightning_attention import chunk_common
+
+SUB_CHUNK = 16
+# Rates are clamped at 104 (e^-104 is 0 in float32, so no factor changes): it
+# bounds the chunk-local sums, whose rounding is the factors' error.
+MAX_RATE = chunk_common.MAX_LOG2_RATE / chunk_common.LOG2_E
+_HI = jax.lax.Precision.HIGHEST
+
+
+def gated_pairs(x, y, g, allowed):
+  """sum_d x_td y_sd e^{g_td - g_sd} where `allowed` (all with s <= t), else 0.
+
+  x, y: [..., C, D]; g: None (no decay), [..., C] (one rate per token) or
+  [..., C, D] (per key channel), non-increasing along C; allowed: bool
+  broadcastable to [..., C, C]. Returns [..., C, C] float32.
+  """
+  c = x.shape[-2]
+  if g is None:
+    return jnp.where(allowed, jnp.einsum("...td,...sd->...ts", x, y, precision=_HI), 0.0)
+  if g.ndim == x.ndim - 1:  # a scalar gate per token: one factor per pair
+    gap = jnp.where(allowed, g[..., :, None] - g[..., None, :], 0.0)
+    return jnp.where(allowed, jnp.einsum("...td,...sd->...ts", x, y, precision=_HI) * jnp.exp(gap), 0.0)
+  sub = min(SUB_CHUNK, c)
+  if c % sub:
+    raise ValueError(f"chunk size {c} must be a multiple of {sub}")
+  ns = c // sub
+  lead = x.shape[:-2]
+  rows = jnp.arange(c)
+  # Across sub-chunks: through r_i, the last row before sub-chunk i (g_{-1} = 0).
+  ref_row = jnp.arange(ns) * sub - 1
+  g_ref = jnp.where((ref_row >= 0)[:, None], jnp.take(g, jnp.maximum(ref_row, 0), axis=-2), 0.0)  # [..., NS, D]
+  x_hat = x.reshape(*lead, ns, sub, -1) * jnp.exp(g.reshape(*lead, ns, sub, -1) - g_ref[..., None, :])
+  before = rows[None, :] <= ref_row[:, None]  # [NS, C]: s <= r_i
+  gap = jnp.where(before[..., None], g_ref[..., :, None, :] - g[..., None, :, :], 0.0)  # [..., NS, C, D]
+  y_hat = jnp.where(before[..., None], y[..., None, :, :] * jnp.exp(gap), 0.0)
+  across = jnp.einsum("...ipd,...isd->...ips", x_hat, y_hat, precision=_HI).reshape(*lead, c, c)
+  # Within a sub-chunk: pair by pair.
+  xs, ys, gs = (z.reshape(*lead, ns, sub, -1) for z in (x, y, g))
+  lower = jnp.tril(jnp.ones((sub, sub), bool))[..., None]
+  gap = jnp.where(lower, gs[..., :, None, :] - gs[..., None, :, :], 0.0)  # [..., NS, sub, sub, D]
+  within = jnp.sum(xs[..., :, None, :] * ys[..., None, :, :] * jnp.exp(gap), axis=-1)
+  same_sub = (rows[:, None] // sub) == (rows[None, :] // sub)
+  within = _block_diagonal(within)
+  return jnp.where(allowed, jnp.where(same_sub, within, across), 0.0)
+
+
+def _block_diagonal(blocks):
+  """[..., NS, S, S] -> [..., NS S, NS S] with the blocks on the diagonal."""
+  ns, sub = blocks.shape[-3], blocks.shape[-1]
+  eye = jnp.eye(ns, dtype=blocks.dtype)
+  return jnp.einsum("...ipq,ij->...ipjq", blocks, eye).reshape(*blocks.shape[:-3], ns * sub, ns * sub)
+
+
+class ChunkTerms(NamedTuple):
+  """The S-independent terms of every chunk ([B, H, N, ...] float32; see the module docstring)."""
+  w: jax.Array            # [B, H, N, C, D]   T beta K_g
+  u: jax.Array            # [B, H, N, C, E]   T beta V
+  q_gated: jax.Array      # [B, H, N, C, D]   scale Q_g
+  p: jax.Array            # [B, H, N, C, C]   scale P
+  k_end: jax.Array        # [B, H, N, C, D]   K_C
+  state_decay: jax.Array  # [B, H, N, D]      e^{g_C}, 0 where a segment starts in the chunk
+
+
+def chunk_gates(rates, starts, *, chunk_size):
+  """Chunk-local cumulative log decays and segment-start counts.
+
+  Args:
+    rates: None (no decay), [B, H, N C] or [B, H, N C, D] float32 rates >= 0
+      (padded with 0).
+    starts: [B, N C] bool segment starts (`chunk_common.segment_starts`) or None.
+
+  Returns:
+    (g [B, H, N, C(, D)] = -(rates summed from the chunk's first row) or
+    None, runs [B, 1, N, C] int32 or None).
+  """
+  g = None
+  if rates is not None:
+    b, h, tp = rates.shape[:3]
+    rates = jnp.minimum(rates, MAX_RATE).reshape(b, h, tp // chunk_size, chunk_size, *rates.shape[3:])
+    g = -jnp.cumsum(rates, axis=3)
+  runs = None
+  if starts is not None:
+    b, tp = starts.shape
+    runs = jnp.cumsum(starts.astype(jnp.int32).reshape(b, 1, tp // chunk_size, chunk_size), axis=-1)
+  return g, runs
+
+
+def chunk_terms(q, k, v, beta, g, runs, *, scale):
+  """Every chunk's S-independent terms.
+
+  q, k: [B, H, N, C, D]; v: [B, H, N, C, E]; beta: [B, H, N, C]; g: None,
+  [B, H, N, C] or [B, H, N, C, D] (`chunk_gates`); runs: [B, 1, N, C] or
+  None. All float32, padding rows zero. Returns `ChunkTerms`.
+  """
+  c = q.shape[-2]
+  causal = jnp.tril(jnp.ones((c, c), bool))
+  if runs is None:
+    same_run, sees_state, run_end = causal, 1.0, 1.0
+  else:
+    same_run = causal & (runs[..., :, None] == runs[..., None, :])
+    sees_state = (runs == 0)[..., None].astype(jnp.float32)
+    run_end = runs[..., -1:]
+  # The decay of each row from the chunk start, of each row to the chunk end
+  # ([..., C, D or 1]), and of the chunk ([..., 1, D or 1]); 1 without decay.
+  if g is None:
+    decay_rows, to_end, chunk_decay = 1.0, 1.0, jnp.ones((1, 1), q.dtype)
+  else:
+    gate = g if g.ndim == q.ndim else g[..., None]
+    g_end = gate[..., -1:, :]
+    decay_rows, to_end, chunk_decay = jnp.exp(gate), jnp.exp(g_end - gate), jnp.exp(g_end)
+  decay_rows = decay_rows * sees_state
+  strict = same_run & ~jnp.eye(c, dtype=bool)
+  a = beta[..., :, None] * gated_pairs(k, k, g, strict)
+  t_beta = lambda x: jax.lax.linalg.triangular_solve(  # noqa: E731  (I + A)^{-1} beta x
+      a + jnp.eye(c, dtype=a.dtype), beta[..., None] * x, left_side=True, lower=True, unit_diagonal=True)
+  w = t_beta(k * decay_rows)
+  u = t_beta(v)
+  p = scale * gated_pairs(q, k, g, same_run)
+  if runs is not None:
+    to_end = to_end * (runs == run_end)[..., None]
+    chunk_decay = chunk_decay * (run_end == 0)[..., None]
+  state_decay = jnp.broadcast_to(chunk_decay[..., 0, :], (*q.shape[:-2], q.shape[-1]))
+  return ChunkTerms(w=w, u=u, q_gated=scale * q * decay_rows, p=p, k_end=k * to_end, state_decay=state_decay)
+
+
+def chunk_outputs(terms: ChunkTerms, states):
+  """O [B, H, N, C, E] from each chunk's terms and its state before it, [B, H, N, D, E]."""
+  u = terms.u - jnp.einsum("...cd,...de->...ce", terms.w, states, precision=_HI)
+  return (jnp.einsum("...cd,...de->...ce", terms.q_gated, states, precision=_HI)
+          + jnp.einsum("...ts,...se->...te", terms.p, u, precision=_HI))
+
+
+def next_state(terms_n, state):
+  """S_next from one chunk's terms ([B, H, ...] slices of `ChunkTerms`) and its state before it [B, H, D, E]."""
+  u = terms_n.u - jnp.einsum("...cd,...de->...ce", terms_n.w, state, precision=_HI)
+  return terms_n.state_decay[..., None] * state + jnp.einsum("...cd,...ce->...de", terms_n.k_end, u, precision=_HI)

@@ -1,0 +1,265 @@
+"""delta_attention (DeltaNet, Gated DeltaNet, KDA): the oracle against a float64 loop, every impl against the oracle.
+
+Outputs, final states and the gradients of every array input (q, k, v, beta,
+decay, initial_state) on odd T, D and E, with packed sequences, rates from 1e-7
+to 1e4 in one call, beta near 0 and 2; the errors of bad input.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import rel_err
+
+import lightning_jax as lj
+from lightning_jax.ops.delta_attention import reference
+from lightning_jax.ops.delta_attention import xla
+
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
+
+ARG_NAMES = ("q", "k", "v", "beta", "decay", "initial_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  b: int = 2
+  t: int = 45
+  h: int = 2
+  d: int = 9
+  e: int = 7
+  decay: str | None = "token"  # None (DeltaNet), "token" [B, T, H] (Gated DeltaNet), "channel" [B, T, H, D] (KDA)
+  rates: str = "moderate"  # or "extreme": 1e-7 and 1e4 mixed
+  beta: str = "uniform"  # [0, 2], or "edges": 0, 1e-4, 2 - 1e-4, 2
+  segments: bool = False
+  initial_state: bool = True
+
+  def __str__(self):
+    return (f"B{self.b}T{self.t}H{self.h}D{self.d}E{self.e}-decay_{self.decay}-{self.rates}-beta_{self.beta}"
+            f"-seg{int(self.segments)}-s0_{int(self.initial_state)}")
+
+
+def make_inputs(case, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 8)
+  shape = (case.b, case.t, case.h)
+  q = jax.random.normal(keys[0], (*shape, case.d))
+  k = jax.random.normal(keys[1], (*shape, case.d))
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)  # the delta rule's contraction needs |k| <= 1
+  v = jax.random.normal(keys[2], (*shape, case.e))
+  if case.beta == "edges":
+    beta = jnp.asarray([0.0, 1e-4, 2 - 1e-4, 2.0])[jax.random.randint(keys[3], shape, 0, 4)]
+  else:
+    beta = jax.random.uniform(keys[3], shape, maxval=2.0)
+  decay = None
+  if case.decay is not None:
+    rate_shape = shape if case.decay == "token" else (*shape, case.d)
+    decay = jax.random.uniform(keys[4], rate_shape, maxval=0.6)
+    if case.rates == "extreme":
+      decay = jnp.where(jax.random.bernoulli(keys[5], 0.2, rate_shape), 1e4, 1e-7)
+  s0 = jax.random.normal(keys[6], (case.b, case.h, case.d, case.e)) if case.initial_state else None
+  ids = None
+  if case.segments:  # boundaries inside chunks, a length-1 segment, one on a 16-token edge
+    ids = jnp.cumsum(jax.random.bernoulli(keys[7], 0.1, (case.b, case.t)), axis=1).astype(jnp.int32)
+    ids = ids.at[:, 16].add(50).at[:, 17:].add(100)
+  return q, k, v, beta, decay, s0, ids
+
+
+def loop64(q, k, v, beta, decay, s0, ids, scale):
+  """The recurrence in float64 numpy, token by token (the oracle's oracle)."""
+  q, k, v, beta = (np.asarray(x, np.float64) for x in (q, k, v, beta))
+  b, t, h, d = q.shape
+  a = np.ones((b, t, h, d)) if decay is None else np.exp(-np.asarray(decay, np.float64))
+  a = np.broadcast_to(a[..., None] if a.ndim == 3 else a, (b, t, h, d))
+  state = np.zeros((b, h, d, v.shape[-1])) if s0 is None else np.asarray(s0, np.float64).copy()
+  o = np.zeros(v.shape)
+  for bi in range(b):
+    for ti in range(t):
+      if ids is not None and ti > 0 and ids[bi, ti] != ids[bi, ti - 1]:
+        state[bi] = 0.0
+      for hi in range(h):
+        s = a[bi, ti, hi][:, None] * state[bi, hi]
+        kk = k[bi, ti, hi]
+        s = s + beta[bi, ti, hi] * np.outer(kk, v[bi, ti, hi] - kk @ s)
+        state[bi, hi] = s
+        o[bi, ti, hi] = scale * q[bi, ti, hi] @ s
+  return o, state
+
+
+@pytest.mark.parametrize("case", [Case(), Case(decay=None, segments=True), Case(decay="channel", segments=True),
+                                  Case(decay="channel", rates="extreme", beta="edges")], ids=str)
+def test_oracle_matches_float64_loop(case):
+  q, k, v, beta, decay, s0, ids = make_inputs(case)
+  o, final = reference.delta_attention_recurrent(q, k, v, beta, decay, scale=0.4, initial_state=s0, segment_ids=ids)
+  o64, final64 = loop64(q, k, v, beta, decay, s0, None if ids is None else np.asarray(ids), 0.4)
+  assert rel_err(o, o64) < 1e-5 and rel_err(final, final64) < 1e-5
+
+
+def value_and_grads(impl, **kwargs):
+  def loss(q, k, v, beta, decay, s0, ids, do, dfinal):
+    o, final = lj.delta_attention(q, k, v, beta, decay, initial_state=s0, segment_ids=ids, return_final_state=True,
+                                  impl=impl, **kwargs)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dfinal), (o, final)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
+
+
+CHUNKED_CASES = [
+    Case(),
+    Case(t=77, d=16, e=24, decay=None, segments=True),
+    Case(t=130, d=5, e=3, decay="channel", segments=True),
+    Case(t=64, decay="channel", rates="extreme", beta="edges"),
+    Case(b=1, t=1, h=3, decay="token"),
+    Case(t=70, decay="token", rates="extreme", beta="edges", segments=True, initial_state=False),
+]
+
+
+@pytest.mark.parametrize("case", CHUNKED_CASES, ids=str)
+def test_chunked_matches_oracle(case):
+  q, k, v, beta, decay, s0, ids = make_inputs(case, seed=1)
+  cot = jax.random.split(jax.random.key(2), 2)
+  do = jax.random.normal(cot[0], v.shape)
+  dfinal = jax.random.normal(cot[1], (case.b, case.h, case.d, case.e))
+  args = (q, k, v, beta, decay, s0, ids, do, dfinal)
+  (_, (o, final)), grads = value_and_grads("xla")(*args)
+  (_, (o_ref, final_ref)), grads_ref = value_and_grads("reference")(*args)
+  assert rel_err(o, o_ref) < 1e-4 and rel_err(final, final_ref) < 1e-4
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads if g is not None)
+  for name, g, g_ref in zip(ARG_NAMES, grads, grads_ref):
+    if g_ref is not None:
+      assert rel_err(g, g_ref) < 1e-3, (name, rel_err(g, g_ref))
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_chunk_sizes(chunk_size):
+  case = Case(t=50, decay="channel", segments=True)
+  q, k, v, beta, decay, s0, ids = make_inputs(case, seed=3)
+  got = xla.delta_attention_chunked(q, k, v, beta, decay, scale=0.3, initial_state=s0, segment_ids=ids,
+                                    chunk_size=chunk_size)
+  want = reference.delta_attention_recurrent(q, k, v, beta, decay, scale=0.3, initial_state=s0, segment_ids=ids)
+  assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
+
+
+def test_bfloat16_inputs_float32_state():
+  case = Case(t=40, d=16, e=16, decay="channel")
+  q, k, v, beta, decay, s0, _ = make_inputs(case, seed=4)
+  o, final = lj.delta_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), beta, decay, initial_state=s0,
+                                return_final_state=True, impl="xla")
+  o_ref, final_ref = lj.delta_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), beta, decay,
+                                        initial_state=s0, return_final_state=True, impl="reference")
+  assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+  assert rel_err(o, o_ref) < 1e-2 and rel_err(final, final_ref) < 1e-4
+
+
+def test_cu_seqlens_equals_sequences_alone():
+  lengths = (5, 0, 23, 1, 18)
+  cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
+  case = Case(b=1, t=sum(lengths), decay="channel", initial_state=False)
+  q, k, v, beta, decay, _, _ = make_inputs(case, seed=5)
+  s0 = jax.random.normal(jax.random.key(6), (len(lengths), case.h, case.d, case.e))
+  o = lj.delta_attention(q, k, v, beta, decay, cu_seqlens=cu, impl="xla")
+  o_ref, finals = lj.delta_attention(q, k, v, beta, decay, cu_seqlens=cu, initial_state=s0, return_final_state=True,
+                                     impl="reference")
+  for n, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+    alone = lambda x: x[:, lo:hi]  # noqa: E731
+    if hi > lo:
+      want = lj.delta_attention(*map(alone, (q, k, v, beta, decay)), impl="reference")
+      assert rel_err(o[:, lo:hi], want) < 1e-5
+      want, want_final = lj.delta_attention(*map(alone, (q, k, v, beta, decay)), initial_state=s0[n:n + 1],
+                                            return_final_state=True, impl="reference")
+      assert rel_err(o_ref[:, lo:hi], want) < 1e-6 and rel_err(finals[n], want_final[0]) < 1e-6
+    else:
+      np.testing.assert_array_equal(finals[n], s0[n])
+
+
+def test_normalize_qk_is_the_models_l2_norm():
+  case = Case(t=20, decay="token")
+  q, k, v, beta, decay, s0, _ = make_inputs(case, seed=7)
+  q, k = 3.0 * q, 0.5 * jax.random.normal(jax.random.key(8), k.shape)
+  norm = lambda x: x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)  # noqa: E731
+  got = lj.delta_attention(q, k, v, beta, decay, normalize_qk=True, impl="xla")
+  assert rel_err(got, lj.delta_attention(norm(q), norm(k), v, beta, decay, impl="reference")) < 1e-5
+  grad = lambda f: jax.grad(lambda q, k: jnp.sum(f(q, k) * v))(q, k)  # noqa: E731
+  g1 = grad(lambda q, k: lj.delta_attention(q, k, v, beta, decay, normalize_qk=True, impl="xla"))
+  g2 = grad(lambda q, k: lj.delta_attention(norm(q), norm(k), v, beta, decay, impl="reference"))
+  assert rel_err(g1, g2) < 1e-4
+
+
+def test_numerical_gradients():
+  case = Case(b=1, t=21, h=1, d=4, e=3, decay="channel", segments=True)
+  q, k, v, beta, decay, s0, ids = make_inputs(case, seed=9)
+  beta = 0.2 + 0.6 * beta  # away from the ends, where finite differences leave [0, 2]
+
+  def f(q, k, v, beta, decay, s0):
+    o, final = lj.delta_attention(q, k, v, beta, decay + 0.05, initial_state=s0, segment_ids=ids,
+                                  return_final_state=True, impl="xla")
+    return jnp.sum(jnp.sin(o)) + jnp.sum(final ** 2)
+
+  # float32 central differences: eps and tolerances sized to its rounding.
+  jax.test_util.check_grads(f, (q, k, v, beta, decay, s0), order=1, modes=("rev",), eps=3e-3, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(k=jnp.zeros((2, 9, 2, 6))), ValueError, r"k must be \[B, T, H, D\]"),
+    (dict(v=jnp.zeros((2, 8, 2, 4))), ValueError, r"v must be \[B, T, H, E\]"),
+    (dict(beta=jnp.zeros((2, 9))), ValueError, r"beta must be \[B, T, H\]"),
+    (dict(beta=jnp.full((2, 9, 2), 2.5)), ValueError, r"beta must be finite and in \[0, 2\]"),
+    (dict(decay=jnp.zeros((2,))), ValueError, r"decay must be None, per-token rates \[B, T, H\]"),
+    (dict(decay=-jnp.ones((2, 9, 2))), ValueError, "decay rates must be finite and >= 0"),
+    (dict(initial_state=jnp.zeros((2, 2, 5, 5))), ValueError, r"initial_state must be \[B, H, D, E\]"),
+    (dict(segment_ids=jnp.zeros((2, 8), jnp.int32)), ValueError, r"segment_ids must be None or an int \[B, T\]"),
+    (dict(q=jnp.zeros((2, 9, 2, 5), jnp.int32)), TypeError, "q must be float32"),
+    (dict(normalize_qk=1), TypeError, "normalize_qk must be a bool"),
+    (dict(impl="cuda"), ValueError, "impl must be one of"),
+])
+def test_bad_input_errors(kwargs, error, match):
+  args = dict(q=jnp.zeros((2, 9, 2, 5)), k=jnp.zeros((2, 9, 2, 5)), v=jnp.zeros((2, 9, 2, 4)),
+              beta=jnp.zeros((2, 9, 2)))
+  args.update(kwargs)
+  with pytest.raises(error, match=match):
+    lj.delta_attention(**args)
+
+
+PALLAS_CASES = [
+    Case(t=77, d=9, e=20, decay="token", segments=True),
+    Case(t=130, d=16, e=24, decay="channel", segments=True),
+    Case(t=64, d=5, e=3, decay="channel", rates="extreme", beta="edges"),
+    Case(t=50, d=32, e=16, decay=None, initial_state=False),
+]
+
+
+@pytest.mark.parametrize("case", PALLAS_CASES, ids=str)
+def test_pallas_matches_oracle(case, kernel_mode):
+  q, k, v, beta, decay, s0, ids = make_inputs(case, seed=11)
+  run = lambda impl, **kw: lj.delta_attention(q, k, v, beta, decay, initial_state=s0, segment_ids=ids,  # noqa: E731
+                                              return_final_state=True, impl=impl, **kw)
+  o, final = jax.jit(lambda: run("pallas", interpret=kernel_mode))()
+  o_ref, final_ref = run("reference")
+  assert rel_err(o, o_ref) < 1e-4 and rel_err(final, final_ref) < 1e-4
+
+
+def test_pallas_gradients(kernel_mode):
+  case = Case(t=40, d=8, e=16, decay="channel", segments=True)
+  q, k, v, beta, decay, s0, ids = make_inputs(case, seed=12)
+  cot = jax.random.split(jax.random.key(13), 2)
+  args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape),
+          jax.random.normal(cot[1], s0.shape))
+  (_, (o, _)), grads = value_and_grads("pallas", interpret=kernel_mode)(*args)
+  (_, (o_ref, _)), grads_ref = value_and_grads("reference")(*args)
+  assert rel_err(o, o_ref) < 1e-4
+  for name, g, g_ref in zip(ARG_NAMES, grads, grads_ref):
+    assert rel_err(g, g_ref) < 1e-3, (name, rel_err(g, g_ref))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("decay", ["token", "channel"])
+def test_pallas_low_precision(dtype, decay, kernel_mode):
+  case = Case(b=1, t=200, h=2, d=64, e=32, decay=decay, segments=True)
+  q, k, v, beta, rates, s0, ids = make_inputs(case, seed=14)
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
+  o, final = jax.jit(lambda: lj.delta_attention(q, k, v, beta, rates, initial_state=s0, segment_ids=ids,
+                                                 return_final_state=True, impl="pallas", interpret=kernel_mode))()
+  o_ref, final_ref = lj.delta_attention(q, k, v, beta, rates, initial_state=s0, segment_ids=ids,
+                                        return_final_state=True, impl="reference")
+  assert o.dtype == dtype and final.dtype == jnp.float32
+  assert rel_err(o, o_ref) < 2e-2 and rel_err(final, final_ref) < 2e-2
