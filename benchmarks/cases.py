@@ -10,6 +10,13 @@ Jobs of one *group* run in one subprocess, in the order of `make_jobs` (growing 
 A job's `decay` is True (per-head rates [H]), False (none), "token" (per-token
 rates [B, T, H]) or None (softmax attention, which has no decay); its
 `segments` is the number of sequences packed in each row (1: unpacked).
+
+Two ops are measured: `lightning_attention` and `delta_attention`. A job of
+the delta op carries its form in `decay`: "deltanet" (no decay),
+"gated_deltanet" (per-token rates [B, T, H]) or "kda" (per-token, per-key-
+channel rates [B, T, H, D]). The form is the delta op's decay setting, so every
+key, report panel and metric that keeps decay settings apart keeps the forms
+apart (and apart from the lightning settings) without a field of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +29,14 @@ from typing import NamedTuple
 MODES = ("fwd", "bwd", "fwdbwd")
 DTYPE_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 DECAYS = {"on": True, "off": False, "token": "token"}
-DECAY_LABELS = {True: "decay", False: "no decay", "token": "per-token decay", None: ""}
+# The delta op's forms (`lightning_jax.delta_attention` with decay None, [B, T, H], [B, T, H, D]) and their labels.
+DELTA_FORMS = {"deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "kda": "KDA"}
+DECAY_LABELS = {True: "decay", False: "no decay", "token": "per-token decay", None: "", **DELTA_FORMS}
+# --ops: the lightning op (its settings from --decay) and the delta forms; "delta" names the three forms.
+OPS = ("lightning", *DELTA_FORMS)
+# The lightning setting each delta form is compared with (`metrics.derive`'s lightning_ratio): the same decay
+# without the delta rule (lightning takes no per-channel rates: KDA is compared with per-token decay).
+LIGHTNING_COUNTERPART = {"deltanet": False, "gated_deltanet": "token", "kda": "token"}
 KINDS = ("ours", "baseline", "peer")
 
 
@@ -37,6 +51,7 @@ class Impl:
   # Why it cannot run per-token decay or packed sequences (None: it can); those jobs are reported skipped.
   no_token_decay: str | None = None
   no_packing: str | None = None
+  op: str = "lightning"  # the op whose settings it runs: "lightning" or "delta" (softmax runs once for any)
 
 
 # Groups that need an NVIDIA GPU: skipped without starting a worker when the probe finds none.
@@ -70,15 +85,23 @@ IMPLS = (
          no_token_decay="lightning_attn2 takes per-head decay rates s [H, 1, 1] only",
          no_packing="lightning_attn2 takes no cu_seqlens or segment ids"),
     Impl("jla-mosaic", "jla", "peer", True, "jax-linear-attention simple_gla (mosaic_gpu)"),
+    # The delta op (last, so that the lightning implementations keep their order and plot colours).
+    Impl("lj-delta-pallas", "lj-pallas", "ours", True, "lightning_jax delta_attention pallas (Triton)", op="delta"),
+    Impl("lj-delta-xla", "lj-xla", "ours", True, "lightning_jax delta_attention xla (chunked jnp)", op="delta"),
+    Impl("fla-delta-chunk", "fla", "peer", True, "fla chunk_delta_rule, chunk_gated_delta_rule, chunk_kda",
+         op="delta"),
+    Impl("jla-delta-mosaic", "jla", "peer", True,
+         "jax-linear-attention deltanet, gated_deltanet, kda (mosaic_gpu)", op="delta"),
 )
 IMPL_BY_NAME = {impl.name: impl for impl in IMPLS}
 IMPL_SETS = {
     "all": tuple(impl.name for impl in IMPLS),
     **{kind: tuple(impl.name for impl in IMPLS if impl.kind == kind) for kind in KINDS},
-    "pallas": tuple(impl.name for impl in IMPLS if impl.group == "lj-pallas"),
+    "pallas": tuple(impl.name for impl in IMPLS if impl.group == "lj-pallas" and impl.op == "lightning"),
+    "delta": tuple(impl.name for impl in IMPLS if impl.op == "delta"),
 }
-# Our implementation users get by default on a GPU (impl="auto"): the report's headline.
-HEADLINE_IMPL = "lj-pallas-auto"
+# Our implementation users get by default on a GPU (impl="auto"), per op: the report's headlines.
+HEADLINE_IMPLS = {"lightning": "lj-pallas-auto", "delta": "lj-delta-pallas"}
 BASELINE_IMPL = "cudnn-flash"
 # Jobs up to the longest T of the Lightning Attention-3 reports run first (tier 0) for every
 # group; the longer ones (tier 1) use the time left.
@@ -120,6 +143,8 @@ SHAPE_SETS = {
     # The performance targets of per-token decay and of packed sequences.
     "token": _families([8192, 32768]),
     "packed": [Shape(1, 32768, 32, 128, 128)],
+    # The performance targets of the delta forms.
+    "delta": [*_families([2048, 8192, 32768]), Shape(1, 65536, 32, 128, 128)],
 }
 
 # A sample of 20 ms of back-to-back calls: with 1 ms samples (2 calls of a
@@ -154,6 +179,13 @@ PROFILES = {
     # Per-token decay, unpacked and packed, on one tiny shape (the implementations of `token` and `packed`).
     "smoke-token-packed": dict(shapes="1x64x2x16", impls="lj-pallas-auto,peer", modes="fwd,fwdbwd", decay="token",
                                segments="1,3", **_SMOKE_SETTINGS),
+    # The delta forms against their peers, cuDNN (the crossover length) and the lightning op's counterparts.
+    "delta": dict(shapes="delta", impls="lj-delta-pallas,lj-pallas-auto,cudnn-flash,fla-delta-chunk,jla-delta-mosaic",
+                  ops="lightning,delta", modes="fwd,fwdbwd", decay="off,token", segments="1", max_seconds=540.0,
+                  **_GPU_SETTINGS),
+    # The same on one tiny shape, with our xla implementation too.
+    "smoke-delta": dict(shapes="1x64x2x16", impls="delta,lj-pallas-auto,baseline", ops="lightning,delta",
+                        modes="fwd,fwdbwd", decay="off,token", segments="1", **_SMOKE_SETTINGS),
 }
 
 
@@ -198,6 +230,21 @@ def parse_choices(text: str, allowed, what: str) -> list[str]:
   return list(dict.fromkeys(values))
 
 
+def parse_ops(text: str) -> list[str]:
+  """Comma-separated ops: "lightning", the delta forms (`DELTA_FORMS`), or "delta" for the three forms."""
+  forms = ",".join(DELTA_FORMS)
+  return parse_choices(",".join(forms if part == "delta" else part for part in _split(text)), OPS, "--ops")
+
+
+def op_of(decay) -> str:
+  """The op of a decay setting (a job's `decay`): "delta" for the delta forms, else "lightning"."""
+  return "delta" if decay in DELTA_FORMS else "lightning"
+
+
+def is_delta(job: dict) -> bool:
+  return op_of(job["decay"]) == "delta"
+
+
 def parse_segments(text: str) -> list[int]:
   """Comma-separated numbers of sequences packed in a row (1: unpacked)."""
   parts = _split(text)
@@ -210,7 +257,8 @@ def make_jobs(impls: list[str], shapes: list[Shape], decays: list, modes: list[s
               segments=(1,)) -> list[dict]:
   """Jobs ordered by T, then shape, packing, decay and implementation; `tier` 1 marks T > CORE_MAX_SEQ_LEN.
 
-  Softmax attention ignores decay: it gets one job per shape and packing, with decay None.
+  `decays` holds lightning settings and delta forms; each implementation gets those of its op. Softmax attention
+  ignores decay: it gets one job per shape and packing, with decay None.
   """
   jobs = []
   for shape in sorted(shapes, key=lambda s: s.seq_len):
@@ -220,7 +268,7 @@ def make_jobs(impls: list[str], shapes: list[Shape], decays: list, modes: list[s
       for decay in decays:
         for name in impls:
           impl = IMPL_BY_NAME[name]
-          if not impl.decay_aware and decay != decays[0]:
+          if (not impl.decay_aware and decay != decays[0]) or (impl.decay_aware and impl.op != op_of(decay)):
             continue
           jobs.append(dict(id=len(jobs), impl=name, group=impl.group, tier=int(shape.seq_len > CORE_MAX_SEQ_LEN),
                            **shape._asdict(), dtype=dtype, decay=decay if impl.decay_aware else None, segments=n,
@@ -289,13 +337,37 @@ def decay_array(job: dict):
   return (rates * np.random.default_rng(0).uniform(0.5, 1.5, (b, t, h))).astype(np.float32)
 
 
-def differentiates_decay(job: dict) -> bool:
-  """Whether the backward modes differentiate the decay rates along with q, k and v.
+def delta_gates(job: dict) -> dict:
+  """float32 gates of a delta-form job, by `delta_attention`'s names (fixed seed).
 
-  Per-token rates are (a model's gates are trained, and fla's backward computes
-  their gradient whether asked or not); fixed per-head rates (the ALiBi slopes) are not.
+  beta [B, T, H]: sigmoid of a standard normal. decay (not for DeltaNet): rates
+  uniform in [0.01, 0.1], [B, T, H] (Gated DeltaNet) or [B, T, H, D] (KDA).
+  Drawn in float32: the KDA rates of the 64K shape are 2^28 values.
   """
-  return job["decay"] == "token"
+  import numpy as np  # noqa: PLC0415
+
+  b, t, h, d, _ = job_shape(job)
+  rng = np.random.default_rng(0)
+  gates = {"beta": 1 / (1 + np.exp(-rng.standard_normal((b, t, h), np.float32)))}
+  if job["decay"] != "deltanet":
+    shape = (b, t, h, d) if job["decay"] == "kda" else (b, t, h)
+    gates["decay"] = 0.01 + 0.09 * rng.random(shape, np.float32)
+  return gates
+
+
+def differentiated_inputs(job: dict) -> int:
+  """How many of the job's extra inputs, the first ones, the backward modes differentiate with q, k and v.
+
+  Per-token rates (1) and the delta forms' beta and rates (1 or 2) are (a
+  model's gates are trained, and fla's backward computes their gradients
+  whether asked or not); fixed per-head rates (the ALiBi slopes) are not.
+  """
+  return {"token": 1, "deltanet": 1, "gated_deltanet": 2, "kda": 2}.get(job["decay"], 0)
+
+
+def gate_floats(case: dict) -> int:
+  """float32 values per (b, t, h) of the differentiated gates of a job or result (its HBM floor reads them)."""
+  return {"token": 1, "deltanet": 1, "gated_deltanet": 2, "kda": 1 + case["dim_k"]}.get(case["decay"], 0)
 
 
 def _cut_count(seq_len: int) -> int:

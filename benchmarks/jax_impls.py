@@ -1,6 +1,7 @@
 """JAX implementations and the JAX side of the measurements.
 
-Implementations: lightning_jax (`impl="pallas"` with each variant, and
+Implementations: lightning_jax (`lightning_attention` with `impl="pallas"`
+and each variant, and `impl="xla"`; `delta_attention` with `impl="pallas"` and
 `impl="xla"`), cuDNN FlashAttention (`jax.nn.dot_product_attention(...,
 implementation="cudnn", is_causal=True)`) and XLA softmax attention
 (`implementation="xla"`, which materialises the T x T scores).
@@ -18,7 +19,10 @@ compiled (in parallel threads) before anything is timed:
 * fwdbwd: o and the VJP of f at once (o is returned, so the forward cannot be
           eliminated).
 
-The VJP is taken with respect to q, k and v, and per-token decay rates.
+The VJP is taken with respect to q, k and v, and per-token gates (the
+lightning op's per-token rates, the delta forms' beta and rates). The delta
+forms' q and k are L2-normalised over D, as the models do (the delta rule needs
+|k| <= 1).
 
 Memory: XLA's compiled memory analysis of the timed function (argument,
 output, temporary and aliased bytes; footprint = argument + output + temp -
@@ -95,7 +99,7 @@ def probe(path: str, sample_seconds: float):
 def bind(call, inputs: dict):
   """(attn(q, k, v, *extras) -> o, extras) for call(q, k, v, **inputs).
 
-  The inputs (decay, segment ids) become arguments of the compiled functions,
+  The inputs (gates, segment ids) become arguments of the compiled functions,
   so that XLA cannot fold them into constants.
   """
   names = tuple(inputs)
@@ -103,32 +107,46 @@ def bind(call, inputs: dict):
 
 
 def lightning_or_baseline(job: dict):
-  """(attn(q, k, v, *extras) -> o, extras) for the implementations of this module."""
+  """(attn(q, k, v, *extras) -> o, extras) for the implementations of this module.
+
+  The extras: the lightning op's decay rates, or a delta form's beta and rates
+  (`cases.delta_gates`), then the segment ids, each where the job has them.
+  """
   impl = job["impl"]
   if impl in ("cudnn-flash", "xla-softmax"):
     backend = "cudnn" if impl == "cudnn-flash" else "xla"
     return (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=backend)), ()
-  options = (dict(impl="pallas", variant=impl.removeprefix("lj-pallas-")) if impl.startswith("lj-pallas-")
-             else dict(impl="xla"))
-  inputs = {name: jnp.asarray(x) for name, x in (("decay", cases.decay_array(job)),
-                                                 ("segment_ids", cases.segment_ids(job))) if x is not None}
-  return bind(lambda q, k, v, **inputs: lightning_jax.lightning_attention(q, k, v, **inputs, **options), inputs)
+  if cases.is_delta(job):
+    op, gates = lightning_jax.delta_attention, cases.delta_gates(job)
+    options = dict(impl=impl.removeprefix("lj-delta-"))
+  else:
+    op, gates = lightning_jax.lightning_attention, {"decay": cases.decay_array(job)}
+    options = (dict(impl="pallas", variant=impl.removeprefix("lj-pallas-")) if impl.startswith("lj-pallas-")
+               else dict(impl="xla"))
+  inputs = {name: jnp.asarray(x) for name, x in {**gates, "segment_ids": cases.segment_ids(job)}.items()
+            if x is not None}
+  return bind(lambda q, k, v, **inputs: op(q, k, v, **inputs, **options), inputs)
+
+
+def refusal(job: dict, attn, extras) -> str | None:
+  """The ValueError that tracing attn's forward on the job's shapes raises (an op's own check of the shapes,
+  dtype, device or options, before any kernel runs), else None."""
+  try:
+    jax.eval_shape(attn, *_abstract_args(job, extras)["fwd"])
+  except ValueError as err:
+    return str(err)
+  return None
 
 
 def lightning_unavailable(job: dict) -> str | None:
   """Why a variant of ours cannot run this job here, else None.
 
   The warp-specialised forward has limits (sm90, jax >= 0.11, per-head decay
-  without packing); the op's own check raises a ValueError before any kernel is traced.
+  without packing), which its `refusal` gives.
   """
   if job["impl"] != "lj-pallas-warp_specialized":
     return None
-  attn, extras = lightning_or_baseline(job)
-  try:
-    jax.eval_shape(attn, *_abstract_args(job, extras)["fwd"])
-  except ValueError as err:
-    return str(err)
-  return None
+  return refusal(job, *lightning_or_baseline(job))
 
 
 def mode_functions(attn, n_grad: int = 0):
@@ -185,9 +203,9 @@ def _compile_fwd_and_bwd(fns: dict, args: tuple) -> dict:
 def compile_modes(attn, extras, job: dict, threads: int) -> dict:
   """{function name: (compiled or exception, compile seconds)} for the job's modes, compiled in parallel.
 
-  Per-token decay rates, the first of the extras, are differentiated (`cases.differentiates_decay`).
+  The per-token gates, the first of the extras, are differentiated (`cases.differentiated_inputs`).
   """
-  fns = mode_functions(attn, int(cases.differentiates_decay(job)))
+  fns = mode_functions(attn, cases.differentiated_inputs(job))
   args = _abstract_args(job, extras)
   with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
     futures = [pool.submit(lambda m: {m: _compile(fns[m], args[m])}, mode) for mode in ("fwd", "fwdbwd")
@@ -213,8 +231,15 @@ def _peak_bytes():
   return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
 
 
+def _l2_normalize(x):
+  """x over its L2 norm along the last axis (computed in float32), in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  return (x32 / jnp.linalg.norm(x32, axis=-1, keepdims=True)).astype(x.dtype)
+
+
 def make_inputs(job: dict, n_sets: int, seed: int = 0) -> list[tuple]:
-  """`n_sets` (q, k, v, do) sets in the job's dtype and [B, T, H, *] layout.
+  """`n_sets` (q, k, v, do) sets in the job's dtype and [B, T, H, *] layout; q and k L2-normalised for the delta
+  forms.
 
   One random set, then copies of it: distinct buffers (what the L2 rotation
   needs) without one random-number kernel per array.
@@ -223,6 +248,8 @@ def make_inputs(job: dict, n_sets: int, seed: int = 0) -> list[tuple]:
   b, t, h, d, e = cases.job_shape(job)
   shapes = ((b, t, h, d), (b, t, h, d), (b, t, h, e), (b, t, h, e))
   first = tuple(jax.random.normal(jax.random.key(seed + i), shape, dtype) for i, shape in enumerate(shapes))
+  if cases.is_delta(job):
+    first = (*map(_l2_normalize, first[:2]), *first[2:])
   return [first] + [tuple(jnp.copy(x) for x in first) for _ in range(n_sets - 1)]
 
 

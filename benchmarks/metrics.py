@@ -5,8 +5,9 @@ Pure Python; `derive(results, copy_bandwidth_gbps)` adds to every "ok" result:
 * tokens_per_s: B * T / time;
 * floor_bytes: the bytes the mode must move at least. fwd reads q, k, v and
   writes o; bwd reads q, k, v, do and writes dq, dk, dv; fwdbwd is both;
-  per-token decay rates (float32) are read by each, their gradient written by
-  bwd (the segment ids, a 1/H of that, are left out);
+  per-token gates (float32: decay rates, a delta form's beta and rates) are
+  read by each, their gradients written by bwd (the segment ids, a 1/H of a
+  gate, are left out);
   floor_ms: those bytes at the copy bandwidth measured in the same run (the
   result's own `copy_bandwidth_gbps`, stamped by the run that measured it, so
   that a `--resume` run does not re-floor older results; else the argument);
@@ -17,7 +18,10 @@ Pure Python; `derive(results, copy_bandwidth_gbps)` adds to every "ok" result:
 * scaling_ratio: this time divided by the time of the same case at T / 2
   (2 for a linear cost, 4 for a quadratic one);
 * packing_ratio (packed rows): this time divided by the time of the same case
-  unpacked (one sequence a row).
+  unpacked (one sequence a row);
+* lightning_ratio (delta forms): this time divided by the time of our
+  lightning op (`cases.HEADLINE_IMPLS`) on the same shape, mode and packing,
+  with the decay of `cases.LIGHTNING_COUNTERPART` (the target: at most 2).
 """
 
 from __future__ import annotations
@@ -35,20 +39,25 @@ def floor_bytes(r: dict) -> int:
   fwd = 2 * d + 2 * e  # read q, k, v; write o
   bwd = (2 * d + 2 * e) + (2 * d + e)  # read q, k, v, do; write dq, dk, dv
   per_token = {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[r["mode"]]
-  rates = {"fwd": 4, "bwd": 8, "fwdbwd": 12}[r["mode"]] if r["decay"] == "token" else 0  # float32
-  return tokens * (itemsize * per_token + rates)
+  gates = {"fwd": 4, "bwd": 8, "fwdbwd": 12}[r["mode"]] * cases.gate_floats(r)  # float32
+  return tokens * (itemsize * per_token + gates)
 
 
-def _key(r: dict, *, seq_len=None, decay=True, impl=None, segments=None) -> tuple:
+_SAME = object()
+
+
+def _key(r: dict, *, seq_len=None, decay=_SAME, impl=None, segments=None) -> tuple:
+  """r's case key with the fields given replaced (decay None: softmax's)."""
   return ((impl or r["impl"]), r["mode"], seq_len or r["seq_len"], *(r[k] for k in SHAPE_KEY),
-          r["decay"] if decay else None, segments or cases.segments_of(r))
+          r["decay"] if decay is _SAME else decay, segments or cases.segments_of(r))
 
 
 def derive(results: list[dict], copy_bandwidth_gbps: float | None) -> list[dict]:
   """Adds the derived metrics (in place) to the "ok" results; returns `results`."""
   ok = [r for r in results if r["status"] == "ok"]
   by_key = {_key(r): r for r in ok}
-  cudnn = {_key(r, decay=False): r for r in ok if r["impl"] == cases.BASELINE_IMPL}
+  cudnn = {_key(r, decay=None): r for r in ok if r["impl"] == cases.BASELINE_IMPL}
+  lightning = cases.HEADLINE_IMPLS["lightning"]
   for r in ok:
     seconds = r["time_ms"] / 1e3
     r["tokens_per_s"] = r["batch"] * r["seq_len"] / seconds
@@ -57,7 +66,7 @@ def derive(results: list[dict], copy_bandwidth_gbps: float | None) -> list[dict]
     if bandwidth:
       r["floor_ms"] = r["floor_bytes"] / (bandwidth * 1e9) * 1e3
       r["floor_ratio"] = r["time_ms"] / r["floor_ms"]
-    base = cudnn.get(_key(r, decay=False, impl=cases.BASELINE_IMPL))
+    base = cudnn.get(_key(r, decay=None, impl=cases.BASELINE_IMPL))
     if base is not None:
       r["speedup_vs_cudnn"] = base["time_ms"] / r["time_ms"]
     half = by_key.get(_key(r, seq_len=r["seq_len"] // 2)) if r["seq_len"] % 2 == 0 else None
@@ -66,4 +75,8 @@ def derive(results: list[dict], copy_bandwidth_gbps: float | None) -> list[dict]
     unpacked = by_key.get(_key(r, segments=1)) if cases.segments_of(r) > 1 else None
     if unpacked is not None:
       r["packing_ratio"] = r["time_ms"] / unpacked["time_ms"]
+    counterpart = (by_key.get(_key(r, impl=lightning, decay=cases.LIGHTNING_COUNTERPART[r["decay"]]))
+                   if cases.is_delta(r) else None)
+    if counterpart is not None:
+      r["lightning_ratio"] = r["time_ms"] / counterpart["time_ms"]
   return results

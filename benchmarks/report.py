@@ -29,10 +29,11 @@ STATUS_TEXT = {"oom": "OOM", "skipped": "skip", "error": "error"}
 # ----------------------------------------------------------------------------- indexing
 
 class Panel(NamedTuple):
-  """A group of results over T (a plot panel, a table): a shape family (T = 0), dtype, decay and packing."""
+  """A group of results over T (a plot panel, a table): a shape family (T = 0), dtype, decay (or delta form) and
+  packing."""
   family: cases.Shape
   dtype: str
-  decay: object  # a job's decay: True, False, "token" or None
+  decay: object  # a job's decay: True, False, "token", None or a delta form
   segments: int
 
   @classmethod
@@ -76,10 +77,10 @@ class Index:
   def ours(self) -> list[str]:
     return [i for i in self.impls if cases.IMPL_BY_NAME[i].kind == "ours"]
 
-  def headline(self) -> str | None:
-    """lj-pallas-auto (what impl="auto" runs on a GPU) if measured, else our first implementation."""
-    ours = self.ours()
-    return cases.HEADLINE_IMPL if cases.HEADLINE_IMPL in ours else (ours[0] if ours else None)
+  def headline(self, op: str) -> str | None:
+    """Of our implementations of `op`, the default (`cases.HEADLINE_IMPLS`) if measured, else the first."""
+    ours = [i for i in self.ours() if cases.IMPL_BY_NAME[i].op == op]
+    return cases.HEADLINE_IMPLS[op] if cases.HEADLINE_IMPLS[op] in ours else (ours[0] if ours else None)
 
 
 def ok(r: dict | None) -> bool:
@@ -160,31 +161,38 @@ _EMPTY_CELLS = {"", "–", "– / –"}
 
 
 def summary_table(data: dict, drop_empty: bool = False) -> str:
-  """Headline table: our default implementation against cuDNN and the fastest peer, per shape.
+  """Headline tables, one per op measured: our default implementation against cuDNN and the fastest peer of the
+  same op (and delta form), per shape; the delta op's also gives its time over the lightning op's.
 
   `drop_empty` leaves out the columns with no value in any row (e.g. cuDNN's
   when it was not run).
   """
   index = Index(data)
-  ours = index.headline()
-  if ours is None:
-    return "No lightning_jax implementation was measured."
+  tables = [_summary_table(index, op, drop_empty) for op in ("lightning", "delta") if index.headline(op)]
+  return "\n\n".join(tables) or "No lightning_jax implementation was measured."
+
+
+def _summary_table(index: Index, op: str, drop_empty: bool) -> str:
+  ours = index.headline(op)
   peers = [i for i in index.impls if cases.IMPL_BY_NAME[i].kind == "peer"]
   header = ["shape", "T", f"{ours} fwd ms", f"{ours} fwd+bwd ms", "cuDNN fwd ms", "cuDNN fwd+bwd ms",
             "fastest peer fwd (ms)", "fastest peer fwd+bwd (ms)", "speedup vs cuDNN fwd / fwd+bwd",
             "x HBM floor fwd / fwd+bwd", "fastest peer / ours fwd / fwd+bwd"]
+  if op == "delta":
+    header.append("ours / lightning fwd / fwd+bwd")
   rows = []
-  for panel in index.panels:
+  for panel in (p for p in index.panels if cases.op_of(p.decay) == op):
     for t in index.seq_lens(panel):
       mine = {m: index.get(ours, m, panel, t) for m in ("fwd", "fwdbwd")}
       cudnn = {m: index.get(cases.BASELINE_IMPL, m, panel, t) for m in ("fwd", "fwdbwd")}
       peer = {m: _fastest(index, peers, m, panel, t) for m in ("fwd", "fwdbwd")}
-      speedups = " / ".join(fmt_cell(mine[m], "speedup_vs_cudnn", "{:.2f}x") or "–" for m in ("fwd", "fwdbwd"))
-      floors = " / ".join(fmt_cell(mine[m], "floor_ratio", "{:.2f}") or "–" for m in ("fwd", "fwdbwd"))
+      both = lambda field, fmt: " / ".join(fmt_cell(mine[m], field, fmt) or "–" for m in mine)  # noqa: E731
       rows.append([panel.title(), fmt_t(t), fmt_cell(mine["fwd"]), fmt_cell(mine["fwdbwd"]),
                    fmt_cell(cudnn["fwd"]), fmt_cell(cudnn["fwdbwd"]),
                    *(f"{peer[m]['impl']} ({fmt_cell(peer[m])})" if peer[m] else "–" for m in ("fwd", "fwdbwd")),
-                   speedups, floors, " / ".join(_peer_ratio(mine[m], peer[m]) for m in ("fwd", "fwdbwd"))])
+                   both("speedup_vs_cudnn", "{:.2f}x"), both("floor_ratio", "{:.2f}"),
+                   " / ".join(_peer_ratio(mine[m], peer[m]) for m in ("fwd", "fwdbwd")),
+                   *([both("lightning_ratio", "{:.2f}x")] if op == "delta" else [])])
   if drop_empty:
     keep = [i for i in range(len(header)) if any(row[i] not in _EMPTY_CELLS for row in rows)]
     header, rows = [header[i] for i in keep], [[row[i] for i in keep] for row in rows]
@@ -380,6 +388,11 @@ def markdown(data: dict, plots: dict | None = None) -> str:
          "costs nothing).\n\n" + _per_t_tables(index, "packed / unpacked", "packing_ratio",
                                                  lambda r: fmt_cell(r, "packing_ratio", "{:.3f}"))]
         if any(panel.segments > 1 for panel in index.panels) else []),
+      *(["## Delta forms against the lightning op\n\nTime / the time of our lightning op on the same shape and "
+         "mode, without decay for DeltaNet and with per-token decay for Gated DeltaNet and KDA (the target: at most "
+         "2).\n\n" + _per_t_tables(index, "time / lightning op's", "lightning_ratio",
+                                     lambda r: fmt_cell(r, "lightning_ratio", "{:.2f}"))]
+        if any(cases.op_of(panel.decay) == "delta" for panel in index.panels) else []),
       "## Distance to the HBM floor\n\nTime / (bytes that must move at the measured copy bandwidth): "
       "fwd moves q, k, v, o; bwd q, k, v, do, dq, dk, dv; fwd+bwd both.\n\n"
       + _per_t_tables(index, "x HBM floor", "floor_ratio", lambda r: fmt_cell(r, "floor_ratio", "{:.2f}"),
@@ -394,9 +407,11 @@ def markdown(data: dict, plots: dict | None = None) -> str:
 # ----------------------------------------------------------------------------- plots
 
 def _color(impl: str):
+  """tab10's colours for the first ten implementations, their lighter tab20 shades for the next ten."""
   import matplotlib  # noqa: PLC0415
 
-  return matplotlib.colormaps["tab10"](list(cases.IMPL_BY_NAME).index(impl) % 10)
+  i = list(cases.IMPL_BY_NAME).index(impl)
+  return matplotlib.colormaps["tab20"]((2 * i + i // 10) % 20)
 
 
 def _fit(title: str) -> str:

@@ -73,7 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--impls", help=f"implementations or sets {list(cases.IMPL_SETS)}, comma-separated; "
                                  f"names: {', '.join(cases.IMPL_BY_NAME)}")
   p.add_argument("--modes", help="comma-separated from fwd,bwd,fwdbwd")
-  p.add_argument("--decay", help="comma-separated from on (per-head rates), off, token (per-token rates)")
+  p.add_argument("--ops", help="comma-separated from lightning (with the --decay settings), deltanet, "
+                               "gated_deltanet, kda (the delta forms), delta (the three forms) (default: lightning)")
+  p.add_argument("--decay", help="comma-separated from on (per-head rates), off, token (per-token rates); "
+                                 "the lightning op's settings")
   p.add_argument("--segments", help="sequences packed in each row, comma-separated (1: unpacked; 1,8: both)")
   p.add_argument("--dtype", choices=sorted(cases.DTYPE_ITEMSIZE))
   p.add_argument("--warmup", type=int, help="warm-up calls per case (after compilation)")
@@ -101,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--repeats must be >= 1, got {args.repeats}")
   if args.smoke:
     args.profile = "smoke"
-  for key, value in cases.PROFILES[args.profile].items():
+  for key, value in {"ops": "lightning", **cases.PROFILES[args.profile]}.items():
     if getattr(args, key) is None:
       setattr(args, key, value)
   return args
@@ -118,9 +121,13 @@ def make_plan(args) -> Plan:
   impls = cases.parse_impls(args.impls)
   shapes = cases.parse_shapes(args.shapes)
   modes = cases.parse_choices(args.modes, cases.MODES, "--modes")
+  ops = cases.parse_ops(args.ops)
   decays = [cases.DECAYS[d] for d in cases.parse_choices(args.decay, cases.DECAYS, "--decay")]
+  # The lightning op runs the --decay settings; a delta form is a setting of its own (see `cases`).
+  decays = (decays if "lightning" in ops else []) + [op for op in ops if op != "lightning"]
   segments = cases.parse_segments(args.segments)
   jobs = cases.make_jobs(impls, shapes, decays, modes, args.dtype, segments)
+  impls = [i for i in impls if any(j["impl"] == i for j in jobs)]  # not those of an op left out
   settings = {key: getattr(args, key) for key in SETTINGS}
   description = dict(profile=args.profile, impls=impls, shapes=[list(s) for s in shapes], modes=modes,
                      decays=decays, segments=segments, dtype=args.dtype, max_seconds=args.max_seconds,

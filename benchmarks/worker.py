@@ -12,8 +12,9 @@ that a crash loses only the case that was running:
 A result's status is "ok", "oom" (out of device memory, from XLA's
 RESOURCE_EXHAUSTED, torch's OutOfMemoryError, or the compiled memory analysis
 exceeding the device), "skipped" (package or device missing, time budget
-spent, a decay or packing the implementation cannot take; with the reason) or
-"error" (any other exception; with its message).
+spent, a decay or packing the implementation cannot take, a peer refusing the
+case (`Refused`); with the reason) or "error" (any other exception; with its
+message).
 Pure Python: the backends import their frameworks.
 """
 
@@ -62,6 +63,10 @@ class DeviceMemoryExceeded(Exception):
   """Raised before running a case whose compiled memory analysis exceeds the device's memory."""
 
 
+class Refused(Exception):
+  """A peer's refusal of a case (its own check of the inputs or the environment): the case is skipped."""
+
+
 class Backend:
   """What a worker module provides; the defaults describe an always-available backend."""
 
@@ -98,7 +103,10 @@ class Unavailable(Backend):
 
 
 def classify(exc: BaseException) -> tuple[str, str]:
-  """(status, reason) of a failed case: "oom" for out-of-device-memory errors, else "error"."""
+  """(status, reason) of a failed case: "skipped" for a `Refused` one, "oom" for out-of-device-memory errors, else
+  "error"."""
+  if isinstance(exc, Refused):
+    return "skipped", str(exc)[:600]
   message = f"{type(exc).__name__}: {exc}".strip()
   oom = (isinstance(exc, DeviceMemoryExceeded) or "RESOURCE_EXHAUSTED" in message
          or "out of memory" in message.lower() or "OutOfMemory" in type(exc).__name__)

@@ -1,5 +1,5 @@
-"""The benchmark suite: `python -m benchmarks.run --smoke` (and the per-token decay and packing smoke profile)
-end to end on the CPU, and its pure parts."""
+"""The benchmark suite: `python -m benchmarks.run --smoke` (and the per-token decay and packing, and the delta
+smoke profiles) end to end on the CPU, and its pure parts."""
 
 import contextlib
 import fcntl
@@ -49,6 +49,11 @@ def smoke(tmp_path_factory):
 @pytest.fixture(scope="module")
 def smoke_token_packed(tmp_path_factory):
   return _run_cli(tmp_path_factory, "smoke-token-packed", "--profile", "smoke-token-packed")
+
+
+@pytest.fixture(scope="module")
+def smoke_delta(tmp_path_factory):
+  return _run_cli(tmp_path_factory, "smoke-delta", "--profile", "smoke-delta")
 
 
 @pytest.mark.slow  # one end-to-end run in a subprocess
@@ -210,7 +215,104 @@ def test_segments_and_per_token_rates():
   assert (rates == cases.decay_array(job)).all()
   assert per_head.tolist() == pytest.approx(cases.decay_rates(3))
   assert cases.decay_array({**job, "decay": False}) is None and cases.decay_array({**job, "decay": None}) is None
-  assert cases.differentiates_decay(job) and not cases.differentiates_decay({**job, "decay": True})
+  assert cases.differentiated_inputs(job) == 1 and cases.differentiated_inputs({**job, "decay": True}) == 0
+
+
+@pytest.mark.slow  # one end-to-end run in a subprocess
+def test_smoke_delta(smoke_delta):
+  """The three delta forms: ours measured (pallas in interpret mode, xla), each over the lightning op's counterpart;
+  the peers skipped with the reason; the report's tables by form."""
+  out, data, stdout = smoke_delta
+  _check_plan_order(data)
+  results = data["results"]
+  ours = {(r["impl"], r["decay"], r["mode"]): r for r in results if r["impl"].startswith("lj-delta-")}
+  assert set(ours) == {(i, f, m) for i in ("lj-delta-pallas", "lj-delta-xla") for f in cases.DELTA_FORMS
+                       for m in ("fwd", "fwdbwd")}
+  assert all(r["status"] == "ok" for r in ours.values()), ours
+  lightning = {(r["decay"], r["mode"]): r for r in results if r["impl"] == "lj-pallas-auto"}
+  assert {r["status"] for r in lightning.values()} == {"ok"} and {d for d, _ in lightning} == {False, "token"}
+  for (_, form, mode), r in ours.items():
+    base = lightning[cases.LIGHTNING_COUNTERPART[form], mode]
+    assert r["lightning_ratio"] == pytest.approx(r["time_ms"] / base["time_ms"])
+  peers = [r for r in results if r["impl"] in ("fla-delta-chunk", "jla-delta-mosaic")]
+  assert len(peers) == 12 and all(r["status"] == "skipped" and r["reason"] for r in peers)
+  if importlib.util.find_spec("jla") is not None:  # installed: its Mosaic GPU kernels need a GPU
+    assert {r["reason"] for r in peers if r["impl"] == "jla-delta-mosaic"} == {
+        "the jla Mosaic GPU kernels need an NVIDIA Hopper GPU"}
+  md = (out / f"{data['metadata']['device_slug']}.md").read_text()
+  assert "## Delta forms against the lightning op" in md and "### B1 H2 D16, bf16, Gated DeltaNet, T = 64" in md
+  assert "| shape | T | lj-delta-pallas fwd ms |" in stdout and "ours / lightning fwd / fwd+bwd |" in stdout
+  assert "| B1 H2 D16, bf16, KDA | 64 |" in stdout and "| B1 H2 D16, bf16, per-token decay | 64 |" in stdout
+
+
+def test_delta_options_jobs_and_gates():
+  """--ops picks the lightning settings and the delta forms; each implementation gets the settings of its op."""
+  assert cases.parse_ops("delta") == list(cases.DELTA_FORMS)
+  assert cases.parse_ops("kda,lightning") == ["kda", "lightning"]
+  with pytest.raises(ValueError):
+    cases.parse_ops("mamba")
+  plan = run.make_plan(run.parse_args(["--smoke", "--ops", "lightning,kda", "--decay", "token",
+                                       "--impls", "lj-xla,lj-delta-xla,xla-softmax,fla-chunk,jla-delta-mosaic"]))
+  assert [(j["impl"], j["decay"]) for j in plan.jobs if j["seq_len"] == 32] == [
+      ("lj-xla", "token"), ("xla-softmax", None), ("fla-chunk", "token"), ("lj-delta-xla", "kda"),
+      ("jla-delta-mosaic", "kda")]
+  assert run.make_plan(run.parse_args(["--smoke", "--impls", "all"])).description["impls"] == [
+      i for i in cases.IMPL_SETS["all"] if cases.IMPL_BY_NAME[i].op == "lightning"]  # no job, not in the plan
+  # The GPU run of the targets: the issue's shapes, the three forms, the lightning counterparts and cuDNN.
+  delta = run.make_plan(run.parse_args(["--profile", "delta"]))
+  assert {cases.job_shape(j) for j in delta.jobs} == {
+      *(cases.Shape(b, t, 32, d, d) for b, d in ((4, 64), (2, 128)) for t in (2048, 8192, 32768)),
+      cases.Shape(1, 65536, 32, 128, 128)}
+  assert {(j["impl"], j["decay"]) for j in delta.jobs} == {
+      ("cudnn-flash", None), *(("lj-pallas-auto", d) for d in (False, "token")),
+      *((i, f) for i in ("lj-delta-pallas", "fla-delta-chunk", "jla-delta-mosaic") for f in cases.DELTA_FORMS)}
+  assert delta.description["modes"] == ["fwd", "fwdbwd"] and delta.description["dtype"] == "bf16"
+  job = cases.make_jobs(["lj-delta-xla"], [cases.Shape(2, 100, 3, 8, 4)], ["kda"], ["fwd"], "bf16")[0]
+  gates = cases.delta_gates(job)
+  assert gates["beta"].shape == (2, 100, 3) and gates["decay"].shape == (2, 100, 3, 8)
+  assert all(x.dtype == "float32" for x in gates.values()) and (gates["decay"] == cases.delta_gates(job)["decay"]).all()
+  assert 0 < gates["beta"].min() < gates["beta"].max() < 1
+  assert 0.01 <= gates["decay"].min() < gates["decay"].max() <= 0.1
+  assert cases.delta_gates({**job, "decay": "gated_deltanet"})["decay"].shape == (2, 100, 3)
+  assert set(cases.delta_gates({**job, "decay": "deltanet"})) == {"beta"}
+  assert [cases.differentiated_inputs({**job, "decay": f}) for f in cases.DELTA_FORMS] == [1, 2, 2]
+  # The HBM floor reads the gates (and bwd writes their gradients): beta, and the rates per token or per channel.
+  floors = {f: metrics.floor_bytes({**job, "decay": f, "mode": "fwd"}) for f in (False, *cases.DELTA_FORMS)}
+  assert [floors[f] - floors[False] for f in cases.DELTA_FORMS] == [2 * 100 * 3 * 4 * n for n in (1, 2, 9)]
+
+
+def test_report_of_the_delta_forms():
+  """Delta rows are grouped by form: the fastest peer of the same form, the ratio to the lightning op."""
+  results = [_result("lj-pallas-auto", 1024, 1.0, decay="token"), _result("fla-chunk", 1024, 0.5, decay="token"),
+             _result("lj-delta-pallas", 1024, 1.5, decay="gated_deltanet"),
+             _result("fla-delta-chunk", 1024, 3.0, decay="gated_deltanet"),
+             _result("jla-delta-mosaic", 1024, 1.2, decay="kda"), _result("lj-delta-pallas", 1024, 2.4, decay="kda")]
+  data = {"metadata": {"device_kind": "test"}, "results": metrics.derive(results, None)}
+  assert [r.get("lightning_ratio") for r in results] == [None, None, 1.5, 3.0, 1.2, 2.4]
+  lightning, delta = report.summary_table(data, drop_empty=True).split("\n\n")
+  assert "| B2 H4 D64 E32, bf16, per-token decay | 1K | 1.000 | fla-chunk (0.500) | – / 0.50x |" in lightning
+  assert delta.startswith("| shape | T | lj-delta-pallas fwd+bwd ms | fastest peer fwd+bwd (ms) |")
+  assert ("| B2 H4 D64 E32, bf16, Gated DeltaNet | 1K | 1.500 | fla-delta-chunk (3.000) | – / 2.00x | – / 1.50x |"
+          in delta)
+  assert "| B2 H4 D64 E32, bf16, KDA | 1K | 2.400 | jla-delta-mosaic (1.200) | – / 0.50x | – / 2.40x |" in delta
+  md = report.markdown(data)
+  assert "**time / lightning op's, B2 H4 D64 E32, bf16, KDA, fwdbwd**" in md
+  assert "| B2 H4 D64 E32, bf16, KDA | 1K | fwdbwd | lj-delta-pallas 2.400 | jla-delta-mosaic 1.200 | 2.00x |" in md
+
+
+def test_peer_refusals_are_skipped():
+  """A peer's refusal (`worker.Refused`, e.g. fla's Triton-version check in a backward) skips the case."""
+  assert worker.classify(worker.Refused("RuntimeError: no")) == ("skipped", "RuntimeError: no")
+
+  class Refusing(_Backend):
+    def measure(self, ctx, mode):
+      if mode == "fwdbwd":
+        raise worker.Refused("RuntimeError: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results")
+      return {"time_ms": 1.0}
+
+  job = cases.make_jobs(["fla-delta-chunk"], [cases.Shape(1, 8, 1, 16, 16)], ["kda"], ["fwd", "fwdbwd"], "bf16")[0]
+  fwd, fwdbwd = worker.run_job(Refusing(), job, {}, deadline=float("inf"))
+  assert fwd["status"] == "ok" and fwdbwd["status"] == "skipped" and "incorrect results" in fwdbwd["reason"]
 
 
 def test_make_jobs_orders_by_t_and_runs_softmax_once_per_shape():

@@ -238,17 +238,21 @@ def test_pallas_matches_oracle(case, kernel_mode):
   assert rel_err(o, o_ref) < 1e-4 and rel_err(final, final_ref) < 1e-4
 
 
-def test_pallas_gradients(kernel_mode):
-  case = Case(t=40, d=8, e=16, decay="channel", segments=True)
+@pytest.mark.parametrize("case", [Case(t=40, d=8, e=16, decay="channel", segments=True),
+                                  Case(t=75, d=20, e=9, decay="token", initial_state=False),
+                                  Case(b=1, t=33, d=16, e=16, decay=None, segments=True)], ids=str)
+def test_pallas_gradients(case, kernel_mode):
   q, k, v, beta, decay, s0, ids = make_inputs(case, seed=12)
   cot = jax.random.split(jax.random.key(13), 2)
   args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape),
-          jax.random.normal(cot[1], s0.shape))
+          jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
   (_, (o, _)), grads = value_and_grads("pallas", interpret=kernel_mode)(*args)
   (_, (o_ref, _)), grads_ref = value_and_grads("reference")(*args)
   assert rel_err(o, o_ref) < 1e-4
   for name, g, g_ref in zip(ARG_NAMES, grads, grads_ref):
-    assert rel_err(g, g_ref) < 1e-3, (name, rel_err(g, g_ref))
+    assert (g is None) == (g_ref is None), name
+    if g_ref is not None:
+      assert rel_err(g, g_ref) < 1e-3, (name, rel_err(g, g_ref))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -263,3 +267,16 @@ def test_pallas_low_precision(dtype, decay, kernel_mode):
                                         return_final_state=True, impl="reference")
   assert o.dtype == dtype and final.dtype == jnp.float32
   assert rel_err(o, o_ref) < 2e-2 and rel_err(final, final_ref) < 2e-2
+
+
+@pytest.mark.parametrize("decay", ["token", "channel"])
+def test_pallas_low_precision_gradients(decay, kernel_mode):
+  case = Case(b=1, t=70, h=2, d=32, e=16, decay=decay, segments=True)
+  q, k, v, beta, rates, s0, ids = make_inputs(case, seed=15)
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  cot = jax.random.split(jax.random.key(16), 2)
+  args = (q, k, v, beta, rates, s0, ids, jax.random.normal(cot[0], v.shape), jax.random.normal(cot[1], s0.shape))
+  _, grads = value_and_grads("pallas", interpret=kernel_mode)(*args)
+  _, grads_ref = value_and_grads("reference")(*args)
+  for name, g, g_ref in zip(ARG_NAMES, grads, grads_ref):
+    assert g.dtype == g_ref.dtype and rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))

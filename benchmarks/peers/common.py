@@ -12,6 +12,11 @@ autotune in their first call, a warm-up call. Modes:
           computed before the timed region;
 * fwdbwd: o = f(q, k, v) and its gradients.
 
+The delta forms' q and k are L2-normalised over D (the delta rule needs |k| <= 1).
+An exception whose message holds one of the peer's `refusals` (its own checks
+of the case, e.g. fla's Triton-version check in a backward) is the peer
+refusing the case: it is reported skipped, with the message.
+
 Memory: after `torch.cuda.reset_peak_memory_stats()`, one call;
 `max_memory_allocated() - memory_allocated() before the call` is what the call
 allocated on top of what was live (outputs, temporaries). Its footprint adds
@@ -48,13 +53,14 @@ class TorchCase:
 class TorchBackend(worker.Backend):
   """Worker backend for `make_attention(job, torch) -> f(q, k, v) -> o` on inputs in `layout`."""
 
-  def __init__(self, make_attention, layout: str, packages: list[str]):
+  def __init__(self, make_attention, layout: str, packages: list[str], refusals: tuple[str, ...] = ()):
     import torch  # noqa: PLC0415 -- only in peer subprocesses
 
     self.torch = torch
     self.make_attention = make_attention
     self.layout = layout
     self.packages = packages
+    self.refusals = refusals
 
   def info(self) -> dict:
     torch = self.torch
@@ -68,8 +74,15 @@ class TorchBackend(worker.Backend):
     dtype = getattr(torch, TORCH_DTYPES[job["dtype"]])
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = (_dims(job, self.layout, "k"),) * 2 + (_dims(job, self.layout, "v"),) * 2
-    return [tuple(torch.randn(s, dtype=dtype, device="cuda", generator=gen).requires_grad_(i < 3)
-                  for i, s in enumerate(shapes)) for _ in range(n_sets)]
+    normalize = cases.is_delta(job)
+
+    def make(i, shape):
+      x = torch.randn(shape, dtype=dtype, device="cuda", generator=gen)
+      if normalize and i < 2:
+        x = torch.nn.functional.normalize(x.float(), dim=-1).to(dtype)
+      return x.requires_grad_(i < 3)
+
+    return [tuple(make(i, s) for i, s in enumerate(shapes)) for _ in range(n_sets)]
 
   @contextlib.contextmanager
   def open_job(self, job: dict, settings: dict):
@@ -110,18 +123,25 @@ class TorchBackend(worker.Backend):
     return dict(argument_bytes=argument, torch_extra_bytes=extra, footprint_bytes=argument + extra)
 
   def measure(self, ctx: TorchCase, mode: str) -> dict:
-    call = self._call(ctx, mode)
-    s = ctx.settings
-    stats = timing.measure(call, lambda _: self.torch.cuda.synchronize(), n_sets=len(ctx.inputs),
-                           warmup=s["warmup"], max_iters=s["iters"], max_seconds=s["case_seconds"],
-                           min_sample_seconds=s["sample_seconds"])
+    try:
+      call = self._call(ctx, mode)
+      s = ctx.settings
+      stats = timing.measure(call, lambda _: self.torch.cuda.synchronize(), n_sets=len(ctx.inputs),
+                             warmup=s["warmup"], max_iters=s["iters"], max_seconds=s["case_seconds"],
+                             min_sample_seconds=s["sample_seconds"])
+    except Exception as exc:
+      message = f"{type(exc).__name__}: {exc}"
+      if any(fragment in message for fragment in self.refusals):
+        raise worker.Refused(message) from exc
+      raise
     return dict(**stats, memory=self._memory(call, ctx, mode))
 
 
-def make_backend(make_attention, layout: str, modules: dict) -> worker.Backend:
+def make_backend(make_attention, layout: str, modules: dict, refusals: tuple[str, ...] = ()) -> worker.Backend:
   """A TorchBackend, or `worker.Unavailable` when a package or the CUDA device is missing.
 
-  `modules` maps the peer's modules (imported here) to their pip names.
+  `modules` maps the peer's modules (imported here) to their pip names; `refusals` are fragments of the messages
+  of the peer's refusals.
   """
   reason = worker.missing_module({"torch": "torch", "triton": "triton", **modules})
   if reason is None:
@@ -131,4 +151,4 @@ def make_backend(make_attention, layout: str, modules: dict) -> worker.Backend:
       reason = "torch sees no CUDA device"
   if reason is not None:
     return worker.Unavailable(reason)
-  return TorchBackend(make_attention, layout, list(modules.values()))
+  return TorchBackend(make_attention, layout, list(modules.values()), refusals)

@@ -76,39 +76,46 @@ def _gate_rows(g_ref, start, size):
   return g_ref[_rows(start, size), :]
 
 
-def _pair_block(x_i, y_ref, g_ref, runs_ref, *, i, j, inclusive, exact):
-  """Block (i, j), j <= i, of sum_d x_td y_sd e^{g_td - g_sd} over the chunk's 16-row blocks, masked: [16, 16] f32.
+def _pair_blocks(xs, y_ref, g_ref, runs_ref, *, i, j, exact):
+  """Block (i, j), j <= i, of sum_d x_td y_sd e^{g_td - g_sd} for each x, over the chunk's 16-row blocks.
 
-  x_i: [16, D] rows of block i; y_ref: the chunk's [C, D] ref; `inclusive`
-  keeps s == t. Pairs of different segments are 0.
+  xs: ((x_i [16, D] rows of block i, inclusive), ...): `inclusive` keeps
+  s == t. y_ref: the chunk's [C, D] ref. Pairs of different segments are 0.
+  The x share the gate factors (A and P of the prepare kernel). Returns a
+  list of masked [16, 16] float32 blocks.
   """
   t = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
   s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-  allowed = ((t >= s) if inclusive else (t > s)) if i == j else jnp.full((BLOCK, BLOCK), True)
+  same_run = jnp.full((BLOCK, BLOCK), True)
   if runs_ref is not None:
-    allowed &= runs_ref[_rows(i * BLOCK, BLOCK)][:, None] == runs_ref[_rows(j * BLOCK, BLOCK)][None, :]
+    same_run = runs_ref[_rows(i * BLOCK, BLOCK)][:, None] == runs_ref[_rows(j * BLOCK, BLOCK)][None, :]
+  masks = [same_run & ((t >= s) if inclusive else (t > s)) if i == j else same_run for _, inclusive in xs]
   y_j = y_ref[_rows(j * BLOCK, BLOCK), :]
+  dot = lambda x, y: triton_lowering.dot(x, y, trans_b=True, exact=exact)  # noqa: E731
   if g_ref is None:
-    return jnp.where(allowed, triton_lowering.dot(x_i, y_j, trans_b=True, exact=exact), 0.0)
+    return [jnp.where(mask, dot(x, y_j), 0.0) for (x, _), mask in zip(xs, masks)]
   g_i = _gate_rows(g_ref, i * BLOCK, BLOCK)
   if len(g_ref.shape) == 1:  # a scalar gate: one factor per pair
-    g_j = g_ref[_rows(j * BLOCK, BLOCK)][None, :]
-    gap = jnp.where(allowed, g_i - g_j, 0.0)
-    return jnp.where(allowed, triton_lowering.dot(x_i, y_j, trans_b=True, exact=exact) * jnp.exp(gap), 0.0)
+    gap = g_i - g_ref[_rows(j * BLOCK, BLOCK)][None, :]  # <= 0 for s <= t: every pair of blocks j < i
+    decay = jnp.exp(jnp.where(t >= s, gap, 0.0) if i == j else gap)
+    return [jnp.where(mask, dot(x, y_j) * decay, 0.0) for (x, _), mask in zip(xs, masks)]
   if i > j:  # per key channel, through r = the row before block i: both factors <= 1
     g_r = _gate_rows(g_ref, i * BLOCK - 1, 1)
-    x_hat = (x_i.astype(_F32) * jnp.exp(g_i - g_r)).astype(x_i.dtype)
+    to_i = jnp.exp(g_i - g_r)
     y_hat = (y_j.astype(_F32) * jnp.exp(g_r - _gate_rows(g_ref, j * BLOCK, BLOCK))).astype(y_j.dtype)
-    return jnp.where(allowed, triton_lowering.dot(x_hat, y_hat, trans_b=True, exact=exact), 0.0)
-  x_f32 = x_i.astype(_F32)
+    return [jnp.where(mask, dot((x.astype(_F32) * to_i).astype(x.dtype), y_hat), 0.0)
+            for (x, _), mask in zip(xs, masks)]
+  xs_f32 = [x.astype(_F32) for x, _ in xs]
   row = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0)
 
-  def column(c, acc):  # the pairs (t, j * 16 + c) for every row t of the block
+  def column(c, blocks):  # the pairs (t, j * 16 + c) for every row t of the block
     y_c = y_ref[_rows(j * BLOCK + c, 1), :].astype(_F32)
-    gap = jnp.where(row >= c, g_i - _gate_rows(g_ref, j * BLOCK + c, 1), 0.0)
-    return jnp.where(s == c, jnp.sum(x_f32 * y_c * jnp.exp(gap), axis=1, keepdims=True), acc)
+    y_decayed = y_c * jnp.exp(jnp.where(row >= c, g_i - _gate_rows(g_ref, j * BLOCK + c, 1), 0.0))
+    return tuple(jnp.where(s == c, jnp.sum(x * y_decayed, axis=1, keepdims=True), block)
+                 for x, block in zip(xs_f32, blocks))
 
-  return jnp.where(allowed, jax.lax.fori_loop(0, BLOCK, column, jnp.zeros((BLOCK, BLOCK), _F32)), 0.0)
+  blocks = jax.lax.fori_loop(0, BLOCK, column, tuple(jnp.zeros((BLOCK, BLOCK), _F32) for _ in xs))
+  return [jnp.where(mask, block, 0.0) for block, mask in zip(blocks, masks)]
 
 
 def _unit_lower_inverse(a):
@@ -129,11 +136,17 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
   dtype = k_ref.dtype
   tri = {}  # (i, j) -> block of T = (I + A)^{-1}
   a = {}
+  p_diagonal = {}  # P's diagonal blocks, from the same gate factors as A's (per key channel only)
   for i in range(nb):
     k_i = k_ref[_rows(i * BLOCK, BLOCK), :]
     beta_i = beta_ref[_rows(i * BLOCK, BLOCK)][:, None]
-    for j in range(i + 1):
-      a[i, j] = beta_i * _pair_block(k_i, k_ref, g_ref, runs_ref, i=i, j=j, inclusive=False, exact=exact)
+    for j in range(i):
+      a[i, j] = beta_i * _pair_blocks([(k_i, False)], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact)[0]
+    xs = [(k_i, False)] + ([] if p_ref is None else [(q_ref[_rows(i * BLOCK, BLOCK), :], True)])
+    diagonal = _pair_blocks(xs, k_ref, g_ref, runs_ref, i=i, j=i, exact=exact)
+    a[i, i] = beta_i * diagonal[0]
+    if p_ref is not None:
+      p_diagonal[i] = diagonal[1]
     tri[i, i] = _unit_lower_inverse(a[i, i])
     for j in range(i - 1, -1, -1):  # forward substitution: (I + A_ii) T_ij = -sum_{j <= m < i} A_im T_mj
       acc = sum(triton_lowering.dot(a[i, m], tri[m, j], exact=True) for m in range(j, i))
@@ -156,9 +169,9 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
       continue
     q_i = q_ref[rows, :]
     for j in range(nb):
-      p_ij = (scale * _pair_block(q_i, k_ref, g_ref, runs_ref, i=i, j=j, inclusive=True, exact=exact) if j <= i
-              else jnp.zeros((BLOCK, BLOCK), _F32))
-      p_ref[rows, _rows(j * BLOCK, BLOCK)] = p_ij
+      p_ij = (p_diagonal[i] if j == i else jnp.zeros((BLOCK, BLOCK), _F32) if j > i
+              else _pair_blocks([(q_i, True)], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact)[0])
+      p_ref[rows, _rows(j * BLOCK, BLOCK)] = scale * p_ij
 
 
 def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref, s0_ref, o_ref, final_ref, *,
@@ -330,3 +343,108 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   o, final_state = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep), scale=scale,
                          with_final_state=with_final_state, config=config, interpret=interpret)
   return o[:, :t, :, :e], None if final_state is None else final_state[:, :, :d, :e]
+
+
+# The backward pass's two sweeps over the chunk terms of `chunk.chunk_terms` (float32 [B, H, N, C, ...], their
+# products in the input dtype as in the forward): the state before every chunk, and walking back, the cotangent
+# of the state after every chunk.
+
+
+def _chunk_states_kernel(w_ref, u_ref, k_end_ref, decay_ref, s0_ref, states_ref, *, chunk_size, num_chunks, dtype,
+                         exact):
+  """S_{n+1} = Diag(decay_n) S_n + K_C^T (U_v - W S_n); writes S_n for every chunk n."""
+  c, dim_k = chunk_size, w_ref.shape[-1]
+  state = jnp.zeros((dim_k, u_ref.shape[-1]), _F32) if s0_ref is None else s0_ref[...]
+
+  def body(n, state):
+    rows, state_rows = _rows(pl.multiple_of(n * c, c), c), _rows(pl.multiple_of(n * dim_k, dim_k), dim_k)
+    states_ref[state_rows, :] = state
+    u = u_ref[rows, :] - triton_lowering.dot(w_ref[rows, :].astype(dtype), state.astype(dtype), exact=exact)
+    return decay_ref[state_rows, :] * state + triton_lowering.dot(k_end_ref[rows, :].astype(dtype), u.astype(dtype),
+                                                                  trans_a=True, exact=exact)
+
+  jax.lax.fori_loop(0, num_chunks, body, state)
+
+
+def _state_cotangents_kernel(q_gated_ref, p_ref, w_ref, k_end_ref, decay_ref, do_ref, d_final_ref, d_next_ref,
+                             d_initial_ref, *, chunk_size, num_chunks, dtype, exact):
+  """Walking back: G_n = dL/dS_{n+1} (written for every chunk n), dU = P^T dO + K_C G_n,
+  dL/dS_n = Diag(decay_n) G_n + Q_g^T dO - W^T dU."""
+  c, dim_k = chunk_size, w_ref.shape[-1]
+  grad = jnp.zeros((dim_k, do_ref.shape[-1]), _F32) if d_final_ref is None else d_final_ref[...]
+
+  def body(step, grad):
+    n = num_chunks - 1 - step
+    rows, state_rows = _rows(pl.multiple_of(n * c, c), c), _rows(pl.multiple_of(n * dim_k, dim_k), dim_k)
+    d_next_ref[state_rows, :] = grad
+    do = do_ref[rows, :].astype(dtype)
+    du = (triton_lowering.dot(p_ref[rows, :].astype(dtype), do, trans_a=True, exact=exact)
+          + triton_lowering.dot(k_end_ref[rows, :].astype(dtype), grad.astype(dtype), exact=exact))
+    return (decay_ref[state_rows, :] * grad
+            + triton_lowering.dot(q_gated_ref[rows, :].astype(dtype), do, trans_a=True, exact=exact)
+            - triton_lowering.dot(w_ref[rows, :].astype(dtype), du.astype(dtype), trans_a=True, exact=exact))
+
+  d_initial_ref[...] = jax.lax.fori_loop(0, num_chunks, body, grad)
+
+
+def _sweep_operands(terms: chunk.ChunkTerms, *value_like):
+  """Terms padded for the kernels: [B, H, N C, Dp] / [B, H, N C, Ep] / [B, H, N C, C] rows, decay [B, H, N Dp, 1],
+  and each of `value_like` ([B, H, N, C, E] or [B, H, D, E] or None) padded to Ep columns."""
+  b, h, n, c, d = terms.w.shape
+  dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(terms.u.shape[-1])
+  rows = lambda x, width: jnp.pad(x, [(0, 0)] * 4 + [(0, width - x.shape[-1])]).reshape(b, h, n * c, width)  # noqa: E731
+  padded = dict(w=rows(terms.w, dp), u=rows(terms.u, ep), q_gated=rows(terms.q_gated, dp), p=rows(terms.p, c),
+                k_end=rows(terms.k_end, dp),
+                decay=jnp.pad(terms.state_decay, ((0, 0),) * 3 + ((0, dp - d),)).reshape(b, h, n * dp, 1))
+  extra = []
+  for x in value_like:
+    if x is not None and x.ndim == 5:
+      x = rows(x, ep)
+    elif x is not None:
+      x = chunk_common.pad_state(x, dp, ep)
+    extra.append(x)
+  return padded, extra, (b, h, n, c, d, dp, ep)
+
+
+def chunk_states(terms: chunk.ChunkTerms, initial_state, *, dtype, config: DeltaConfig, interpret):
+  """The state before every chunk, [B, H, N, D, E] float32, from `chunk.chunk_terms` and the initial state."""
+  e = terms.u.shape[-1]
+  ops, (s0,), (b, h, n, c, d, dp, ep) = _sweep_operands(terms, initial_state)
+  be = min(config.block_e, ep)
+  rows = lambda width: pl.BlockSpec((None, None, n * c, width), lambda bi, hi, ei: (bi, hi, 0, 0))  # noqa: E731
+  value_rows = pl.BlockSpec((None, None, n * c, be), lambda bi, hi, ei: (bi, hi, 0, ei))
+  states = pl.pallas_call(
+      functools.partial(_chunk_states_kernel, chunk_size=c, num_chunks=n, dtype=dtype, exact=dtype == _F32),
+      grid=(b, h, ep // be),
+      in_specs=[rows(dp), value_rows, rows(dp), pl.BlockSpec((None, None, n * dp, 1), lambda bi, hi, ei: (bi, hi, 0, 0)),
+                None if s0 is None else pl.BlockSpec((None, None, dp, be), lambda bi, hi, ei: (bi, hi, 0, ei))],
+      out_specs=pl.BlockSpec((None, None, n * dp, be), lambda bi, hi, ei: (bi, hi, 0, ei)),
+      out_shape=manual_axes.struct((b, h, n * dp, ep), _F32, terms.w),
+      compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret, name="delta_attention_chunk_states")(ops["w"], ops["u"], ops["k_end"], ops["decay"], s0)
+  return states.reshape(b, h, n, dp, ep)[..., :d, :e]
+
+
+def state_cotangents(terms: chunk.ChunkTerms, do, d_final, *, dtype, config: DeltaConfig, interpret):
+  """(dL/dS after every chunk [B, H, N, D, E], dL/dS_0 [B, H, D, E]), float32.
+
+  do: [B, H, N, C, E] float32 output cotangents; d_final: [B, H, D, E] or None.
+  """
+  e = terms.u.shape[-1]
+  ops, (do, d_final), (b, h, n, c, d, dp, ep) = _sweep_operands(terms, do, d_final)
+  be = min(config.block_e, ep)
+  rows = lambda width: pl.BlockSpec((None, None, n * c, width), lambda bi, hi, ei: (bi, hi, 0, 0))  # noqa: E731
+  state_spec = pl.BlockSpec((None, None, dp, be), lambda bi, hi, ei: (bi, hi, 0, ei))
+  d_next, d_initial = pl.pallas_call(
+      functools.partial(_state_cotangents_kernel, chunk_size=c, num_chunks=n, dtype=dtype, exact=dtype == _F32),
+      grid=(b, h, ep // be),
+      in_specs=[rows(dp), rows(c), rows(dp), rows(dp),
+                pl.BlockSpec((None, None, n * dp, 1), lambda bi, hi, ei: (bi, hi, 0, 0)),
+                pl.BlockSpec((None, None, n * c, be), lambda bi, hi, ei: (bi, hi, 0, ei)),
+                None if d_final is None else state_spec],
+      out_specs=[pl.BlockSpec((None, None, n * dp, be), lambda bi, hi, ei: (bi, hi, 0, ei)), state_spec],
+      out_shape=[manual_axes.struct((b, h, n * dp, ep), _F32, terms.w), manual_axes.struct((b, h, dp, ep), _F32, terms.w)],
+      compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret, name="delta_attention_state_cotangents")(
+          ops["q_gated"], ops["p"], ops["w"], ops["k_end"], ops["decay"], do, d_final)
+  return d_next.reshape(b, h, n, dp, ep)[..., :d, :e], d_initial[:, :, :d, :e]
