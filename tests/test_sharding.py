@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from helpers import GPU_ONLY, rel_err
 from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lightning_jax as lj
@@ -149,12 +150,15 @@ def test_sharded_wrapper_equals_one_device(decay_kind):
 
 
 def collectives(fn, *args):
-  """{kind: [result shapes]} of the collectives in fn's compiled HLO."""
-  text = jax.jit(fn).lower(*args).compile().as_text()
+  """{kind: [shapes of the arrays it moves]} of the collectives in fn's compiled HLO (jitted here unless it is).
+
+  XLA combines collectives into one over a tuple of arrays: each counts.
+  """
+  text = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args).compile().as_text()
   found = {}
   for kind in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"):
-    for match in re.finditer(rf"= (\S+) {kind}(-start)?\(", text):
-      found.setdefault(kind, []).append(match.group(1))
+    for match in re.finditer(rf"= (\([^)]*\)|\S+) {kind}(-start)?\(", text):
+      found.setdefault(kind, []).extend(re.findall(r"\w+\[[\d,]*\]", match.group(1)))
   return found
 
 
@@ -207,6 +211,42 @@ def test_explicitly_sharded_inputs_split_the_plain_op(spec):
     for kind, shapes in collectives(fn, q, k, v, decay, s0).items():
       assert kind in ("all-gather", "all-reduce"), (kind, shapes)
       assert all(elements(s) <= 4 * (state_size + B * 4) for s in shapes), (kind, shapes)  # states, never q, k, v
+
+
+@pytest.mark.parametrize("impl,decay_kind", [("pallas", "head"), ("pallas", "token"), ("xla", "head")])
+def test_auto_mesh_sharded_inputs_split_the_plain_op(impl, decay_kind):
+  """Inputs placed over batch and heads of a plain Mesh (Auto axes), no shard_map: under jax.jit the op runs
+  on each device's block (the Pallas kernels through custom_partitioning), forward and backward."""
+  mesh = cpu_mesh((2, 2), ("data", "model"))
+  h = 4
+  inputs = make_inputs(37, decay_kind, segments=decay_kind == "token", seed=7, h=h)
+  q, k, v, decay, s0, ids, do, d_final = inputs
+  want_vg = value_and_grads(single_device(ids), do, d_final, ARGNUMS)
+  (_, want), want_grads = want_vg(q, k, v, decay, s0)  # on one device
+
+  rows, state = P("data", None, "model", None), P("data", "model", None, None)
+  specs = (rows, rows, rows, P("model") if decay_kind == "head" else P("data", None, "model"), state, P("data"),
+           rows, state)
+  place = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  q, k, v, decay, s0, ids, do, d_final = map(place, inputs, specs)
+  kwargs = dict(impl=impl, interpret=True) if impl == "pallas" else dict(impl=impl)
+
+  def ours(q, k, v, decay, s0):
+    return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, segment_ids=ids,
+                                  **kwargs)
+
+  vg = value_and_grads(ours, do, d_final, ARGNUMS)
+  (_, got), got_grads = vg(q, k, v, decay, s0)
+  check_close(got, want, ("o", "final_state"))
+  check_close(got_grads, want_grads, ("q", "k", "v", "decay", "initial_state"))
+  assert got[0].sharding.spec[:3] == ("data", None, "model") and got_grads[0].sharding.spec[:3] == rows[:3]
+  for fn in (ours, vg):  # the forward, and forward and backward
+    found = collectives(fn, q, k, v, decay, s0)
+    assert set(found) <= {"all-reduce"}, found  # nothing gathered
+    # Pallas sums only the per-head decay gradient [H / 2] over the batch. (XLA's autodiff of impl="xla" sums
+    # the cotangents of the per-head decay factors, [T, H / 2] and [T / 64, H / 2, 64, 64], before reducing them.)
+    if impl == "pallas":
+      assert all(elements(s) <= h for s in found.get("all-reduce", [])), found
 
 
 def test_sequence_parallel_exchanges_only_states():

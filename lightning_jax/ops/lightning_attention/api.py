@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lightning_jax.ops.lightning_attention import auto_sharding
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import heuristics
@@ -199,7 +200,11 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
     interpret: force (True) or forbid (False) Pallas interpret mode.
 
   The kernels run on the device of q (under `jax.jit`, the default device);
-  their blocks and variant follow that device (see `heuristics`).
+  their blocks and variant follow that device (see `heuristics`). Under
+  `jax.jit`, inputs split over B and H by a `NamedSharding` run on each
+  device's block, with no gather of q, k, v, o or their gradients: on an
+  explicit-sharding mesh through `sharded_lightning_attention`, on any other
+  through XLA's partitioner (`auto_sharding`; a T split is gathered there).
 
   Returns:
     o: [B, T, H, E] in the input dtype; with return_final_state, (o, final state).
@@ -336,7 +341,7 @@ def _run(q, k, v, decay, initial_state, segment_ids, *, return_final_state, cu_s
     opts = _pallas_options(q, v, scale=scale, per_token=per_token, return_final_state=kernel_final_state,
                            variant=variant, config=config, interpret=interpret, device=device)
     starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
-    out = vjp.lightning_attention_pallas(q, k, v, decay, starts, initial_state, opts)
+    out = auto_sharding.lightning_attention_pallas(q, k, v, decay, starts, initial_state, opts)
     o, final_state = out if kernel_final_state else (out, None)
   else:
     o, final_state = xla.lightning_attention_chunked(q, k, v, decay, scale=scale, initial_state=initial_state,
