@@ -123,7 +123,7 @@ def _program(split: str | None, devices: list, impl: str):
 def open_program(shape: cases.Shape, split: str | None, devices: list, mode: str, args) -> jax_impls.JaxCase:
   """The program compiled for `mode` on inputs laid out as it takes them, with its rotated input sets."""
   attn, rows, replicated = _program(split, devices, args.impl)
-  job = dict(shape._asdict(), dtype=args.dtype)
+  job = dict(shape._asdict(), dtype=args.dtype, decay=True)  # per-head rates: the job kind of make_inputs
   n_sets = timing.rotation_sets(cases.input_set_bytes(job) // len(devices), args.settings["rotate_bytes"])
   sets = [tuple(jax.device_put(x, rows) for x in s) for s in jax_impls.make_inputs(job, n_sets)]
   decay = jax.device_put(np.asarray(lightning_jax.alibi_slopes(shape.heads), np.float32), replicated)
