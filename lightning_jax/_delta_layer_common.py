@@ -14,10 +14,10 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from lightning_jax._layer_common import _is_int
 from lightning_jax.ops.delta_attention import api as delta_api
+from lightning_jax.ops.lightning_attention import api as lightning_api
 from lightning_jax.ops.delta_attention import reference
 from lightning_jax.ops.lightning_attention import chunk_common
 
@@ -89,9 +89,7 @@ def make_spec(*, num_heads, in_features, num_v_heads, head_dim, value_head_dim, 
                      "full_rank_output_gate=False")
   if not isinstance(norm_eps, numbers.Real) or isinstance(norm_eps, bool) or not norm_eps > 0:
     raise ValueError(f"norm_eps must be a float > 0, got {norm_eps!r}")
-  if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
-                            or not np.isfinite(scale)):
-    raise TypeError(f"scale must be None or a finite Python float, got {scale!r}")
+  lightning_api.check_scale(scale)
   if impl not in delta_api.IMPLS:
     raise ValueError(f"impl must be one of {delta_api.IMPLS}, got {impl!r}")
   low_rank = value_head_dim  # Kimi Linear's low-rank gates go through a head's width

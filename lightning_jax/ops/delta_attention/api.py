@@ -16,7 +16,7 @@ from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import packing
 
 IMPLS = ("auto", "pallas", "xla", "reference")
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = lightning_api.MAX_HEAD_DIM  # q, k, v are checked by the lightning op's `check_qkv`
 XLA_CHUNK_SIZE = 64
 # The models' L2 norm (flash-linear-attention's `l2norm`): x / sqrt(sum x^2 + eps).
 L2_NORM_EPS = 1e-6
@@ -32,28 +32,9 @@ def _check_rates(name, x, expected):
 
 def _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, segment_ids, cu_seqlens, normalize_qk,
               impl, config, interpret):
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-  if q.ndim != 4:
-    raise ValueError(f"q must be [B, T, H, D], got shape {q.shape}")
-  b, t, h, d = q.shape
-  if k.shape != q.shape:
-    raise ValueError(f"k must be [B, T, H, D] = {q.shape} like q, got shape {k.shape}")
-  if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
-    raise ValueError(f"v must be [B, T, H, E] = [{b}, {t}, {h}, E] to match q, got shape {v.shape}")
-  e = v.shape[-1]
-  if min(b, h) < 1 or t < 1:
-    raise ValueError(f"q, k, v need B, T, H >= 1, got q.shape={q.shape}")
-  for name, dim in (("D (q.shape[-1])", d), ("E (v.shape[-1])", e)):
-    if not 1 <= dim <= MAX_HEAD_DIM:
-      raise ValueError(f"head dim {name} must be in [1, {MAX_HEAD_DIM}], got {dim}")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    lightning_api._check_float(name, x)
-  if not q.dtype == k.dtype == v.dtype:
-    raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  b, t, h, d, e = lightning_api.check_qkv(q, k, v)
   _check_rates("beta", beta, {(b, t, h): "[B, T, H]"})
-  if lightning_api._concrete(beta):
+  if lightning_api.is_concrete(beta):
     values = np.asarray(beta, np.float32)
     if not np.all(np.isfinite(values)) or np.any(values < 0) or np.any(values > 2):
       bad = values[~(np.isfinite(values) & (values >= 0) & (values <= 2))]
@@ -61,21 +42,14 @@ def _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, se
   if decay is not None:
     _check_rates("decay", decay, {(b, t, h): "None, per-token rates [B, T, H] (Gated DeltaNet)",
                                   (b, t, h, d): "per-token, per-key-channel rates [B, T, H, D] (KDA)"})
-    if lightning_api._concrete(decay):
+    if lightning_api.is_concrete(decay):
       rates = np.asarray(decay, np.float32)
       if not np.all(np.isfinite(rates)) or np.any(rates < 0):
         bad = rates[~(np.isfinite(rates) & (rates >= 0))]
         raise ValueError(f"decay rates must be finite and >= 0 (exp(-decay) in (0, 1]), got {bad[:8]}")
-  lightning_api._validate_packing(segment_ids, cu_seqlens, b, t)
-  if initial_state is not None:
-    n = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    want, what = ((b, h, d, e), "[B, H, D, E]") if n is None else ((n, h, d, e), "[N, H, D, E] (with cu_seqlens)")
-    if not hasattr(initial_state, "shape") or initial_state.shape != want:
-      raise ValueError(f"initial_state must be {what} = {list(want)}, got "
-                       f"{getattr(initial_state, 'shape', type(initial_state).__name__)}")
-    if not jnp.issubdtype(initial_state.dtype, jnp.floating):
-      raise TypeError(f"initial_state must be a floating array (float32), got {initial_state.dtype}")
-  lightning_api.validate_options(scale=scale, impl="auto", variant="auto", config=None)
+  lightning_api.check_packing(segment_ids, cu_seqlens, b, t)
+  lightning_api.check_initial_state(initial_state, cu_seqlens, (b, h, d, e))
+  lightning_api.check_scale(scale)
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   for name, flag in (("return_final_state", return_final_state), ("normalize_qk", normalize_qk)):

@@ -34,11 +34,16 @@ def _check_float(name, x):
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-def validate_options(*, scale, impl, variant, config):
-  """Checks the static options shared by the op and the layers that pass them on."""
+def check_scale(scale):
+  """scale must be None or a finite Python float (it is static: a traced value would recompile nothing)."""
   if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
                             or not np.isfinite(scale)):
     raise TypeError(f"scale must be None or a finite Python float, got {scale!r}")
+
+
+def validate_options(*, scale, impl, variant, config):
+  """Checks the static options shared by the op and the layers that pass them on."""
+  check_scale(scale)
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   if variant not in VARIANTS:
@@ -47,11 +52,13 @@ def validate_options(*, scale, impl, variant, config):
     raise TypeError(f"config must be a LightningConfig or None, got {type(config).__name__}")
 
 
-def _concrete(x):
+def is_concrete(x):
+  """Whether x's values can be checked now (not traced under jit)."""
   return not isinstance(x, jax.core.Tracer)
 
 
-def _validate_packing(segment_ids, cu_seqlens, b, t):
+def check_packing(segment_ids, cu_seqlens, b, t):
+  """segment_ids: None or int [B, T]; cu_seqlens: None or int [N + 1] over B = 1 (values checked when concrete)."""
   if segment_ids is not None and cu_seqlens is not None:
     raise ValueError("give segment_ids or cu_seqlens, not both")
   if segment_ids is not None:
@@ -68,7 +75,7 @@ def _validate_packing(segment_ids, cu_seqlens, b, t):
       raise TypeError(f"cu_seqlens must be an integer array, got {cu_seqlens.dtype}")
     if b != 1:
       raise ValueError(f"cu_seqlens packs sequences along T of a batch of one: q must be [1, T, H, D], got B = {b}")
-    if _concrete(cu_seqlens):
+    if is_concrete(cu_seqlens):
       cu = np.asarray(cu_seqlens)
       if cu[0] != 0 or cu[-1] != t:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {t}, got {cu[0]} ... {cu[-1]}")
@@ -76,8 +83,8 @@ def _validate_packing(segment_ids, cu_seqlens, b, t):
         raise ValueError(f"cu_seqlens must be non-decreasing (sequence lengths >= 0), got {cu}")
 
 
-def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, interpret, return_final_state,
-              segment_ids, cu_seqlens, sequence_axis):
+def check_qkv(q, k, v):
+  """Checks q, k [B, T, H, D] and v [B, T, H, E] (shapes, dims, one float dtype); returns (B, T, H, D, E)."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -98,26 +105,39 @@ def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, inter
     _check_float(name, x)
   if not q.dtype == k.dtype == v.dtype:
     raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  return b, t, h, d, e
+
+
+def check_initial_state(initial_state, cu_seqlens, shape):
+  """initial_state: None, or [B, H, D, E] = `shape` ([N, H, D, E] with cu_seqlens of N sequences), floating."""
+  if initial_state is None:
+    return
+  b, h, d, e = shape
+  n = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+  want, what = ((b, h, d, e), "[B, H, D, E]") if n is None else ((n, h, d, e), "[N, H, D, E] (with cu_seqlens)")
+  if not hasattr(initial_state, "shape") or initial_state.shape != want:
+    raise ValueError(f"initial_state must be {what} = {list(want)}, got "
+                     f"{getattr(initial_state, 'shape', type(initial_state).__name__)}")
+  if not jnp.issubdtype(initial_state.dtype, jnp.floating):
+    raise TypeError(f"initial_state must be a floating array (float32), got {initial_state.dtype}")
+
+
+def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, interpret, return_final_state,
+              segment_ids, cu_seqlens, sequence_axis):
+  b, t, h, d, e = check_qkv(q, k, v)
   if decay is not None:
     if not hasattr(decay, "shape") or decay.shape not in ((h,), (b, t, h)):
       raise ValueError(f"decay must be None, per-head rates [H] = [{h}] or per-token rates [B, T, H] = "
                        f"[{b}, {t}, {h}], got {getattr(decay, 'shape', type(decay).__name__)}")
     if not jnp.issubdtype(decay.dtype, jnp.floating):
       raise TypeError(f"decay must be a floating array, got {decay.dtype}")
-    if _concrete(decay):
+    if is_concrete(decay):
       rates = np.asarray(decay)
       if not np.all(np.isfinite(rates)) or np.any(rates < 0):
         bad = rates[~(np.isfinite(rates) & (rates >= 0))]
         raise ValueError(f"decay rates must be finite and >= 0 (exp(-decay) in (0, 1]), got {bad[:8]}")
-  _validate_packing(segment_ids, cu_seqlens, b, t)
-  if initial_state is not None:
-    n = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    want, what = ((b, h, d, e), "[B, H, D, E]") if n is None else ((n, h, d, e), "[N, H, D, E] (with cu_seqlens)")
-    if not hasattr(initial_state, "shape") or initial_state.shape != want:
-      raise ValueError(f"initial_state must be {what} = {list(want)}, got "
-                       f"{getattr(initial_state, 'shape', type(initial_state).__name__)}")
-    if not jnp.issubdtype(initial_state.dtype, jnp.floating):
-      raise TypeError(f"initial_state must be a floating array (float32), got {initial_state.dtype}")
+  check_packing(segment_ids, cu_seqlens, b, t)
+  check_initial_state(initial_state, cu_seqlens, (b, h, d, e))
   validate_options(scale=scale, impl=impl, variant=variant, config=config)
   if interpret is not None and not isinstance(interpret, bool):
     raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
