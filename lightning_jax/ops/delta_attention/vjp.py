@@ -34,6 +34,7 @@ _HI = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasOptions:
+  """The static options of the Pallas path: the op's scale, whether the final state is returned, the blocks."""
   scale: float
   with_final_state: bool
   config: pallas_triton.DeltaConfig
