@@ -225,6 +225,7 @@ PALLAS_CASES = [
     Case(t=130, d=16, e=24, decay="channel", segments=True),
     Case(t=64, d=5, e=3, decay="channel", rates="extreme", beta="edges"),
     Case(t=50, d=32, e=16, decay=None, initial_state=False),
+    Case(b=1, t=40, h=1, d=256, e=200, decay="channel"),  # the largest head dims, whole in a block
 ]
 
 

@@ -78,7 +78,9 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       o_t = scale * S_t^T q_t
 
   Args:
-    q, k: [B, T, H, D]. v: [B, T, H, E]. Any T >= 1 and D, E in [1, 256];
+    q, k: [B, T, H, D]. v: [B, T, H, E]. Any T >= 1 and D, E in [1, 256]
+      on every impl (the Pallas kernels keep all of D in a block, padded to a
+      power of two, and split E; D = 256 was checked compiled on an H200);
       float32, bfloat16 or float16 (one dtype for all three). The delta rule
       is stable for |k| <= 1 (use `normalize_qk`, as the models do).
     beta: [B, T, H] step sizes in [0, 2] (a sigmoid, or twice one).
