@@ -42,11 +42,7 @@ def _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, se
   if decay is not None:
     _check_rates("decay", decay, {(b, t, h): "None, per-token rates [B, T, H] (Gated DeltaNet)",
                                   (b, t, h, d): "per-token, per-key-channel rates [B, T, H, D] (KDA)"})
-    if lightning_api.is_concrete(decay):
-      rates = np.asarray(decay, np.float32)
-      if not np.all(np.isfinite(rates)) or np.any(rates < 0):
-        bad = rates[~(np.isfinite(rates) & (rates >= 0))]
-        raise ValueError(f"decay rates must be finite and >= 0 (exp(-decay) in (0, 1]), got {bad[:8]}")
+    lightning_api.check_rate_values(decay)
   lightning_api.check_packing(segment_ids, cu_seqlens, b, t)
   lightning_api.check_initial_state(initial_state, cu_seqlens, (b, h, d, e))
   lightning_api.check_scale(scale)

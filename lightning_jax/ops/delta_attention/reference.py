@@ -14,8 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lightning_jax.ops.lightning_attention import chunk_common
-from lightning_jax.ops.lightning_attention import manual_axes
+from lightning_jax.ops.lightning_attention import reference as lightning_reference
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -53,33 +52,5 @@ def delta_attention_recurrent(q, k, v, beta, decay=None, *, scale, initial_state
     state = state + (beta_t[..., None] * k_t)[..., :, None] * residual[..., None, :]
     return state, scale * jnp.einsum("...d,...de->...e", q_t, state, precision=_HI)
 
-  xs = (q, k, v, beta, alpha)
-  if cu_seqlens is None:
-    starts = jnp.zeros((b, t), bool) if segment_ids is None else chunk_common.segment_starts(segment_ids)
-    s0 = jnp.zeros((b, h, d, e), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    s0 = manual_axes.vary_like(s0, q, k, v)
-
-    def step(state, xs_t):
-      *inputs, start_t = xs_t
-      return update(jnp.where(start_t[:, None, None, None], 0.0, state), *inputs)
-
-    final_state, o = jax.lax.scan(step, s0, tuple(jnp.moveaxis(x, 1, 0) for x in (*xs, starts)))
-    return jnp.moveaxis(o, 0, 1), final_state
-
-  cu = jnp.asarray(cu_seqlens, jnp.int32)
-  n = cu.shape[0] - 1
-  s0 = jnp.zeros((n, h, d, e), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-  s0 = manual_axes.vary_like(s0, q, k, v)
-  pos = jnp.arange(t, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu[1:], pos, side="right").astype(jnp.int32)
-  is_start, is_end = pos == cu[seq], pos == cu[seq + 1] - 1
-
-  def varlen_step(carry, xs_t):
-    state, finals = carry  # [H, D, E], [N, H, D, E]
-    seq_t, start_t, end_t, *inputs = xs_t
-    state, o_t = update(jnp.where(start_t, s0[seq_t], state), *inputs)
-    return (state, finals.at[seq_t].set(jnp.where(end_t, state, finals[seq_t]))), o_t
-
-  # Empty sequences see no token: their final state stays their initial one.
-  (_, finals), o = jax.lax.scan(varlen_step, (s0[0], s0), (seq, is_start, is_end, *(x[0] for x in xs)))
-  return o[None], finals
+  return lightning_reference.scan_tokens(update, (q, k, v, beta, alpha), initial_state, state_shape=(h, d, e),
+                                         segment_ids=segment_ids, cu_seqlens=cu_seqlens)

@@ -57,6 +57,15 @@ def is_concrete(x):
   return not isinstance(x, jax.core.Tracer)
 
 
+def check_rate_values(decay):
+  """Concrete decay rates must be finite and >= 0 (exp(-decay) in (0, 1]); traced ones cannot be checked."""
+  if is_concrete(decay):
+    rates = np.asarray(decay)
+    if not np.all(np.isfinite(rates)) or np.any(rates < 0):
+      bad = rates[~(np.isfinite(rates) & (rates >= 0))]
+      raise ValueError(f"decay rates must be finite and >= 0 (exp(-decay) in (0, 1]), got {bad[:8]}")
+
+
 def check_packing(segment_ids, cu_seqlens, b, t):
   """segment_ids: None or int [B, T]; cu_seqlens: None or int [N + 1] over B = 1 (values checked when concrete)."""
   if segment_ids is not None and cu_seqlens is not None:
@@ -131,11 +140,7 @@ def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, inter
                        f"[{b}, {t}, {h}], got {getattr(decay, 'shape', type(decay).__name__)}")
     if not jnp.issubdtype(decay.dtype, jnp.floating):
       raise TypeError(f"decay must be a floating array, got {decay.dtype}")
-    if is_concrete(decay):
-      rates = np.asarray(decay)
-      if not np.all(np.isfinite(rates)) or np.any(rates < 0):
-        bad = rates[~(np.isfinite(rates) & (rates >= 0))]
-        raise ValueError(f"decay rates must be finite and >= 0 (exp(-decay) in (0, 1]), got {bad[:8]}")
+    check_rate_values(decay)
   check_packing(segment_ids, cu_seqlens, b, t)
   check_initial_state(initial_state, cu_seqlens, (b, h, d, e))
   validate_options(scale=scale, impl=impl, variant=variant, config=config)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import manual_axes
 
 
@@ -50,37 +51,51 @@ def lightning_attention_recurrent(q, k, v, decay=None, *, scale, initial_state=N
     state = a_t[..., None, None] * state + k_t[..., :, None] * v_t[..., None, :]
     return state, scale * jnp.einsum("...d,...de->...e", q_t, state, precision=jax.lax.Precision.HIGHEST)
 
+  return scan_tokens(update, (*qkv, a), initial_state, state_shape=(h, d, e), segment_ids=segment_ids,
+                     cu_seqlens=cu_seqlens)
+
+
+def scan_tokens(update, inputs, initial_state, *, state_shape, segment_ids=None, cu_seqlens=None):
+  """A token-serial recurrence over packed rows, with `lax.scan`: the driver of every oracle.
+
+  update(state [..., *state_shape], *inputs at one token [..., ...]) -> (new
+  state, output at that token). inputs: float32 [B, T, ...] arrays. Packing
+  as in `lightning_attention_recurrent`: with segment_ids the state restarts
+  from zeros at every id change (initial_state [B, *state_shape] feeds each
+  row's first segment); with cu_seqlens each sequence starts from its own
+  initial_state [N, *state_shape] (zeros if None). Returns (outputs [B, T,
+  ...], final state: each row's, or with cu_seqlens each sequence's, [N,
+  *state_shape], an empty sequence's being its initial state).
+  """
+  b, t = inputs[0].shape[:2]
+  lead = (b,) if cu_seqlens is None else (cu_seqlens.shape[0] - 1,)
+  s0 = (jnp.zeros(lead + state_shape, jnp.float32) if initial_state is None
+        else initial_state.astype(jnp.float32))
+  s0 = manual_axes.vary_like(s0, *inputs)  # inside shard_map, the carry varies like the inputs
   if cu_seqlens is None:
-    starts = (jnp.zeros((b, t), bool) if segment_ids is None
-              else jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0))))
-    s0 = jnp.zeros((b, h, d, e), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    s0 = manual_axes.vary_like(s0, q, k, v)  # inside shard_map, the carry varies like the inputs
+    starts = jnp.zeros((b, t), bool) if segment_ids is None else chunk_common.segment_starts(segment_ids)
 
     def step(state, xs):
-      q_t, k_t, v_t, a_t, start_t = xs  # [B, H, D] x2, [B, H, E], [B, H], [B]
-      state = jnp.where(start_t[:, None, None, None], 0.0, state)
-      return update(state, q_t, k_t, v_t, a_t)
+      *inputs_t, start_t = xs
+      state = jnp.where(start_t.reshape(-1, *(1,) * len(state_shape)), 0.0, state)
+      return update(state, *inputs_t)
 
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (*qkv, a, starts))
-    final_state, o = jax.lax.scan(step, s0, xs)
+    final_state, o = jax.lax.scan(step, s0, tuple(jnp.moveaxis(x, 1, 0) for x in (*inputs, starts)))
     return jnp.moveaxis(o, 0, 1), final_state
 
   cu = jnp.asarray(cu_seqlens, jnp.int32)
-  n = cu.shape[0] - 1
-  s0 = jnp.zeros((n, h, d, e), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-  s0 = manual_axes.vary_like(s0, q, k, v)
   pos = jnp.arange(t, dtype=jnp.int32)
   seq = jnp.searchsorted(cu[1:], pos, side="right").astype(jnp.int32)
   is_start, is_end = pos == cu[seq], pos == cu[seq + 1] - 1
 
   def varlen_step(carry, xs):
-    state, finals = carry  # [H, D, E], [N, H, D, E]
-    seq_t, start_t, end_t, q_t, k_t, v_t, a_t = xs
-    state, o_t = update(jnp.where(start_t, s0[seq_t], state), q_t, k_t, v_t, a_t)
+    state, finals = carry  # [*state_shape], [N, *state_shape]
+    seq_t, start_t, end_t, *inputs_t = xs
+    state, o_t = update(jnp.where(start_t, s0[seq_t], state), *inputs_t)
     return (state, finals.at[seq_t].set(jnp.where(end_t, state, finals[seq_t]))), o_t
 
   # Empty sequences see no token: their final state stays their initial one.
-  (_, finals), o = jax.lax.scan(varlen_step, (s0[0], s0), (seq, is_start, is_end, *(x[0] for x in (*qkv, a))))
+  (_, finals), o = jax.lax.scan(varlen_step, (s0[0], s0), (seq, is_start, is_end, *(x[0] for x in inputs)))
   return o[None], finals
 
 
