@@ -256,6 +256,36 @@ def test_pallas_gradients(case, kernel_mode):
       assert rel_err(g, g_ref) < 1e-3, (name, rel_err(g, g_ref))
 
 
+@pytest.mark.parametrize("case, config", [
+    (Case(b=1, t=100, d=8, e=40, decay="channel", segments=True, rates="extreme", beta="edges"),
+     dict(chunk_size=16, backward_chunk_size=48, block_e=16)),
+    (Case(b=1, t=70, d=5, e=3, decay="token", segments=True, rates="extreme", beta="edges"),
+     dict(chunk_size=48, backward_chunk_size=16)),
+    (Case(b=1, t=90, d=12, e=70, decay=None, segments=True), dict(backward_chunk_size=64, block_e=16)),
+], ids=str)
+def test_pallas_gradients_any_blocks(case, config, kernel_mode):
+  """The backward's own chunking (several 16-row blocks, one), several E steps, extreme rates, beta at 0 and 2."""
+  q, k, v, beta, decay, s0, ids = make_inputs(case, seed=17)
+  cot = jax.random.split(jax.random.key(18), 2)
+  args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape), jax.random.normal(cot[1], s0.shape))
+  _, grads = value_and_grads("pallas", interpret=kernel_mode, config=lj.DeltaConfig(**config))(*args)
+  _, grads_ref = value_and_grads("reference")(*args)
+  for name, g, g_ref in zip(ARG_NAMES, grads, grads_ref):
+    if g_ref is not None:
+      assert rel_err(g, g_ref) < 1e-4, (name, rel_err(g, g_ref))
+
+
+def test_default_config_per_form():
+  from lightning_jax.ops.delta_attention import pallas_triton
+  kda = pallas_triton.default_config(per_channel_gate=True, dtype=jnp.bfloat16, dim_k=128)
+  gated = pallas_triton.default_config(per_channel_gate=False, dtype=jnp.bfloat16, dim_k=128)
+  wide = pallas_triton.default_config(per_channel_gate=False, dtype=jnp.float32, dim_k=256)
+  assert (kda.backward_chunk_size, gated.backward_chunk_size) == (32, 16)
+  assert (gated.block_e, wide.block_e) == (64, 32)
+  with pytest.raises(ValueError, match="backward_chunk_size"):
+    lj.DeltaConfig(backward_chunk_size=24)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("decay", ["token", "channel"])
 def test_pallas_low_precision(dtype, decay, kernel_mode):

@@ -99,7 +99,7 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       without a supported GPU), "xla" (chunked jnp, O(T)), "reference"
       (token-serial scan, the oracle) or "auto" (pallas on NVIDIA GPUs with
       compute capability >= 8.0, else xla).
-    config: a `DeltaConfig` (the Pallas kernels' blocks) or None.
+    config: a `DeltaConfig` (the Pallas kernels' blocks) or None (`pallas_triton.default_config`).
     interpret: force (True) or forbid (False) Pallas interpret mode.
 
   Every array argument is differentiable (beta, decay and initial_state
@@ -132,7 +132,9 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
     if impl == "pallas":
       opts = vjp.PallasOptions(scale=scale, with_final_state=return_final_state,
-                               config=config or pallas_triton.DeltaConfig(),
+                               config=config or pallas_triton.default_config(
+                                   per_channel_gate=decay is not None and decay.ndim == 4, dtype=q.dtype,
+                                   dim_k=q.shape[-1]),
                                interpret=(not heuristics.supported_gpu(cc)) if interpret is None else interpret)
       o, final_state = vjp.delta_attention_pallas(q, k, v, beta, decay, starts, initial_state, opts)
     else:

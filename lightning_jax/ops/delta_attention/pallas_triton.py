@@ -1,5 +1,6 @@
-"""Pallas Triton kernels of the delta attention forward: the chunk algebra of `chunk`, in two passes.
+"""Pallas Triton kernels of delta attention: the chunk algebra of `chunk`, forward and backward.
 
+Forward, two passes:
   prepare, grid (B, H, N), every chunk in parallel: the gated pair products A
     and P in 16-row blocks, T = (I + A)^{-1} block by block (each diagonal
     block by the product (I - X)(I + X^2)(I + X^4)(I + X^8), X = -A_ii, then
@@ -11,6 +12,14 @@
     [D, block_e] on chip: U = U_v - W S, O = scale Q_g S + P U,
     S <- Diag(e^{g_C}) S + K_C^T U. With a scalar gate (or none) it forms P
     itself: one [C, D] x [D, C] product, cheaper than a float32 round trip.
+
+Backward (`backward`), recomputing instead of storing: prepare again; the
+sweep again, writing the state before every chunk S_n instead of outputs;
+`state_cotangents`, walking back, writing G_n = dL/dS_{n+1}; and the
+`chunk_gradients` kernel, grid (B, H, N), every chunk in parallel: from S_n,
+G_n and dO it recomputes the chunk's terms and takes their vjp (the module
+docstring of `vjp` has the algebra) down to dq, dk, dv, dbeta and the
+cotangent of g.
 
 The gates arrive as chunk-local cumulative log decays g (`chunk.chunk_gates`):
 [B, H, T] for a scalar per token, [B, H, T, D] per key channel (KDA), with
@@ -42,33 +51,56 @@ BLOCK = chunk.SUB_CHUNK
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeltaConfig:
-  """Blocks of the delta attention kernels.
+  """Blocks of the delta attention kernels (`default_config` picks them per call).
 
   Attributes:
-    chunk_size: tokens per chunk (a multiple of 16). 32 was 1.2-1.6x faster
-      than 64 for all three forms on an H200 (B2 H32 T8K D128, bf16): the
-      prepare kernel's serial chain of 16-row blocks halves.
-    block_e: value columns per sweep program (a power of two >= 16; clipped to E).
-    num_warps, num_stages: Triton's, for both kernels.
+    chunk_size: tokens per chunk of the forward (a multiple of 16). 32 was
+      1.2-1.6x faster than 64 for all three forms on an H200 (B2 H32 T8K
+      D128, bf16): the prepare kernel's serial chain of 16-row blocks halves.
+    backward_chunk_size: tokens per chunk of the backward, which recomputes
+      everything and so may chunk differently (a multiple of 16).
+    block_e: value columns per sweep program and per step of the gradient
+      kernel's loop over E (a power of two >= 16; clipped to E).
+    num_warps, num_stages: Triton's, for every kernel.
   """
   chunk_size: int = 32
+  backward_chunk_size: int = 32
   block_e: int = 64
   num_warps: int = 4
   num_stages: int = 2
 
   def __post_init__(self):
-    if self.chunk_size < BLOCK or self.chunk_size % BLOCK:
-      raise ValueError(f"chunk_size must be a positive multiple of {BLOCK}, got {self.chunk_size}")
+    for name in ("chunk_size", "backward_chunk_size"):
+      if getattr(self, name) < BLOCK or getattr(self, name) % BLOCK:
+        raise ValueError(f"{name} must be a positive multiple of {BLOCK}, got {getattr(self, name)}")
     if self.block_e < lightning_config.MIN_BLOCK or self.block_e & (self.block_e - 1):
       raise ValueError(f"block_e must be a power of two >= {lightning_config.MIN_BLOCK}, got {self.block_e}")
+
+
+def default_config(*, per_channel_gate: bool, dtype, dim_k: int) -> DeltaConfig:
+  """The blocks for one call, from H200 measurements (B2 H32 T8K D128, bf16).
+
+  The backward's gradient kernel is bound by registers: 16-token chunks made
+  it 1.5-1.8x faster for DeltaNet and Gated DeltaNet, and 2.6x slower for KDA,
+  whose per-key-channel gates go column by column in the diagonal blocks.
+  float32 operands with D > 128 halve block_e: the sweep's state tile [D, 64]
+  then needed 242688 bytes of shared memory, over sm90's 232448.
+  """
+  wide = jnp.dtype(dtype).itemsize * lightning_config.padded_dim(dim_k) > 512
+  return DeltaConfig(backward_chunk_size=32 if per_channel_gate else 16, block_e=32 if wide else 64)
 
 
 def _rows(start, size):
   return pl.ds(start, size)
 
 
+def _block(i):
+  """Rows of the chunk's 16-row block i."""
+  return _rows(i * BLOCK, BLOCK)
+
+
 def _gate_rows(g_ref, start, size):
-  """g of rows [start, start + size): [size, 1] for a scalar gate per token, [size, D] per key channel."""
+  """g of rows [start, start + size): [size, 1] for a scalar gate per token, [size, D] per key channel, 0 without."""
   if g_ref is None:
     return jnp.zeros((size, 1), _F32)
   if len(g_ref.shape) == 1:
@@ -76,46 +108,137 @@ def _gate_rows(g_ref, start, size):
   return g_ref[_rows(start, size), :]
 
 
+def _sees_state(runs_ref, start, size):
+  """[size, 1] float32: 1 for rows before the chunk's first segment start (they see the state before the chunk)."""
+  if runs_ref is None:
+    return 1.0
+  return (runs_ref[_rows(start, size)] == 0)[:, None].astype(_F32)
+
+
+def _reaches_end(runs_ref, start, size, last_row):
+  """[size, 1] float32: 1 for rows in the chunk's last segment (they reach the state after the chunk)."""
+  if runs_ref is None:
+    return 1.0
+  return (runs_ref[_rows(start, size)][:, None] == runs_ref[_rows(last_row, 1)][None, :]).astype(_F32)
+
+
+def _pair_mask(runs_ref, *, i, j, inclusive):
+  """[16, 16] bool: the pairs (t, s) of blocks (i, j), j <= i, that interact (s <= t, or s < t, in one segment)."""
+  t = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
+  s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+  mask = jnp.full((BLOCK, BLOCK), True)
+  if runs_ref is not None:
+    mask = runs_ref[_block(i)][:, None] == runs_ref[_block(j)][None, :]
+  if i == j:
+    mask &= (t >= s) if inclusive else (t > s)
+  return mask
+
+
+def _scalar_pair_decay(g_ref, *, i, j):
+  """[16, 16] e^{g_t - g_s} of blocks (i, j) for a scalar gate (1 above the diagonal: those pairs are masked)."""
+  gap = _gate_rows(g_ref, i * BLOCK, BLOCK) - g_ref[_block(j)][None, :]  # <= 0 for s <= t
+  if i == j:
+    gap = jnp.where(jax.lax.broadcasted_iota(jnp.int32, gap.shape, 0)
+                    >= jax.lax.broadcasted_iota(jnp.int32, gap.shape, 1), gap, 0.0)
+  return jnp.exp(gap)
+
+
+def _through_row_before(g_ref, *, i, j):
+  """Per key channel, e^{g_t - g_s} = e^{g_t - g_r} e^{g_r - g_s} through r, the row before block i > j:
+  ([16, D] e^{g_t - g_r} of block i's rows, [16, D] e^{g_r - g_s} of block j's), both <= 1."""
+  g_r = _gate_rows(g_ref, i * BLOCK - 1, 1)
+  return jnp.exp(_gate_rows(g_ref, i * BLOCK, BLOCK) - g_r), jnp.exp(g_r - _gate_rows(g_ref, j * BLOCK, BLOCK))
+
+
+def _column_decay(g_ref, *, i, c):
+  """[16, D] e^{g_t - g_c} for the rows t of block i and its row c (1 for t < c: those pairs are masked)."""
+  g_i = _gate_rows(g_ref, i * BLOCK, BLOCK)
+  row = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0)
+  return jnp.exp(jnp.where(row >= c, g_i - _gate_rows(g_ref, i * BLOCK + c, 1), 0.0))
+
+
 def _pair_blocks(xs, y_ref, g_ref, runs_ref, *, i, j, exact):
   """Block (i, j), j <= i, of sum_d x_td y_sd e^{g_td - g_sd} for each x, over the chunk's 16-row blocks.
 
   xs: ((x_i [16, D] rows of block i, inclusive), ...): `inclusive` keeps
   s == t. y_ref: the chunk's [C, D] ref. Pairs of different segments are 0.
-  The x share the gate factors (A and P of the prepare kernel). Returns a
-  list of masked [16, 16] float32 blocks.
+  The x share the gate factors (A and P). Returns a list of masked [16, 16]
+  float32 blocks.
   """
-  t = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
-  s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-  same_run = jnp.full((BLOCK, BLOCK), True)
-  if runs_ref is not None:
-    same_run = runs_ref[_rows(i * BLOCK, BLOCK)][:, None] == runs_ref[_rows(j * BLOCK, BLOCK)][None, :]
-  masks = [same_run & ((t >= s) if inclusive else (t > s)) if i == j else same_run for _, inclusive in xs]
-  y_j = y_ref[_rows(j * BLOCK, BLOCK), :]
+  masks = [_pair_mask(runs_ref, i=i, j=j, inclusive=inclusive) for _, inclusive in xs]
+  y_j = y_ref[_block(j), :]
   dot = lambda x, y: triton_lowering.dot(x, y, trans_b=True, exact=exact)  # noqa: E731
   if g_ref is None:
     return [jnp.where(mask, dot(x, y_j), 0.0) for (x, _), mask in zip(xs, masks)]
-  g_i = _gate_rows(g_ref, i * BLOCK, BLOCK)
   if len(g_ref.shape) == 1:  # a scalar gate: one factor per pair
-    gap = g_i - g_ref[_rows(j * BLOCK, BLOCK)][None, :]  # <= 0 for s <= t: every pair of blocks j < i
-    decay = jnp.exp(jnp.where(t >= s, gap, 0.0) if i == j else gap)
+    decay = _scalar_pair_decay(g_ref, i=i, j=j)
     return [jnp.where(mask, dot(x, y_j) * decay, 0.0) for (x, _), mask in zip(xs, masks)]
-  if i > j:  # per key channel, through r = the row before block i: both factors <= 1
-    g_r = _gate_rows(g_ref, i * BLOCK - 1, 1)
-    to_i = jnp.exp(g_i - g_r)
-    y_hat = (y_j.astype(_F32) * jnp.exp(g_r - _gate_rows(g_ref, j * BLOCK, BLOCK))).astype(y_j.dtype)
+  if i > j:  # per key channel, through the row before block i
+    to_i, from_j = _through_row_before(g_ref, i=i, j=j)
+    y_hat = (y_j.astype(_F32) * from_j).astype(y_j.dtype)
     return [jnp.where(mask, dot((x.astype(_F32) * to_i).astype(x.dtype), y_hat), 0.0)
             for (x, _), mask in zip(xs, masks)]
   xs_f32 = [x.astype(_F32) for x, _ in xs]
-  row = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0)
+  s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
 
   def column(c, blocks):  # the pairs (t, j * 16 + c) for every row t of the block
-    y_c = y_ref[_rows(j * BLOCK + c, 1), :].astype(_F32)
-    y_decayed = y_c * jnp.exp(jnp.where(row >= c, g_i - _gate_rows(g_ref, j * BLOCK + c, 1), 0.0))
+    y_decayed = y_ref[_rows(j * BLOCK + c, 1), :].astype(_F32) * _column_decay(g_ref, i=i, c=c)
     return tuple(jnp.where(s == c, jnp.sum(x * y_decayed, axis=1, keepdims=True), block)
                  for x, block in zip(xs_f32, blocks))
 
   blocks = jax.lax.fori_loop(0, BLOCK, column, tuple(jnp.zeros((BLOCK, BLOCK), _F32) for _ in xs))
   return [jnp.where(mask, block, 0.0) for block, mask in zip(blocks, masks)]
+
+
+def _pair_blocks_vjp(d_pairs, xs, ys, y_ref, g_ref, *, dtype, exact):
+  """The vjp of `_pair_blocks` over a whole chunk: x and y cotangents from the pair products' cotangents.
+
+  d_pairs: per product, a dict (i, j) -> masked [16, 16] float32 cotangent
+  (j <= i); xs: per product, the list of x's [16, D] row blocks; ys: the
+  shared y's blocks, y_ref its [C, D] ref. Returns (per product, the list of
+  dx blocks; the list of dy blocks, summed over the products), [16, D] float32.
+  """
+  nb = len(ys)
+  dot = functools.partial(triton_lowering.dot, exact=exact)
+  cast = lambda x: x.astype(dtype)  # noqa: E731
+  dxs = [[jnp.zeros(ys[0].shape, _F32) for _ in range(nb)] for _ in xs]
+  dys = [jnp.zeros(ys[0].shape, _F32) for _ in range(nb)]
+  per_channel = g_ref is not None and len(g_ref.shape) == 2
+  row = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0)
+  s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+  for i in range(nb):
+    for j in range(i + 1):
+      if per_channel and i == j:  # column by column, as in the forward
+        x_f32 = [x[i].astype(_F32) for x in xs]
+
+        def column(c, carry, i=i, x_f32=x_f32, d_blocks=[d[i, i] for d in d_pairs]):
+          dx_blocks, dy = carry
+          decay = _column_decay(g_ref, i=i, c=c)
+          y_decayed = y_ref[_rows(i * BLOCK + c, 1), :].astype(_F32) * decay
+          dx_blocks = list(dx_blocks)
+          for p, (x, d) in enumerate(zip(x_f32, d_blocks)):
+            d_column = jnp.sum(jnp.where(s == c, d, 0.0), axis=1, keepdims=True)  # [16, 1]
+            dx_blocks[p] = dx_blocks[p] + d_column * y_decayed
+            dy = dy + jnp.where(row == c, jnp.sum(d_column * x * decay, axis=0, keepdims=True), 0.0)
+          return tuple(dx_blocks), dy
+
+        dx_blocks, dys[i] = jax.lax.fori_loop(0, BLOCK, column, (tuple(dx[i] for dx in dxs), dys[i]))
+        for dx, dx_block in zip(dxs, dx_blocks):
+          dx[i] = dx_block
+        continue
+      if per_channel:  # through the row before block i, as in the forward
+        to_i, from_j = _through_row_before(g_ref, i=i, j=j)
+        y_hat = cast(ys[j].astype(_F32) * from_j)
+        for dx, x, d in zip(dxs, xs, d_pairs):
+          dx[i] = dx[i] + dot(cast(d[i, j]), y_hat) * to_i
+          dys[j] = dys[j] + dot(cast(d[i, j]), cast(x[i].astype(_F32) * to_i), trans_a=True) * from_j
+        continue
+      decay = 1.0 if g_ref is None else _scalar_pair_decay(g_ref, i=i, j=j)
+      for dx, x, d in zip(dxs, xs, d_pairs):
+        d_decayed = cast(d[i, j] * decay)
+        dx[i] = dx[i] + dot(d_decayed, ys[j])
+        dys[j] = dys[j] + dot(d_decayed, x[i], trans_a=True)
+  return dxs, dys
 
 
 def _unit_lower_inverse(a):
@@ -130,95 +253,268 @@ def _unit_lower_inverse(a):
   return inverse
 
 
-def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref, p_ref, *, scale, exact):
-  c = k_ref.shape[0]
-  nb = c // BLOCK
-  dtype = k_ref.dtype
-  tri = {}  # (i, j) -> block of T = (I + A)^{-1}
-  a = {}
-  p_diagonal = {}  # P's diagonal blocks, from the same gate factors as A's (per key channel only)
-  for i in range(nb):
-    k_i = k_ref[_rows(i * BLOCK, BLOCK), :]
-    beta_i = beta_ref[_rows(i * BLOCK, BLOCK)][:, None]
+def _chunk_inverse(q, k, beta, k_ref, g_ref, runs_ref, *, exact):
+  """A chunk's pair products and T = (I + A)^{-1}, by 16-row blocks.
+
+  q: None or the list of the chunk's [16, D] query blocks; k: its key
+  blocks (k_ref the [C, D] ref); beta: [16, 1] float32 blocks. Returns dicts
+  over blocks (i, j), j <= i, of [16, 16] float32: the key pair products
+  (strictly lower: A = beta_t times them), T, and (with q) the query-key
+  pair products (inclusive; P without the scale), sharing A's gate factors.
+  """
+  key_pairs, tri, query_pairs = {}, {}, {}
+  for i in range(len(k)):
     for j in range(i):
-      a[i, j] = beta_i * _pair_blocks([(k_i, False)], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact)[0]
-    xs = [(k_i, False)] + ([] if p_ref is None else [(q_ref[_rows(i * BLOCK, BLOCK), :], True)])
-    diagonal = _pair_blocks(xs, k_ref, g_ref, runs_ref, i=i, j=i, exact=exact)
-    a[i, i] = beta_i * diagonal[0]
-    if p_ref is not None:
-      p_diagonal[i] = diagonal[1]
-    tri[i, i] = _unit_lower_inverse(a[i, i])
+      key_pairs[i, j] = _pair_blocks([(k[i], False)], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact)[0]
+    diagonal = _pair_blocks([(k[i], False)] + ([] if q is None else [(q[i], True)]), k_ref, g_ref, runs_ref, i=i,
+                            j=i, exact=exact)
+    key_pairs[i, i] = diagonal[0]
+    if q is not None:
+      query_pairs[i, i] = diagonal[1]
+    tri[i, i] = _unit_lower_inverse(beta[i] * key_pairs[i, i])
     for j in range(i - 1, -1, -1):  # forward substitution: (I + A_ii) T_ij = -sum_{j <= m < i} A_im T_mj
-      acc = sum(triton_lowering.dot(a[i, m], tri[m, j], exact=True) for m in range(j, i))
+      acc = sum(triton_lowering.dot(beta[i] * key_pairs[i, m], tri[m, j], exact=True) for m in range(j, i))
       tri[i, j] = -triton_lowering.dot(tri[i, i], acc, exact=True)
-  for i in range(nb):
-    rows = _rows(i * BLOCK, BLOCK)
-    w_i = u_i = 0.0
-    for j in range(i + 1):
-      rows_j = _rows(j * BLOCK, BLOCK)
-      beta_j = beta_ref[rows_j][:, None]
-      sees_state = 1.0 if runs_ref is None else (runs_ref[rows_j] == 0)[:, None]
-      k_gated = k_ref[rows_j, :].astype(_F32) * (jnp.exp(_gate_rows(g_ref, j * BLOCK, BLOCK)) * sees_state * beta_j)
-      v_beta = v_ref[rows_j, :].astype(_F32) * beta_j
-      t_ij = tri[i, j].astype(dtype)
-      w_i = w_i + triton_lowering.dot(t_ij, k_gated.astype(dtype), exact=exact)
-      u_i = u_i + triton_lowering.dot(t_ij, v_beta.astype(dtype), exact=exact)
-    w_ref[rows, :] = w_i.astype(w_ref.dtype)
-    u_ref[rows, :] = u_i.astype(u_ref.dtype)
+  return key_pairs, tri, query_pairs
+
+
+def _query_pairs_below(q_i, k_ref, g_ref, runs_ref, *, i, j, exact):
+  """Block (i, j), j < i, of the query-key pair products (P without the scale)."""
+  return _pair_blocks([(q_i, True)], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact)[0]
+
+
+class _ChunkRows(NamedTuple):
+  """A chunk's inputs and per-row factors, by 16-row blocks (lists over blocks)."""
+  q: list            # [16, D] input dtype
+  k: list            # [16, D]
+  beta: list         # [16, 1] float32
+  decay_rows: list   # [16, D or 1] float32: e^{g_t}, 0 for rows after a segment start (they do not see S)
+  to_end: list       # [16, D or 1] float32: e^{g_C - g_t}, 0 for rows before the last segment
+
+
+def _chunk_rows(q_ref, k_ref, beta_ref, g_ref, runs_ref):
+  c = k_ref.shape[0]
+  blocks = range(c // BLOCK)
+  g_end = _gate_rows(g_ref, c - 1, 1)
+  g = [_gate_rows(g_ref, i * BLOCK, BLOCK) for i in blocks]
+  return _ChunkRows(
+      q=[q_ref[_block(i), :] for i in blocks], k=[k_ref[_block(i), :] for i in blocks],
+      beta=[beta_ref[_block(i)][:, None] for i in blocks],
+      decay_rows=[jnp.exp(g[i]) * _sees_state(runs_ref, i * BLOCK, BLOCK) for i in blocks],
+      to_end=[jnp.exp(g_end - g[i]) * _reaches_end(runs_ref, i * BLOCK, BLOCK, c - 1) for i in blocks])
+
+
+def _lower_row(tri, x, i, *, dtype, exact, transpose=False):
+  """Row block i of T x (or T^T x) for T by 16-row blocks (`_chunk_inverse`) and x a list of [16, X] row blocks."""
+  dot = lambda j: triton_lowering.dot(  # noqa: E731
+      tri[(j, i) if transpose else (i, j)].astype(dtype), x[j].astype(dtype), trans_a=transpose, exact=exact)
+  return sum(dot(j) for j in (range(i, len(x)) if transpose else range(i + 1)))
+
+
+def _lower_product(tri, x, *, dtype, exact, transpose=False):
+  """Every row block of T x (or T^T x): see `_lower_row`."""
+  return [_lower_row(tri, x, i, dtype=dtype, exact=exact, transpose=transpose) for i in range(len(x))]
+
+
+def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref, p_ref, *, scale, exact):
+  dtype = k_ref.dtype
+  rows = _chunk_rows(q_ref, k_ref, beta_ref, g_ref, runs_ref)
+  nb = len(rows.k)
+  _, tri, p_diagonal = _chunk_inverse(None if p_ref is None else rows.q, rows.k, rows.beta, k_ref, g_ref, runs_ref,
+                                      exact=exact)
+  k_gated = [rows.k[i].astype(_F32) * (rows.decay_rows[i] * rows.beta[i]) for i in range(nb)]
+  v_beta = [v_ref[_block(i), :].astype(_F32) * rows.beta[i] for i in range(nb)]
+  for i in range(nb):  # block by block, writing as it goes: D = E = 256 fits in shared memory
+    w_ref[_block(i), :] = _lower_row(tri, k_gated, i, dtype=dtype, exact=exact).astype(w_ref.dtype)
+    u_ref[_block(i), :] = _lower_row(tri, v_beta, i, dtype=dtype, exact=exact).astype(u_ref.dtype)
     if p_ref is None:
       continue
-    q_i = q_ref[rows, :]
     for j in range(nb):
-      p_ij = (p_diagonal[i] if j == i else jnp.zeros((BLOCK, BLOCK), _F32) if j > i
-              else _pair_blocks([(q_i, True)], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact)[0])
-      p_ref[rows, _rows(j * BLOCK, BLOCK)] = scale * p_ij
+      p_ij = (p_diagonal[i, i] if j == i else jnp.zeros((BLOCK, BLOCK), _F32) if j > i
+              else _query_pairs_below(rows.q[i], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact))
+      p_ref[_block(i), _block(j)] = scale * p_ij
 
 
-def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref, s0_ref, o_ref, final_ref, *,
-                  scale, chunk_size, num_chunks, exact):
+def _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, *, start, chunk_size, scale, exact):
+  """Rows [start, start + C) of one chunk: (scale Q_g [C, D], scale P [C, C]), float32.
+
+  P is read where the prepare kernel wrote it (per key channel), else formed:
+  one [C, D] x [D, C] product, as cheap to recompute as to read.
+  """
   c = chunk_size
-  dtype = q_ref.dtype
+  rows = _rows(start, c)
+  row_decay = jnp.exp(_gate_rows(g_ref, start, c)) * _sees_state(runs_ref, start, c)
+  q = q_ref[rows, :]
+  q_gated = q.astype(_F32) * (scale * row_decay)
+  if p_ref is not None:
+    return q_gated, p_ref[rows, :]
+  t = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+  s = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  allowed = t >= s
+  if runs_ref is not None:
+    allowed &= runs_ref[rows][:, None] == runs_ref[rows][None, :]
+  gap = 0.0 if g_ref is None else jnp.where(allowed, g_ref[rows][:, None] - g_ref[rows][None, :], 0.0)
+  p = scale * triton_lowering.dot(q, k_ref[rows, :], trans_b=True, exact=exact) * jnp.exp(gap)
+  return q_gated, jnp.where(allowed, p, 0.0)
+
+
+def _keys_to_end(k_ref, g_ref, runs_ref, *, start, chunk_size):
+  """K_C of rows [start, start + C) of one chunk, [C, D] float32."""
+  c = chunk_size
+  to_end = (jnp.exp(_gate_rows(g_ref, start + c - 1, 1) - _gate_rows(g_ref, start, c))
+            * _reaches_end(runs_ref, start, c, start + c - 1))
+  return k_ref[_rows(start, c), :].astype(_F32) * to_end
+
+
+def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref, s0_ref, o_ref, final_ref, states_ref,
+                  *, scale, chunk_size, num_chunks, exact):
+  """The chunks in order: writes O (o_ref), the final state and/or the state before every chunk (states_ref)."""
+  c = chunk_size
+  dtype = k_ref.dtype
   dim_k = k_ref.shape[-1]
   state = jnp.zeros((dim_k, u_ref.shape[-1]), _F32) if s0_ref is None else s0_ref[...]
 
   def body(n, state):
     start = pl.multiple_of(n * c, c)
     rows = _rows(start, c)
+    state_rows = _rows(pl.multiple_of(n * dim_k, dim_k), dim_k)
     state_in = state.astype(dtype)
-    u = u_ref[rows, :].astype(_F32) - triton_lowering.dot(w_ref[rows, :], state_in, exact=exact)
-    u_in = u.astype(dtype)
-    g = _gate_rows(g_ref, start, c)
-    g_end = _gate_rows(g_ref, start + c - 1, 1)
-    row_decay, to_end = (1.0, 1.0) if g_ref is None else (jnp.exp(g), jnp.exp(g_end - g))
-    if runs_ref is not None:
-      runs = runs_ref[rows][:, None]
-      row_decay = row_decay * (runs == 0).astype(_F32)
-      to_end = to_end * (runs == runs_ref[_rows(start + c - 1, 1)][None, :])
-    q = q_ref[rows, :]
-    q_gated = (q.astype(_F32) * (scale * row_decay)).astype(dtype)
-    if p_ref is not None:
-      p = p_ref[rows, :]
-    else:  # one factor per pair: as cheap to recompute as to read
-      t = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-      s = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-      allowed = t >= s
-      if runs_ref is not None:
-        allowed &= runs == runs_ref[rows][None, :]
-      gap = 0.0 if g_ref is None else jnp.where(allowed, g - g_ref[rows][None, :], 0.0)
-      p = jnp.where(allowed, scale * triton_lowering.dot(q, k_ref[rows, :], trans_b=True, exact=exact) * jnp.exp(gap),
-                    0.0)
-    out = (triton_lowering.dot(q_gated, state_in, exact=exact)
-           + triton_lowering.dot(p.astype(dtype), u_in, exact=exact))
-    o_ref[rows, :] = out.astype(o_ref.dtype)
-    k_end = (k_ref[rows, :].astype(_F32) * to_end).astype(dtype)
+    if states_ref is not None:
+      states_ref[state_rows, :] = state_in.astype(states_ref.dtype)
+    u_in = (u_ref[rows, :].astype(_F32) - triton_lowering.dot(w_ref[rows, :], state_in, exact=exact)).astype(dtype)
+    if o_ref is not None:
+      q_gated, p = _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, start=start, chunk_size=c,
+                                            scale=scale, exact=exact)
+      out = (triton_lowering.dot(q_gated.astype(dtype), state_in, exact=exact)
+             + triton_lowering.dot(p.astype(dtype), u_in, exact=exact))
+      o_ref[rows, :] = out.astype(o_ref.dtype)
+    k_end = _keys_to_end(k_ref, g_ref, runs_ref, start=start, chunk_size=c).astype(dtype)
     new_state = triton_lowering.dot(k_end, u_in, trans_a=True, exact=exact)
-    if decay_ref is None:
-      return state + new_state
-    return decay_ref[_rows(pl.multiple_of(n * dim_k, dim_k), dim_k), :] * state + new_state
+    return new_state + (state if decay_ref is None else decay_ref[state_rows, :] * state)
 
   state = jax.lax.fori_loop(0, num_chunks, body, state)
   if final_ref is not None:
     final_ref[...] = state
+
+
+def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_ref, do_ref, d_final_ref, d_next_ref,
+                             d_initial_ref, *, scale, chunk_size, num_chunks, exact):
+  """Walking back: G_n = dL/dS_{n+1} (written for every chunk n), dU = P^T dO + K_C G_n,
+  dL/dS_n = Diag(e^{g_C}) G_n + Q_g^T dO - W^T dU."""
+  c = chunk_size
+  dtype = k_ref.dtype
+  dim_k = k_ref.shape[-1]
+  grad = jnp.zeros((dim_k, do_ref.shape[-1]), _F32) if d_final_ref is None else d_final_ref[...]
+
+  def body(step, grad):
+    start = pl.multiple_of((num_chunks - 1 - step) * c, c)
+    rows = _rows(start, c)
+    state_rows = _rows(pl.multiple_of((num_chunks - 1 - step) * dim_k, dim_k), dim_k)
+    grad_in = grad.astype(dtype)
+    d_next_ref[state_rows, :] = grad_in.astype(d_next_ref.dtype)
+    do = do_ref[rows, :]
+    q_gated, p = _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, start=start, chunk_size=c,
+                                          scale=scale, exact=exact)
+    k_end = _keys_to_end(k_ref, g_ref, runs_ref, start=start, chunk_size=c).astype(dtype)
+    du = (triton_lowering.dot(p.astype(dtype), do, trans_a=True, exact=exact)
+          + triton_lowering.dot(k_end, grad_in, exact=exact))
+    grad_before = (triton_lowering.dot(q_gated.astype(dtype), do, trans_a=True, exact=exact)
+                   - triton_lowering.dot(w_ref[rows, :], du.astype(dtype), trans_a=True, exact=exact))
+    return grad_before + (grad if decay_ref is None else decay_ref[state_rows, :] * grad)
+
+  d_initial_ref[...] = jax.lax.fori_loop(0, num_chunks, body, grad)
+
+
+def _chunk_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, states_ref, d_next_ref, do_ref,
+                            dq_ref, dk_ref, dv_ref, d_beta_ref, dg_ref, *, scale, block_e, exact):
+  """One chunk's input cotangents from S_n (states_ref), G_n (d_next_ref) and dO; see `vjp` for the algebra.
+
+  dg_ref gets every share of dg but the state decay's (`backward` adds it).
+  """
+  c, dim_k = k_ref.shape
+  dim_v = v_ref.shape[-1]
+  nb = c // BLOCK
+  blocks = range(nb)
+  dtype = k_ref.dtype
+  dot = functools.partial(triton_lowering.dot, exact=exact)
+  cast = lambda x: x.astype(dtype)  # noqa: E731
+  f32 = lambda x: x.astype(_F32)  # noqa: E731
+  zeros = lambda *shape: jnp.zeros(shape, _F32)  # noqa: E731
+  rows = _chunk_rows(q_ref, k_ref, beta_ref, g_ref, runs_ref)
+  key_pairs, tri, query_pairs = _chunk_inverse(rows.q, rows.k, rows.beta, k_ref, g_ref, runs_ref, exact=exact)
+  for i in blocks:
+    for j in range(i):
+      query_pairs[i, j] = _query_pairs_below(rows.q[i], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact)
+  # The gated rows are recomputed where used rather than kept: registers, not FLOPs, bound this kernel.
+  k_gated = lambda i: f32(rows.k[i]) * (rows.decay_rows[i] * rows.beta[i])  # noqa: E731  beta K_g
+  q_gated = lambda i: f32(rows.q[i]) * (scale * rows.decay_rows[i])  # noqa: E731
+  k_end = lambda i: f32(rows.k[i]) * rows.to_end[i]  # noqa: E731
+  w = [cast(x) for x in _lower_product(tri, [k_gated(i) for i in blocks], dtype=dtype, exact=exact)]
+  p = {ij: cast(scale * x) for ij, x in query_pairs.items()}
+  # Cotangents summed over the value columns: of Q_g, W, K_C, P, of the pair
+  # products through T (dA before its sign), and of the state decay (every row).
+  d_q_gated, d_w, d_k_end = ([zeros(BLOCK, dim_k) for _ in blocks] for _ in range(3))
+  d_p = {ij: zeros(BLOCK, BLOCK) for ij in query_pairs}
+  d_tri_pairs = {ij: zeros(BLOCK, BLOCK) for ij in query_pairs}
+  d_beta = [zeros(BLOCK) for _ in blocks]
+  for e0 in range(0, dim_v, block_e):
+    cols = pl.ds(e0, block_e)
+    state, d_next = states_ref[:, cols], d_next_ref[:, cols]
+    v = [f32(v_ref[_block(i), cols]) for i in blocks]
+    do = [do_ref[_block(i), cols] for i in blocks]
+    u_v = _lower_product(tri, [v[i] * rows.beta[i] for i in blocks], dtype=dtype, exact=exact)
+    u = [cast(u_v[i] - dot(w[i], cast(state))) for i in blocks]
+    du = [sum(dot(p[j, i], do[j], trans_a=True) for j in range(i, nb)) + dot(cast(k_end(i)), cast(d_next))
+          for i in blocks]
+    d_v_beta = _lower_product(tri, du, dtype=dtype, exact=exact, transpose=True)  # T^T dU
+    for i in blocks:
+      d_q_gated[i] += dot(do[i], cast(state), trans_b=True)
+      d_w[i] -= dot(cast(du[i]), cast(state), trans_b=True)
+      d_k_end[i] += dot(u[i], cast(d_next), trans_b=True)
+      for j in range(i + 1):
+        d_p[i, j] += dot(do[i], u[j], trans_b=True)
+        d_tri_pairs[i, j] += dot(cast(d_v_beta[i]), cast(u_v[j]), trans_b=True)
+      dv_ref[_block(i), cols] = (rows.beta[i] * d_v_beta[i]).astype(dv_ref.dtype)
+      d_beta[i] += jnp.sum(v[i] * d_v_beta[i], axis=1)
+  # g enters as e^{+g} in Q_g, K_g and the pair products' rows, as e^{-g} in K_C
+  # and their columns, and g_C (the last row) in K_C and the state decay (whose
+  # share `backward` adds): dg sums x * dx over those uses. Each cotangent is
+  # folded in as soon as it is whole.
+  with_gate = dg_ref is not None
+  dq = [scale * rows.decay_rows[i] * d_q_gated[i] for i in blocks]
+  dk = [rows.to_end[i] * d_k_end[i] for i in blocks]
+  if with_gate:
+    dg = [q_gated(i) * d_q_gated[i] - k_end(i) * d_k_end[i] for i in blocks]
+    d_end = jnp.sum(sum(k_end(i) * d_k_end[i] for i in blocks), axis=0, keepdims=True)
+  d_k_gated = _lower_product(tri, d_w, dtype=dtype, exact=exact, transpose=True)  # T^T dW
+  d_key_pairs, d_query_pairs = {}, {}
+  for (i, j), d in d_tri_pairs.items():  # dA = -(T^T dY) Y^T over Y = [W, U_v]; then A = beta_t (key pairs)
+    d_a = -jnp.where(_pair_mask(runs_ref, i=i, j=j, inclusive=False), d + dot(cast(d_k_gated[i]), w[j], trans_b=True),
+                     0.0)
+    d_beta[i] += jnp.sum(d_a * key_pairs[i, j], axis=1)
+    d_key_pairs[i, j] = rows.beta[i] * d_a
+    d_query_pairs[i, j] = scale * jnp.where(_pair_mask(runs_ref, i=i, j=j, inclusive=True), d_p[i, j], 0.0)
+  for i in blocks:
+    d_beta[i] += jnp.sum(f32(rows.k[i]) * rows.decay_rows[i] * d_k_gated[i], axis=1)
+    d_beta_ref[_block(i)] = d_beta[i]
+    dk[i] += rows.beta[i] * rows.decay_rows[i] * d_k_gated[i]
+    if with_gate:
+      dg[i] += k_gated(i) * d_k_gated[i]
+  (dk_rows, dq_rows), dk_columns = _pair_blocks_vjp([d_key_pairs, d_query_pairs], [rows.k, rows.q], rows.k, k_ref,
+                                                     g_ref, dtype=dtype, exact=exact)
+  last_row = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0) == BLOCK - 1
+  for i in blocks:
+    dq_ref[_block(i), :] = (dq[i] + dq_rows[i]).astype(dq_ref.dtype)
+    dk_ref[_block(i), :] = (dk[i] + dk_rows[i] + dk_columns[i]).astype(dk_ref.dtype)
+    if not with_gate:
+      continue
+    dg_i = dg[i] + f32(rows.k[i]) * (dk_rows[i] - dk_columns[i]) + f32(rows.q[i]) * dq_rows[i]
+    if i == nb - 1:
+      dg_i += jnp.where(last_row, d_end, 0.0)
+    if len(dg_ref.shape) == 1:
+      dg_ref[_block(i)] = jnp.sum(dg_i, axis=1)
+    else:
+      dg_ref[_block(i), :] = dg_i
 
 
 class Gates(NamedTuple):
@@ -235,62 +531,100 @@ class Gates(NamedTuple):
   state_decay: jax.Array | None
 
 
-def gates(decay, segment_starts, *, batch, heads, seq_len, dim_k, chunk_size) -> Gates:
-  """The kernels' `Gates` of decay (None, [B, T, H] or [B, T, H, D] float32) and segment starts ([B, T] or None)."""
+def gate_logs(decay, *, seq_len, dim_k, chunk_size):
+  """g of `Gates` from the rates: None, [B, T, H] or [B, T, H, D] float32 (differentiable)."""
+  if decay is None:
+    return None
+  tp = -(-seq_len // chunk_size) * chunk_size
+  per_channel = decay.ndim == 4
+  rates = chunk_common.pad_tokens_and_features(decay if per_channel else decay[..., None], num_tokens=tp,
+                                               dim=dim_k if per_channel else 1)
+  rates = jnp.moveaxis(rates, 2, 1) if per_channel else jnp.moveaxis(rates[..., 0], 2, 1)
+  g, _ = chunk.chunk_gates(rates, None, chunk_size=chunk_size)
+  return g.reshape(*g.shape[:2], tp, *g.shape[4:])
+
+
+def gates(g, segment_starts, *, batch, heads, seq_len, dim_k, chunk_size) -> Gates:
+  """The kernels' `Gates` of g (`gate_logs`) and segment starts ([B, T] bool or None)."""
   c = chunk_size
   n = -(-seq_len // c)
-  tp = n * c
-  rates = None
-  if decay is not None:
-    per_channel = decay.ndim == 4
-    rates = chunk_common.pad_tokens_and_features(decay if per_channel else decay[..., None], num_tokens=tp,
-                                                 dim=dim_k if per_channel else 1)
-    rates = jnp.moveaxis(rates, 2, 1) if per_channel else jnp.moveaxis(rates[..., 0], 2, 1)
-  starts = None if segment_starts is None else jnp.pad(segment_starts, ((0, 0), (0, tp - seq_len)))
-  g, runs = chunk.chunk_gates(rates, starts, chunk_size=c)
+  runs = None
+  if segment_starts is not None:
+    _, runs = chunk.chunk_gates(None, jnp.pad(segment_starts, ((0, 0), (0, n * c - seq_len))), chunk_size=c)
   if g is None and runs is None:
     return Gates(None, None, None)
   shape = (batch, heads, n, dim_k)
   state_decay = jnp.ones(shape, _F32)
   if g is not None:
-    state_decay = jnp.broadcast_to(jnp.exp(g[:, :, :, -1] if g.ndim == 5 else g[:, :, :, -1:]), shape)
-    g = g.reshape(batch, heads, tp, *g.shape[4:])
+    g_end = g.reshape(batch, heads, n, c, *g.shape[3:])[:, :, :, -1]
+    state_decay = jnp.broadcast_to(jnp.exp(g_end if g.ndim == 4 else g_end[..., None]), shape)
   if runs is not None:
     state_decay = state_decay * (runs[:, :, :, -1:] == 0)
-    runs = runs.reshape(batch, tp)
+    runs = runs.reshape(batch, n * c)
   return Gates(g, runs, state_decay.reshape(batch, heads, n * dim_k, 1))
+
+
+def _head_rows(c, width=None):
+  """BlockSpec of one chunk's rows of a [B, H, Tp] (or [B, H, Tp, width]) array, over the grid (B, H, N)."""
+  if width is None:
+    return pl.BlockSpec((None, None, c), lambda bi, hi, ni: (bi, hi, ni))
+  return pl.BlockSpec((None, None, c, width), lambda bi, hi, ni: (bi, hi, ni, 0))
+
+
+def _chunk_rows_spec(c, width):
+  """BlockSpec of one chunk's rows of a [B, Tp, H, width] array, over the grid (B, H, N)."""
+  return pl.BlockSpec((None, c, None, width), lambda bi, hi, ni: (bi, ni, hi, 0))
+
+
+def _gate_specs(gates_: Gates, c, dp, *, per_chunk):
+  """BlockSpecs of g and runs: one chunk's rows (grid (B, H, N)) or every row (grid (B, H, E blocks))."""
+  tokens = c if per_chunk else None
+  g_spec = runs_spec = None
+  if gates_.g is not None:
+    if per_chunk:
+      g_spec = _head_rows(c, dp if gates_.g.ndim == 4 else None)
+    elif gates_.g.ndim == 4:
+      g_spec = pl.BlockSpec((None, None, gates_.g.shape[2], dp), lambda bi, hi, ei: (bi, hi, 0, 0))
+    else:
+      g_spec = pl.BlockSpec((None, None, gates_.g.shape[2]), lambda bi, hi, ei: (bi, hi, 0))
+  if gates_.runs is not None:
+    runs_spec = (pl.BlockSpec((None, tokens), lambda bi, hi, ni: (bi, ni)) if per_chunk
+                 else pl.BlockSpec((None, gates_.runs.shape[1]), lambda bi, hi, ei: (bi, 0)))
+  return g_spec, runs_spec
 
 
 def prepare(q, k, v, beta, gates_: Gates, *, scale, config: DeltaConfig, interpret):
   """The prepare kernel on padded inputs ([B, Tp, H, Dp/Ep]; beta [B, H, Tp]): (W, U_v, P or None).
 
-  P [B, H, Tp, C] float32 only with per-key-channel gates (the sweep forms a
-  scalar gate's P itself).
+  P [B, H, Tp, C] float32 only with per-key-channel gates (the sweeps form a
+  scalar gate's P themselves).
   """
   b, tp, h, dp = q.shape
   ep = v.shape[-1]
   c = config.chunk_size
-  n = tp // c
   per_channel = gates_.g is not None and gates_.g.ndim == 4
   struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, v)  # noqa: E731
-  chunk_rows = lambda width: pl.BlockSpec((None, c, None, width), lambda bi, hi, ni: (bi, ni, hi, 0))  # noqa: E731
-  head_rows = pl.BlockSpec((None, None, c), lambda bi, hi, ni: (bi, hi, ni))
-  g_spec = None if gates_.g is None else (
-      pl.BlockSpec((None, None, c, dp), lambda bi, hi, ni: (bi, hi, ni, 0)) if per_channel else head_rows)
-  p_spec = pl.BlockSpec((None, None, c, c), lambda bi, hi, ni: (bi, hi, ni, 0)) if per_channel else None
   return pl.pallas_call(
-      functools.partial(_prepare_kernel, scale=scale, exact=q.dtype == _F32), grid=(b, h, n),
-      in_specs=[chunk_rows(dp), chunk_rows(dp), chunk_rows(ep), head_rows, g_spec,
-                None if gates_.runs is None else pl.BlockSpec((None, c), lambda bi, hi, ni: (bi, ni))],
-      out_specs=[chunk_rows(dp), chunk_rows(ep), p_spec],
+      functools.partial(_prepare_kernel, scale=scale, exact=q.dtype == _F32), grid=(b, h, tp // c),
+      in_specs=[_chunk_rows_spec(c, dp), _chunk_rows_spec(c, dp), _chunk_rows_spec(c, ep), _head_rows(c),
+                *_gate_specs(gates_, c, dp, per_chunk=True)],
+      out_specs=[_chunk_rows_spec(c, dp), _chunk_rows_spec(c, ep), _head_rows(c, c) if per_channel else None],
       out_shape=[struct((b, tp, h, dp), q.dtype), struct((b, tp, h, ep), q.dtype),
                  struct((b, h, tp, c), _F32) if per_channel else None],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_prepare")(q, k, v, beta, gates_.g, gates_.runs)
 
 
-def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_final_state, config: DeltaConfig, interpret):
-  """The sweep kernel on padded inputs: (O [B, Tp, H, Ep], final state [B, H, Dp, Ep] float32 or None)."""
+def _state_specs(b, h, n, dp, be):
+  """BlockSpecs over the grid (B, H, E blocks): a state tile [Dp, be], and every chunk's [N Dp, be]."""
+  return (pl.BlockSpec((None, None, dp, be), lambda bi, hi, ei: (bi, hi, 0, ei)),
+          pl.BlockSpec((None, None, n * dp, be), lambda bi, hi, ei: (bi, hi, 0, ei)))
+
+
+def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_outputs=True, with_final_state,
+          with_states=False, config: DeltaConfig, interpret):
+  """The sweep kernel on padded inputs: (O [B, Tp, H, Ep] or None, final state [B, H, Dp, Ep] float32 or None,
+  the state before every chunk [B, H, N Dp, Ep] in the input dtype (the kernels' operand) or None)."""
   b, tp, h, dp = q.shape
   ep = u.shape[-1]
   c = config.chunk_size
@@ -298,26 +632,88 @@ def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_final_stat
   be = min(config.block_e, ep)
   whole = lambda width: pl.BlockSpec((None, tp, None, width), lambda bi, hi, ei: (bi, 0, hi, 0))  # noqa: E731
   columns = pl.BlockSpec((None, tp, None, be), lambda bi, hi, ei: (bi, 0, hi, ei))
-  state_spec = pl.BlockSpec((None, None, dp, be), lambda bi, hi, ei: (bi, hi, 0, ei))
-  g_spec = None
-  if gates_.g is not None:
-    g_spec = (pl.BlockSpec((None, None, tp, dp), lambda bi, hi, ei: (bi, hi, 0, 0)) if gates_.g.ndim == 4
-              else pl.BlockSpec((None, None, tp), lambda bi, hi, ei: (bi, hi, 0)))
+  state_spec, states_spec = _state_specs(b, h, n, dp, be)
   struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, u)  # noqa: E731
   return pl.pallas_call(
       functools.partial(_sweep_kernel, scale=scale, chunk_size=c, num_chunks=n, exact=q.dtype == _F32),
       grid=(b, h, ep // be),
       in_specs=[whole(dp), whole(dp), whole(dp), columns,
                 None if p is None else pl.BlockSpec((None, None, tp, c), lambda bi, hi, ei: (bi, hi, 0, 0)),
-                g_spec, None if gates_.runs is None else pl.BlockSpec((None, tp), lambda bi, hi, ei: (bi, 0)),
+                *_gate_specs(gates_, c, dp, per_chunk=False),
                 None if gates_.state_decay is None else pl.BlockSpec((None, None, n * dp, 1),
                                                                      lambda bi, hi, ei: (bi, hi, 0, 0)),
                 None if initial_state is None else state_spec],
-      out_specs=[columns, state_spec if with_final_state else None],
-      out_shape=[struct((b, tp, h, ep), q.dtype), struct((b, h, dp, ep), _F32) if with_final_state else None],
+      out_specs=[columns if with_outputs else None, state_spec if with_final_state else None,
+                 states_spec if with_states else None],
+      out_shape=[struct((b, tp, h, ep), q.dtype) if with_outputs else None,
+                 struct((b, h, dp, ep), _F32) if with_final_state else None,
+                 struct((b, h, n * dp, ep), q.dtype) if with_states else None],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_sweep")(q, k, w, u, p, gates_.g, gates_.runs, gates_.state_decay,
                                                          initial_state)
+
+
+def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, config: DeltaConfig, interpret):
+  """(G_n = dL/dS after every chunk [B, H, N Dp, Ep] in the input dtype, dL/dS_0 [B, H, Dp, Ep] float32).
+
+  Padded operands as for `sweep`; do: [B, Tp, H, Ep]; d_final: [B, H, Dp, Ep] or None.
+  """
+  b, tp, h, dp = q.shape
+  ep = do.shape[-1]
+  c = config.chunk_size
+  n = tp // c
+  be = min(config.block_e, ep)
+  whole = pl.BlockSpec((None, tp, None, dp), lambda bi, hi, ei: (bi, 0, hi, 0))
+  state_spec, states_spec = _state_specs(b, h, n, dp, be)
+  struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, do)  # noqa: E731
+  return pl.pallas_call(
+      functools.partial(_state_cotangents_kernel, scale=scale, chunk_size=c, num_chunks=n, exact=q.dtype == _F32),
+      grid=(b, h, ep // be),
+      in_specs=[whole, whole, whole,
+                None if p is None else pl.BlockSpec((None, None, tp, c), lambda bi, hi, ei: (bi, hi, 0, 0)),
+                *_gate_specs(gates_, c, dp, per_chunk=False),
+                None if gates_.state_decay is None else pl.BlockSpec((None, None, n * dp, 1),
+                                                                     lambda bi, hi, ei: (bi, hi, 0, 0)),
+                pl.BlockSpec((None, tp, None, be), lambda bi, hi, ei: (bi, 0, hi, ei)),
+                None if d_final is None else state_spec],
+      out_specs=[states_spec, state_spec],
+      out_shape=[struct((b, h, n * dp, ep), q.dtype), struct((b, h, dp, ep), _F32)],
+      compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret, name="delta_attention_state_cotangents")(q, k, w, p, gates_.g, gates_.runs,
+                                                                     gates_.state_decay, do, d_final)
+
+
+def chunk_gradients(q, k, v, beta, gates_: Gates, states, d_next, do, *, scale, config: DeltaConfig, interpret):
+  """The chunk_gradients kernel on padded operands: (dq, dk [B, Tp, H, Dp], dv [B, Tp, H, Ep] in the input dtype,
+  dbeta [B, H, Tp] float32, dg like gates_.g float32 or None)."""
+  b, tp, h, dp = q.shape
+  ep = v.shape[-1]
+  c = config.chunk_size
+  struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, v)  # noqa: E731
+  chunk_state = pl.BlockSpec((None, None, dp, ep), lambda bi, hi, ni: (bi, hi, ni, 0))
+  g_spec, runs_spec = _gate_specs(gates_, c, dp, per_chunk=True)
+  return pl.pallas_call(
+      functools.partial(_chunk_gradients_kernel, scale=scale, block_e=min(config.block_e, ep), exact=q.dtype == _F32),
+      grid=(b, h, tp // c),
+      in_specs=[_chunk_rows_spec(c, dp), _chunk_rows_spec(c, dp), _chunk_rows_spec(c, ep), _head_rows(c), g_spec,
+                runs_spec, chunk_state, chunk_state, _chunk_rows_spec(c, ep)],
+      out_specs=[_chunk_rows_spec(c, dp), _chunk_rows_spec(c, dp), _chunk_rows_spec(c, ep), _head_rows(c), g_spec],
+      out_shape=[struct((b, tp, h, dp), q.dtype), struct((b, tp, h, dp), q.dtype), struct((b, tp, h, ep), q.dtype),
+                 struct((b, h, tp), _F32), None if gates_.g is None else struct(gates_.g.shape, _F32)],
+      compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret, name="delta_attention_chunk_gradients")(q, k, v, beta, gates_.g, gates_.runs, states,
+                                                                    d_next, do)
+
+
+def _padded(q, k, v, beta, segment_starts, g, *, chunk_size):
+  """The kernels' operands: q, k, v padded to [B, Tp, H, Dp/Ep], beta [B, H, Tp], `Gates`."""
+  b, t, h, d = q.shape
+  dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(v.shape[-1])
+  tp = -(-t // chunk_size) * chunk_size
+  pad = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
+  beta_rows = jnp.moveaxis(jnp.pad(beta, ((0, 0), (0, tp - t), (0, 0))), 2, 1)
+  gates_ = gates(g, segment_starts, batch=b, heads=h, seq_len=t, dim_k=dp, chunk_size=chunk_size)
+  return pad(q, dim=dp), pad(k, dim=dp), pad(v, dim=ep), beta_rows, gates_
 
 
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, config: DeltaConfig,
@@ -330,121 +726,43 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   or None. Returns (o [B, T, H, E] in q's dtype, final state [B, H, D, E]
   float32 or None).
   """
-  b, t, h, d = q.shape
-  e = v.shape[-1]
+  t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   c = config.chunk_size
   dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(e)
-  tp = -(-t // c) * c
-  pad = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
-  qp, kp, vp = pad(q, dim=dp), pad(k, dim=dp), pad(v, dim=ep)
-  gates_ = gates(decay, segment_starts, batch=b, heads=h, seq_len=t, dim_k=dp, chunk_size=c)
-  beta_rows = jnp.moveaxis(jnp.pad(beta, ((0, 0), (0, tp - t), (0, 0))), 2, 1)  # [B, H, Tp]
+  g = gate_logs(decay, seq_len=t, dim_k=dp, chunk_size=c)
+  qp, kp, vp, beta_rows, gates_ = _padded(q, k, v, beta, segment_starts, g, chunk_size=c)
   w, u, p = prepare(qp, kp, vp, beta_rows, gates_, scale=scale, config=config, interpret=interpret)
-  o, final_state = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep), scale=scale,
-                         with_final_state=with_final_state, config=config, interpret=interpret)
+  o, final_state, _ = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep), scale=scale,
+                            with_final_state=with_final_state, config=config, interpret=interpret)
   return o[:, :t, :, :e], None if final_state is None else final_state[:, :, :d, :e]
 
 
-# The backward pass's two sweeps over the chunk terms of `chunk.chunk_terms` (float32 [B, H, N, C, ...], their
-# products in the input dtype as in the forward): the state before every chunk, and walking back, the cotangent
-# of the state after every chunk.
+def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale, config: DeltaConfig,
+             interpret):
+  """The cotangents (dq, dk, dv, dbeta, d decay or None, d initial_state or None) of `forward`'s inputs.
 
-
-def _chunk_states_kernel(w_ref, u_ref, k_end_ref, decay_ref, s0_ref, states_ref, *, chunk_size, num_chunks, dtype,
-                         exact):
-  """S_{n+1} = Diag(decay_n) S_n + K_C^T (U_v - W S_n); writes S_n for every chunk n."""
-  c, dim_k = chunk_size, w_ref.shape[-1]
-  state = jnp.zeros((dim_k, u_ref.shape[-1]), _F32) if s0_ref is None else s0_ref[...]
-
-  def body(n, state):
-    rows, state_rows = _rows(pl.multiple_of(n * c, c), c), _rows(pl.multiple_of(n * dim_k, dim_k), dim_k)
-    states_ref[state_rows, :] = state
-    u = u_ref[rows, :] - triton_lowering.dot(w_ref[rows, :].astype(dtype), state.astype(dtype), exact=exact)
-    return decay_ref[state_rows, :] * state + triton_lowering.dot(k_end_ref[rows, :].astype(dtype), u.astype(dtype),
-                                                                  trans_a=True, exact=exact)
-
-  jax.lax.fori_loop(0, num_chunks, body, state)
-
-
-def _state_cotangents_kernel(q_gated_ref, p_ref, w_ref, k_end_ref, decay_ref, do_ref, d_final_ref, d_next_ref,
-                             d_initial_ref, *, chunk_size, num_chunks, dtype, exact):
-  """Walking back: G_n = dL/dS_{n+1} (written for every chunk n), dU = P^T dO + K_C G_n,
-  dL/dS_n = Diag(decay_n) G_n + Q_g^T dO - W^T dU."""
-  c, dim_k = chunk_size, w_ref.shape[-1]
-  grad = jnp.zeros((dim_k, do_ref.shape[-1]), _F32) if d_final_ref is None else d_final_ref[...]
-
-  def body(step, grad):
-    n = num_chunks - 1 - step
-    rows, state_rows = _rows(pl.multiple_of(n * c, c), c), _rows(pl.multiple_of(n * dim_k, dim_k), dim_k)
-    d_next_ref[state_rows, :] = grad
-    do = do_ref[rows, :].astype(dtype)
-    du = (triton_lowering.dot(p_ref[rows, :].astype(dtype), do, trans_a=True, exact=exact)
-          + triton_lowering.dot(k_end_ref[rows, :].astype(dtype), grad.astype(dtype), exact=exact))
-    return (decay_ref[state_rows, :] * grad
-            + triton_lowering.dot(q_gated_ref[rows, :].astype(dtype), do, trans_a=True, exact=exact)
-            - triton_lowering.dot(w_ref[rows, :].astype(dtype), du.astype(dtype), trans_a=True, exact=exact))
-
-  d_initial_ref[...] = jax.lax.fori_loop(0, num_chunks, body, grad)
-
-
-def _sweep_operands(terms: chunk.ChunkTerms, *value_like):
-  """Terms padded for the kernels: [B, H, N C, Dp] / [B, H, N C, Ep] / [B, H, N C, C] rows, decay [B, H, N Dp, 1],
-  and each of `value_like` ([B, H, N, C, E] or [B, H, D, E] or None) padded to Ep columns."""
-  b, h, n, c, d = terms.w.shape
-  dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(terms.u.shape[-1])
-  rows = lambda x, width: jnp.pad(x, [(0, 0)] * 4 + [(0, width - x.shape[-1])]).reshape(b, h, n * c, width)  # noqa: E731
-  padded = dict(w=rows(terms.w, dp), u=rows(terms.u, ep), q_gated=rows(terms.q_gated, dp), p=rows(terms.p, c),
-                k_end=rows(terms.k_end, dp),
-                decay=jnp.pad(terms.state_decay, ((0, 0),) * 3 + ((0, dp - d),)).reshape(b, h, n * dp, 1))
-  extra = []
-  for x in value_like:
-    if x is not None and x.ndim == 5:
-      x = rows(x, ep)
-    elif x is not None:
-      x = chunk_common.pad_state(x, dp, ep)
-    extra.append(x)
-  return padded, extra, (b, h, n, c, d, dp, ep)
-
-
-def chunk_states(terms: chunk.ChunkTerms, initial_state, *, dtype, config: DeltaConfig, interpret):
-  """The state before every chunk, [B, H, N, D, E] float32, from `chunk.chunk_terms` and the initial state."""
-  e = terms.u.shape[-1]
-  ops, (s0,), (b, h, n, c, d, dp, ep) = _sweep_operands(terms, initial_state)
-  be = min(config.block_e, ep)
-  rows = lambda width: pl.BlockSpec((None, None, n * c, width), lambda bi, hi, ei: (bi, hi, 0, 0))  # noqa: E731
-  value_rows = pl.BlockSpec((None, None, n * c, be), lambda bi, hi, ei: (bi, hi, 0, ei))
-  states = pl.pallas_call(
-      functools.partial(_chunk_states_kernel, chunk_size=c, num_chunks=n, dtype=dtype, exact=dtype == _F32),
-      grid=(b, h, ep // be),
-      in_specs=[rows(dp), value_rows, rows(dp), pl.BlockSpec((None, None, n * dp, 1), lambda bi, hi, ei: (bi, hi, 0, 0)),
-                None if s0 is None else pl.BlockSpec((None, None, dp, be), lambda bi, hi, ei: (bi, hi, 0, ei))],
-      out_specs=pl.BlockSpec((None, None, n * dp, be), lambda bi, hi, ei: (bi, hi, 0, ei)),
-      out_shape=manual_axes.struct((b, h, n * dp, ep), _F32, terms.w),
-      compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret, name="delta_attention_chunk_states")(ops["w"], ops["u"], ops["k_end"], ops["decay"], s0)
-  return states.reshape(b, h, n, dp, ep)[..., :d, :e]
-
-
-def state_cotangents(terms: chunk.ChunkTerms, do, d_final, *, dtype, config: DeltaConfig, interpret):
-  """(dL/dS after every chunk [B, H, N, D, E], dL/dS_0 [B, H, D, E]), float32.
-
-  do: [B, H, N, C, E] float32 output cotangents; d_final: [B, H, D, E] or None.
+  do: [B, T, H, E] the output cotangent; d_final: [B, H, D, E] or None.
   """
-  e = terms.u.shape[-1]
-  ops, (do, d_final), (b, h, n, c, d, dp, ep) = _sweep_operands(terms, do, d_final)
-  be = min(config.block_e, ep)
-  rows = lambda width: pl.BlockSpec((None, None, n * c, width), lambda bi, hi, ei: (bi, hi, 0, 0))  # noqa: E731
-  state_spec = pl.BlockSpec((None, None, dp, be), lambda bi, hi, ei: (bi, hi, 0, ei))
-  d_next, d_initial = pl.pallas_call(
-      functools.partial(_state_cotangents_kernel, chunk_size=c, num_chunks=n, dtype=dtype, exact=dtype == _F32),
-      grid=(b, h, ep // be),
-      in_specs=[rows(dp), rows(c), rows(dp), rows(dp),
-                pl.BlockSpec((None, None, n * dp, 1), lambda bi, hi, ei: (bi, hi, 0, 0)),
-                pl.BlockSpec((None, None, n * c, be), lambda bi, hi, ei: (bi, hi, 0, ei)),
-                None if d_final is None else state_spec],
-      out_specs=[pl.BlockSpec((None, None, n * dp, be), lambda bi, hi, ei: (bi, hi, 0, ei)), state_spec],
-      out_shape=[manual_axes.struct((b, h, n * dp, ep), _F32, terms.w), manual_axes.struct((b, h, dp, ep), _F32, terms.w)],
-      compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret, name="delta_attention_state_cotangents")(
-          ops["q_gated"], ops["p"], ops["w"], ops["k_end"], ops["decay"], do, d_final)
-  return d_next.reshape(b, h, n, dp, ep)[..., :d, :e], d_initial[:, :, :d, :e]
+  t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
+  config = dataclasses.replace(config, chunk_size=config.backward_chunk_size)
+  c = config.chunk_size
+  dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(e)
+  g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
+  qp, kp, vp, beta_rows, gates_ = _padded(q, k, v, beta, segment_starts, g, chunk_size=c)
+  kernels = dict(scale=scale, config=config, interpret=interpret)
+  w, u, p = prepare(qp, kp, vp, beta_rows, gates_, **kernels)
+  _, _, states = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep), with_outputs=False,
+                       with_final_state=False, with_states=True, **kernels)
+  dop = chunk_common.pad_tokens_and_features(do.astype(q.dtype), num_tokens=qp.shape[1], dim=ep)
+  d_next, d_initial = state_cotangents(qp, kp, w, p, gates_, dop, chunk_common.pad_state(d_final, dp, ep), **kernels)
+  dq, dk, dv, d_beta, dg = chunk_gradients(qp, kp, vp, beta_rows, gates_, states, d_next, dop, **kernels)
+  d_decay = None
+  if decay is not None:  # the state decay's share of dg, at each chunk's last row: e^{g_C} sum_e G_n S_n
+    b, h, n, dp = *qp.shape[:1], qp.shape[2], qp.shape[1] // c, qp.shape[-1]
+    d_state_decay = gates_.state_decay[..., 0] * jnp.sum(states.astype(_F32) * d_next.astype(_F32), axis=-1)
+    d_state_decay = d_state_decay.reshape(b, h, n, dp)
+    dg = dg.reshape(b, h, n, c, *dg.shape[3:])
+    dg = dg.at[:, :, :, -1].add(d_state_decay if dg.ndim == 5 else jnp.sum(d_state_decay, axis=-1))
+    d_decay = gate_vjp(dg.reshape(b, h, n * c, *dg.shape[4:]))[0]
+  return (dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :e], jnp.moveaxis(d_beta[:, :, :t], 1, 2).astype(beta.dtype),
+          d_decay, None if initial_state is None else d_initial[:, :, :d, :e])
