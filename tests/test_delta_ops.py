@@ -258,9 +258,9 @@ def test_pallas_gradients(case, kernel_mode):
 
 @pytest.mark.parametrize("case, config", [
     (Case(b=1, t=100, d=8, e=40, decay="channel", segments=True, rates="extreme", beta="edges"),
-     dict(chunk_size=16, backward_chunk_size=48, block_e=16)),
+     dict(chunk_size=16, backward_chunk_size=64, block_e=16)),
     (Case(b=1, t=70, d=5, e=3, decay="token", segments=True, rates="extreme", beta="edges"),
-     dict(chunk_size=48, backward_chunk_size=16)),
+     dict(chunk_size=64, backward_chunk_size=16)),
     (Case(b=1, t=90, d=12, e=70, decay=None, segments=True), dict(backward_chunk_size=64, block_e=16)),
 ], ids=str)
 def test_pallas_gradients_any_blocks(case, config, kernel_mode):
@@ -282,8 +282,9 @@ def test_default_config_per_form():
   wide = pallas_triton.default_config(per_channel_gate=False, dtype=jnp.float32, dim_k=256)
   assert (kda.backward_chunk_size, gated.backward_chunk_size) == (32, 16)
   assert (gated.block_e, wide.block_e) == (64, 32)
-  with pytest.raises(ValueError, match="backward_chunk_size"):
-    lj.DeltaConfig(backward_chunk_size=24)
+  for bad in (24, 48, 8):
+    with pytest.raises(ValueError, match="backward_chunk_size must be a power of two"):
+      lj.DeltaConfig(backward_chunk_size=bad)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -54,11 +54,11 @@ class DeltaConfig:
   """Blocks of the delta attention kernels (`default_config` picks them per call).
 
   Attributes:
-    chunk_size: tokens per chunk of the forward (a multiple of 16). 32 was
+    chunk_size: tokens per chunk of the forward (a power of two >= 16). 32 was
       1.2-1.6x faster than 64 for all three forms on an H200 (B2 H32 T8K
       D128, bf16): the prepare kernel's serial chain of 16-row blocks halves.
     backward_chunk_size: tokens per chunk of the backward, which recomputes
-      everything and so may chunk differently (a multiple of 16).
+      everything and so may chunk differently (a power of two >= 16).
     block_e: value columns per sweep program and per step of the gradient
       kernel's loop over E (a power of two >= 16; clipped to E).
     num_warps, num_stages: Triton's, for every kernel.
@@ -70,9 +70,10 @@ class DeltaConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    for name in ("chunk_size", "backward_chunk_size"):
-      if getattr(self, name) < BLOCK or getattr(self, name) % BLOCK:
-        raise ValueError(f"{name} must be a positive multiple of {BLOCK}, got {getattr(self, name)}")
+    for name in ("chunk_size", "backward_chunk_size"):  # Triton's arrays have power-of-two sizes
+      size = getattr(self, name)
+      if size < BLOCK or size & (size - 1):
+        raise ValueError(f"{name} must be a power of two >= {BLOCK}, got {size}")
     if self.block_e < lightning_config.MIN_BLOCK or self.block_e & (self.block_e - 1):
       raise ValueError(f"block_e must be a power of two >= {lightning_config.MIN_BLOCK}, got {self.block_e}")
 
@@ -110,16 +111,20 @@ def _gate_rows(g_ref, start, size):
 
 def _sees_state(runs_ref, start, size):
   """[size, 1] float32: 1 for rows before the chunk's first segment start (they see the state before the chunk)."""
-  if runs_ref is None:
-    return 1.0
   return (runs_ref[_rows(start, size)] == 0)[:, None].astype(_F32)
 
 
-def _reaches_end(runs_ref, start, size, last_row):
-  """[size, 1] float32: 1 for rows in the chunk's last segment (they reach the state after the chunk)."""
-  if runs_ref is None:
-    return 1.0
-  return (runs_ref[_rows(start, size)][:, None] == runs_ref[_rows(last_row, 1)][None, :]).astype(_F32)
+def _decay_factors(g_ref, runs_ref, *, start, size, last_row):
+  """(e^{g_t}, 0 for rows that do not see the state before the chunk; e^{g_C - g_t}, 0 for rows not in its last
+  segment) of rows [start, start + size), [size, D or 1] float32; a Python 1.0 where a factor is all ones."""
+  row_decay = to_end = 1.0
+  if g_ref is not None:
+    g = _gate_rows(g_ref, start, size)
+    row_decay, to_end = jnp.exp(g), jnp.exp(_gate_rows(g_ref, last_row, 1) - g)
+  if runs_ref is not None:
+    row_decay = row_decay * _sees_state(runs_ref, start, size)
+    to_end = to_end * (runs_ref[_rows(start, size)][:, None] == runs_ref[_rows(last_row, 1)][None, :]).astype(_F32)
+  return row_decay, to_end
 
 
 def _pair_mask(runs_ref, *, i, j, inclusive):
@@ -150,9 +155,9 @@ def _through_row_before(g_ref, *, i, j):
   return jnp.exp(_gate_rows(g_ref, i * BLOCK, BLOCK) - g_r), jnp.exp(g_r - _gate_rows(g_ref, j * BLOCK, BLOCK))
 
 
-def _column_decay(g_ref, *, i, c):
-  """[16, D] e^{g_t - g_c} for the rows t of block i and its row c (1 for t < c: those pairs are masked)."""
-  g_i = _gate_rows(g_ref, i * BLOCK, BLOCK)
+def _column_decay(g_i, g_ref, *, i, c):
+  """[16, D] e^{g_t - g_c} for the rows t of block i (g_i, loaded once per block) and its row c (1 for t < c:
+  those pairs are masked)."""
   row = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0)
   return jnp.exp(jnp.where(row >= c, g_i - _gate_rows(g_ref, i * BLOCK + c, 1), 0.0))
 
@@ -180,9 +185,10 @@ def _pair_blocks(xs, y_ref, g_ref, runs_ref, *, i, j, exact):
             for (x, _), mask in zip(xs, masks)]
   xs_f32 = [x.astype(_F32) for x, _ in xs]
   s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+  g_i = _gate_rows(g_ref, i * BLOCK, BLOCK)
 
   def column(c, blocks):  # the pairs (t, j * 16 + c) for every row t of the block
-    y_decayed = y_ref[_rows(j * BLOCK + c, 1), :].astype(_F32) * _column_decay(g_ref, i=i, c=c)
+    y_decayed = y_ref[_rows(j * BLOCK + c, 1), :].astype(_F32) * _column_decay(g_i, g_ref, i=i, c=c)
     return tuple(jnp.where(s == c, jnp.sum(x * y_decayed, axis=1, keepdims=True), block)
                  for x, block in zip(xs_f32, blocks))
 
@@ -211,9 +217,10 @@ def _pair_blocks_vjp(d_pairs, xs, ys, y_ref, g_ref, *, dtype, exact):
       if per_channel and i == j:  # column by column, as in the forward
         x_f32 = [x[i].astype(_F32) for x in xs]
 
-        def column(c, carry, i=i, x_f32=x_f32, d_blocks=[d[i, i] for d in d_pairs]):
+        def column(c, carry, i=i, x_f32=x_f32, d_blocks=[d[i, i] for d in d_pairs],
+                   g_i=_gate_rows(g_ref, i * BLOCK, BLOCK)):
           dx_blocks, dy = carry
-          decay = _column_decay(g_ref, i=i, c=c)
+          decay = _column_decay(g_i, g_ref, i=i, c=c)
           y_decayed = y_ref[_rows(i * BLOCK + c, 1), :].astype(_F32) * decay
           dx_blocks = list(dx_blocks)
           for p, (x, d) in enumerate(zip(x_f32, d_blocks)):
@@ -288,20 +295,18 @@ class _ChunkRows(NamedTuple):
   q: list            # [16, D] input dtype
   k: list            # [16, D]
   beta: list         # [16, 1] float32
-  decay_rows: list   # [16, D or 1] float32: e^{g_t}, 0 for rows after a segment start (they do not see S)
-  to_end: list       # [16, D or 1] float32: e^{g_C - g_t}, 0 for rows before the last segment
+  decay_rows: list   # e^{g_t}, 0 for rows after a segment start (they do not see S) (`_decay_factors`)
+  to_end: list       # e^{g_C - g_t}, 0 for rows before the last segment
 
 
 def _chunk_rows(q_ref, k_ref, beta_ref, g_ref, runs_ref):
   c = k_ref.shape[0]
   blocks = range(c // BLOCK)
-  g_end = _gate_rows(g_ref, c - 1, 1)
-  g = [_gate_rows(g_ref, i * BLOCK, BLOCK) for i in blocks]
+  factors = [_decay_factors(g_ref, runs_ref, start=i * BLOCK, size=BLOCK, last_row=c - 1) for i in blocks]
   return _ChunkRows(
       q=[q_ref[_block(i), :] for i in blocks], k=[k_ref[_block(i), :] for i in blocks],
-      beta=[beta_ref[_block(i)][:, None] for i in blocks],
-      decay_rows=[jnp.exp(g[i]) * _sees_state(runs_ref, i * BLOCK, BLOCK) for i in blocks],
-      to_end=[jnp.exp(g_end - g[i]) * _reaches_end(runs_ref, i * BLOCK, BLOCK, c - 1) for i in blocks])
+      beta=[beta_ref[_block(i)][:, None] for i in blocks], decay_rows=[f[0] for f in factors],
+      to_end=[f[1] for f in factors])
 
 
 def _lower_row(tri, x, i, *, dtype, exact, transpose=False):
@@ -335,7 +340,7 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
       p_ref[_block(i), _block(j)] = scale * p_ij
 
 
-def _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, *, start, chunk_size, scale, exact):
+def _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, row_decay, *, start, chunk_size, scale, exact):
   """Rows [start, start + C) of one chunk: (scale Q_g [C, D], scale P [C, C]), float32.
 
   P is read where the prepare kernel wrote it (per key channel), else formed:
@@ -343,7 +348,6 @@ def _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, *, start, chu
   """
   c = chunk_size
   rows = _rows(start, c)
-  row_decay = jnp.exp(_gate_rows(g_ref, start, c)) * _sees_state(runs_ref, start, c)
   q = q_ref[rows, :]
   q_gated = q.astype(_F32) * (scale * row_decay)
   if p_ref is not None:
@@ -353,17 +357,10 @@ def _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, *, start, chu
   allowed = t >= s
   if runs_ref is not None:
     allowed &= runs_ref[rows][:, None] == runs_ref[rows][None, :]
-  gap = 0.0 if g_ref is None else jnp.where(allowed, g_ref[rows][:, None] - g_ref[rows][None, :], 0.0)
-  p = scale * triton_lowering.dot(q, k_ref[rows, :], trans_b=True, exact=exact) * jnp.exp(gap)
+  p = scale * triton_lowering.dot(q, k_ref[rows, :], trans_b=True, exact=exact)
+  if g_ref is not None:
+    p = p * jnp.exp(jnp.where(allowed, g_ref[rows][:, None] - g_ref[rows][None, :], 0.0))
   return q_gated, jnp.where(allowed, p, 0.0)
-
-
-def _keys_to_end(k_ref, g_ref, runs_ref, *, start, chunk_size):
-  """K_C of rows [start, start + C) of one chunk, [C, D] float32."""
-  c = chunk_size
-  to_end = (jnp.exp(_gate_rows(g_ref, start + c - 1, 1) - _gate_rows(g_ref, start, c))
-            * _reaches_end(runs_ref, start, c, start + c - 1))
-  return k_ref[_rows(start, c), :].astype(_F32) * to_end
 
 
 def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref, s0_ref, o_ref, final_ref, states_ref,
@@ -382,13 +379,14 @@ def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref,
     if states_ref is not None:
       states_ref[state_rows, :] = state_in.astype(states_ref.dtype)
     u_in = (u_ref[rows, :].astype(_F32) - triton_lowering.dot(w_ref[rows, :], state_in, exact=exact)).astype(dtype)
+    row_decay, to_end = _decay_factors(g_ref, runs_ref, start=start, size=c, last_row=start + c - 1)
     if o_ref is not None:
-      q_gated, p = _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, start=start, chunk_size=c,
-                                            scale=scale, exact=exact)
+      q_gated, p = _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, row_decay, start=start,
+                                            chunk_size=c, scale=scale, exact=exact)
       out = (triton_lowering.dot(q_gated.astype(dtype), state_in, exact=exact)
              + triton_lowering.dot(p.astype(dtype), u_in, exact=exact))
       o_ref[rows, :] = out.astype(o_ref.dtype)
-    k_end = _keys_to_end(k_ref, g_ref, runs_ref, start=start, chunk_size=c).astype(dtype)
+    k_end = (k_ref[rows, :].astype(_F32) * to_end).astype(dtype)
     new_state = triton_lowering.dot(k_end, u_in, trans_a=True, exact=exact)
     return new_state + (state if decay_ref is None else decay_ref[state_rows, :] * state)
 
@@ -413,9 +411,10 @@ def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_
     grad_in = grad.astype(dtype)
     d_next_ref[state_rows, :] = grad_in.astype(d_next_ref.dtype)
     do = do_ref[rows, :]
-    q_gated, p = _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, start=start, chunk_size=c,
+    row_decay, to_end = _decay_factors(g_ref, runs_ref, start=start, size=c, last_row=start + c - 1)
+    q_gated, p = _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, row_decay, start=start, chunk_size=c,
                                           scale=scale, exact=exact)
-    k_end = _keys_to_end(k_ref, g_ref, runs_ref, start=start, chunk_size=c).astype(dtype)
+    k_end = (k_ref[rows, :].astype(_F32) * to_end).astype(dtype)
     du = (triton_lowering.dot(p.astype(dtype), do, trans_a=True, exact=exact)
           + triton_lowering.dot(k_end, grad_in, exact=exact))
     grad_before = (triton_lowering.dot(q_gated.astype(dtype), do, trans_a=True, exact=exact)
