@@ -32,6 +32,7 @@ DECAY_NAMES = ("alibi", "minimax")
 # "rms": one RMS norm over all heads' outputs (H*E features), as MiniMax-01 and
 # TransNormerLLM normalise the concatenated head outputs; "head_rms": one per head.
 OUTPUT_NORMS = (None, "rms", "head_rms")
+# The output norm's default epsilon (MiniMax-01's, and TransNormerLLM's).
 NORM_EPSILON = 1e-6
 # softplus never reaches 0: a learnable rate of 0 starts here instead.
 MIN_LEARNABLE_RATE = 1e-6
@@ -104,8 +105,10 @@ class LayerSpec:
   decay: tuple[float, ...] | None  # fixed rates, or the initial rates when learnable
   learnable_decay: bool
   feature_map: str
+  value_feature_map: str
   output_gate: bool
   output_norm: str | None
+  norm_eps: float
   scale: float
   impl: str
   variant: str
@@ -141,8 +144,8 @@ def make_sharding(*, mesh, batch_axes, head_axis, sequence_axis) -> Sharding | N
 
 
 def make_spec(*, num_heads, in_features, qkv_features, out_features, decay, layer_idx, num_layers,
-              learnable_decay, feature_map, output_gate, output_norm, scale, impl, variant, config,
-              mesh=None, batch_axes=None, head_axis=None, sequence_axis=None) -> LayerSpec:
+              learnable_decay, feature_map, value_feature_map, output_gate, output_norm, norm_eps, scale, impl,
+              variant, config, mesh=None, batch_axes=None, head_axis=None, sequence_axis=None) -> LayerSpec:
   """Validates the layer arguments (clear errors naming each one) and resolves defaults."""
   for name, value, optional in (("num_heads", num_heads, False), ("in_features", in_features, False),
                                 ("qkv_features", qkv_features, True), ("out_features", out_features, True)):
@@ -160,19 +163,23 @@ def make_spec(*, num_heads, in_features, qkv_features, out_features, decay, laye
   if learnable_decay and decay is None:
     raise ValueError("learnable_decay=True needs initial rates: decay='alibi', 'minimax' or an [H] array, got None")
   rates = decay_rates(decay, num_heads, layer_idx, num_layers)
-  if feature_map not in FEATURE_MAPS:
-    raise ValueError(f"feature_map must be one of {tuple(FEATURE_MAPS)}, got {feature_map!r}")
+  for name, fmap in (("feature_map", feature_map), ("value_feature_map", value_feature_map)):
+    if fmap not in FEATURE_MAPS:
+      raise ValueError(f"{name} must be one of {tuple(FEATURE_MAPS)}, got {fmap!r}")
   if not isinstance(output_gate, bool):
     raise TypeError(f"output_gate must be a bool, got {output_gate!r}")
   if output_norm not in OUTPUT_NORMS:
     raise ValueError(f"output_norm must be one of {OUTPUT_NORMS}, got {output_norm!r}")
+  if not isinstance(norm_eps, numbers.Real) or isinstance(norm_eps, bool) or not norm_eps > 0:
+    raise ValueError(f"norm_eps must be a float > 0, got {norm_eps!r}")
   op_api.validate_options(scale=scale, impl=impl, variant=variant, config=config)
   return LayerSpec(
       num_heads=num_heads, in_features=in_features, qkv_features=qkv_features,
       out_features=in_features if out_features is None else out_features, head_dim=head_dim,
       decay=None if rates is None else tuple(float(r) for r in rates), learnable_decay=learnable_decay,
-      feature_map=feature_map, output_gate=output_gate, output_norm=output_norm,
-      scale=float(head_dim ** -0.5 if scale is None else scale), impl=impl, variant=variant, config=config,
+      feature_map=feature_map, value_feature_map=value_feature_map, output_gate=output_gate,
+      output_norm=output_norm, norm_eps=float(norm_eps), scale=float(head_dim ** -0.5 if scale is None else scale),
+      impl=impl, variant=variant, config=config,
       sharding=make_sharding(mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=sequence_axis))
 
 
@@ -209,10 +216,10 @@ def check_state(state, batch_size, spec: LayerSpec) -> None:
                      f"{state_shape(batch_size, spec)}: call init_cache with batch_size={batch_size}")
 
 
-def rms_norm(x, scale, axes) -> jax.Array:
-  """RMS norm of x over `axes` (in float32), times `scale`; returns x.dtype."""
+def rms_norm(x, scale, axes, eps) -> jax.Array:
+  """RMS norm of x over `axes` (in float32) with epsilon eps, times `scale`; returns x.dtype."""
   xf = x.astype(jnp.float32)
-  xf = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=axes, keepdims=True) + NORM_EPSILON)
+  xf = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=axes, keepdims=True) + eps)
   return (xf * scale.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -249,7 +256,7 @@ def linear_attention(q, k, v, decay, *, scale, impl, variant, config, interpret=
 
 @functools.partial(jax.jit, static_argnames="spec")
 def attend(spec: LayerSpec, q, k, v, *, decay, gate=None, norm_scale=None, segment_ids=None, cache=None):
-  """The layer between its projections: feature map, linear attention, output norm and gate.
+  """The layer between its projections: feature maps, linear attention, output norm and gate.
 
   q, k, v: [B, T, H, head_dim] projections; decay: float32 [H] or None; gate:
   [B, T, H, head_dim] pre-sigmoid gate (or None); norm_scale: [H, head_dim] (or
@@ -267,12 +274,12 @@ def attend(spec: LayerSpec, q, k, v, *, decay, gate=None, norm_scale=None, segme
       state = jnp.where(same[:, None, None, None], state, jnp.zeros_like(state))
       last_ids = segment_ids[:, -1].astype(jnp.int32)
   fmap = FEATURE_MAPS[spec.feature_map]
-  q, k = fmap(q), fmap(k)
+  q, k, v = fmap(q), fmap(k), FEATURE_MAPS[spec.value_feature_map](v)
   out = linear_attention(q, k, v, decay, scale=spec.scale, impl=spec.impl, variant=spec.variant,
                          config=spec.config, state=state, segment_ids=segment_ids, sharding=spec.sharding)
   o, new_cache = (out, None) if state is None else (out[0], (out[1].astype(state.dtype), last_ids))
   if spec.output_norm is not None:
-    o = rms_norm(o, norm_scale, (-2, -1) if spec.output_norm == "rms" else -1)
+    o = rms_norm(o, norm_scale, (-2, -1) if spec.output_norm == "rms" else -1, spec.norm_eps)
   if gate is not None:
     # MiniMax-01's output gate: norm(attn) * sigmoid(x W_gate). (TransNormerLLM
     # multiplies by the un-activated projection instead.)
@@ -285,7 +292,7 @@ LAYER_DOC = """Lightning Attention layer: causal linear attention with per-head 
   For inputs x [B, T, in_features], with H = num_heads and head dim
   Dh = qkv_features // H:
 
-      q, k = phi(x W_query), phi(x W_key);  v = x W_value        [B, T, H, Dh]
+      q, k = phi(x W_query), phi(x W_key);  v = psi(x W_value)   [B, T, H, Dh]
       S_t = exp(-rate_h) S_{t-1} + k_t^T v_t;  o_t = scale * q_t S_t  (the op)
       o = norm(o) * sigmoid(x W_gate)                   (when enabled)
       y = o W_out                                        [B, T, out_features]
@@ -293,7 +300,10 @@ LAYER_DOC = """Lightning Attention layer: causal linear attention with per-head 
   With the defaults (silu feature map, RMS output norm, sigmoid output gate)
   this is the MiniMax-01 lightning-attention block (Li et al., 2025), itself the
   TransNormerLLM block (Qin et al., 2023) with a sigmoid gate; with decay
-  "minimax" its slopes too.
+  "minimax" its slopes too. MiniMax-01 also applies its SiLU to v
+  (value_feature_map="silu") and uses scale 1.0;
+  `lightning_jax.interop.minimax_lightning_attention` sets these options from a
+  Hugging Face config.
 
   Parameters (the same names and shapes in the NNX and Linen layers, so a
   parameter dict moves between them): `query`, `key`, `value` and `gate`
@@ -316,14 +326,18 @@ LAYER_DOC = """Lightning Attention layer: causal linear attention with per-head 
     layer_idx, num_layers: the depth used by decay="minimax".
     learnable_decay: train the rates as the `decay` parameter (softplus
       parametrisation, starting at the rates above; a rate of 0 starts at 1e-6).
-    feature_map: applied to q and k: "silu" (default; TransNormerLLM /
+    feature_map: phi, applied to q and k: "silu" (default; TransNormerLLM /
       MiniMax-01), "identity", "elu_plus_one" (Katharopoulos et al., 2020) or
       "relu".
+    value_feature_map: psi, applied to v, one of the same: "identity"
+      (default) or "silu" (MiniMax-01 applies its activation to the whole fused
+      qkv projection).
     output_gate: multiply the attention output by sigmoid(x W_gate) (MiniMax-01;
       TransNormerLLM gates with the un-activated projection) before `out`.
     output_norm: "rms" (default): RMS norm over all heads' outputs (H * Dh
       features) as in MiniMax-01 / TransNormerLLM; "head_rms": over each head's
-      Dh features; None: no norm. Learnable scale `norm`, epsilon 1e-6.
+      Dh features; None: no norm. Learnable scale `norm`.
+    norm_eps: epsilon of the output norm (default 1e-6, MiniMax-01's).
     scale: multiplies q in the op; default Dh ** -0.5 (MiniMax-01 uses 1.0).
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: parameter dtype (default float32).

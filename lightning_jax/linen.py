@@ -35,8 +35,10 @@ class LightningAttention(nn.Module):
   num_layers: int | None = None
   learnable_decay: bool = False
   feature_map: str = "silu"
+  value_feature_map: str = "identity"
   output_gate: bool = True
   output_norm: str | None = "rms"
+  norm_eps: float = common.NORM_EPSILON
   scale: float | None = None
   dtype: Any = None
   param_dtype: Any = jnp.float32
@@ -62,8 +64,9 @@ class LightningAttention(nn.Module):
     return common.make_spec(
         num_heads=self.num_heads, in_features=self.in_features, qkv_features=self.qkv_features,
         out_features=self.out_features, decay=self.decay, layer_idx=self.layer_idx, num_layers=self.num_layers,
-        learnable_decay=self.learnable_decay, feature_map=self.feature_map, output_gate=self.output_gate,
-        output_norm=self.output_norm, scale=self.scale, impl=self.impl, variant=self.variant, config=self.config,
+        learnable_decay=self.learnable_decay, feature_map=self.feature_map,
+        value_feature_map=self.value_feature_map, output_gate=self.output_gate, output_norm=self.output_norm,
+        norm_eps=self.norm_eps, scale=self.scale, impl=self.impl, variant=self.variant, config=self.config,
         mesh=self.mesh, batch_axes=self.batch_axes, head_axis=self.head_axis, sequence_axis=self.sequence_axis)
 
   def init_cache(self, batch_size: int, dtype=jnp.float32) -> None:

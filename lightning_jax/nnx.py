@@ -35,7 +35,8 @@ class LightningAttention(nnx.Module):
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                out_features: int | None = None, *, decay="alibi", layer_idx: int | None = None,
                num_layers: int | None = None, learnable_decay: bool = False, feature_map: str = "silu",
-               output_gate: bool = True, output_norm: str | None = "rms", scale: float | None = None,
+               value_feature_map: str = "identity", output_gate: bool = True, output_norm: str | None = "rms",
+               norm_eps: float = common.NORM_EPSILON, scale: float | None = None,
                dtype=None, param_dtype=jnp.float32, precision=None, kernel_init=default_kernel_init,
                bias_init=initializers.zeros_init(), use_bias: bool = True, decode: bool = False,
                impl: str = "auto", variant: str = "auto", config=None, mesh=None, batch_axes=None,
@@ -43,9 +44,9 @@ class LightningAttention(nnx.Module):
     self.spec = spec = common.make_spec(
         num_heads=num_heads, in_features=in_features, qkv_features=qkv_features, out_features=out_features,
         decay=decay, layer_idx=layer_idx, num_layers=num_layers, learnable_decay=learnable_decay,
-        feature_map=feature_map, output_gate=output_gate, output_norm=output_norm, scale=scale, impl=impl,
-        variant=variant, config=config, mesh=mesh, batch_axes=batch_axes, head_axis=head_axis,
-        sequence_axis=sequence_axis)
+        feature_map=feature_map, value_feature_map=value_feature_map, output_gate=output_gate,
+        output_norm=output_norm, norm_eps=norm_eps, scale=scale, impl=impl, variant=variant, config=config,
+        mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=sequence_axis)
     self.decode = decode
     heads = (spec.num_heads, spec.head_dim)
     linear = functools.partial(nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, precision=precision,
