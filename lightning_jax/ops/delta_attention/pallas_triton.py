@@ -101,9 +101,7 @@ def _block(i):
 
 
 def _gate_rows(g_ref, start, size):
-  """g of rows [start, start + size): [size, 1] for a scalar gate per token, [size, D] per key channel, 0 without."""
-  if g_ref is None:
-    return jnp.zeros((size, 1), _F32)
+  """g of rows [start, start + size): [size, 1] for a scalar gate per token, [size, D] per key channel."""
   if len(g_ref.shape) == 1:
     return g_ref[_rows(start, size)][:, None]
   return g_ref[_rows(start, size), :]
