@@ -172,6 +172,58 @@ def test_cu_seqlens_equals_sequences_alone():
       np.testing.assert_array_equal(finals[n], s0[n])
 
 
+@pytest.mark.parametrize("decay", [None, "token", "channel"])
+def test_cu_seqlens_states_chunked_matches_oracle(decay):
+  """xla's chunk-aligned sequences: boundaries inside 64-token chunks and on their edges, empty and length-1
+  sequences, one longer than a chunk; outputs, per-sequence final states and every gradient."""
+  lengths = (5, 0, 70, 1, 53, 18, 0)
+  cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
+  case = Case(b=1, t=sum(lengths), decay=decay, initial_state=False)
+  q, k, v, beta, rates, _, _ = make_inputs(case, seed=7)
+  keys = jax.random.split(jax.random.key(8), 3)
+  s0 = jax.random.normal(keys[0], (len(lengths), case.h, case.d, case.e))
+  do = jax.random.normal(keys[1], v.shape)
+  dfinal = jax.random.normal(keys[2], s0.shape)
+
+  def value_and_grads(impl):
+    def loss(q, k, v, beta, rates, s0, cu):
+      o, finals = lj.delta_attention(q, k, v, beta, rates, initial_state=s0, cu_seqlens=cu, return_final_state=True,
+                                     impl=impl)
+      return jnp.sum(o * do) + jnp.sum(finals * dfinal), (o, finals)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
+
+  (_, (o, finals)), grads = value_and_grads("auto")(q, k, v, beta, rates, s0, cu)
+  (_, (o_ref, finals_ref)), grads_ref = value_and_grads("reference")(q, k, v, beta, rates, s0, cu)
+  assert rel_err(o, o_ref) < 1e-4 and rel_err(finals, finals_ref) < 1e-4
+  np.testing.assert_array_equal(finals[1], s0[1])  # empty: its initial state
+  for name, g, g_ref in zip(ARG_NAMES, grads, grads_ref):
+    if g_ref is not None:
+      assert rel_err(g, g_ref) < 1e-3, (name, rel_err(g, g_ref))
+
+
+def test_cu_seqlens_states_trace_once_and_refuse_pallas():
+  case = Case(b=1, t=40, decay="token", initial_state=False)
+  q, k, v, beta, rates, _, _ = make_inputs(case, seed=9)
+  s0 = jnp.ones((3, case.h, case.d, case.e))
+  traces = []
+
+  @jax.jit
+  def run(cu):
+    traces.append(cu)
+    return lj.delta_attention(q, k, v, beta, rates, initial_state=s0, cu_seqlens=cu, return_final_state=True,
+                              impl="xla")
+
+  for lengths in ((10, 20, 10), (0, 39, 1)):
+    cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
+    o, finals = run(cu)
+    o_ref, finals_ref = lj.delta_attention(q, k, v, beta, rates, initial_state=s0, cu_seqlens=cu,
+                                           return_final_state=True, impl="reference")
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(finals, finals_ref) < 1e-4
+  assert len(traces) == 1
+  with pytest.raises(ValueError, match="per-sequence initial and final states with cu_seqlens run on impl='xla'"):
+    lj.delta_attention(q, k, v, beta, rates, cu_seqlens=cu, return_final_state=True, impl="pallas")
+
+
 def test_normalize_qk_is_the_models_l2_norm():
   case = Case(t=20, decay="token")
   q, k, v, beta, decay, s0, _ = make_inputs(case, seed=7)

@@ -93,12 +93,15 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     segment_ids: None or int [B, T]: packed sequences (a segment is a maximal
       run of equal ids in a row; the state restarts from zeros at each).
     cu_seqlens: None or int [N + 1]: N sequences packed in a batch of one
-      (flash-linear-attention's convention). Not with segment_ids.
+      (flash-linear-attention's convention; empty ones allowed). Not with
+      segment_ids. With per-sequence initial or final states it runs on
+      "xla" (sequences chunk-aligned: O(T + N C) rows) or "reference";
+      "pallas" raises (its kernels take one state per row).
     normalize_qk: apply the models' L2 norm to q and k (over D) inside the op.
     impl: "pallas" (Triton kernels, the chunked WY form; interpret mode
       without a supported GPU), "xla" (chunked jnp, O(T)), "reference"
       (token-serial scan, the oracle) or "auto" (pallas on NVIDIA GPUs with
-      compute capability >= 8.0, else xla).
+      compute capability >= 8.0, else xla; xla for cu_seqlens with states).
     config: a `DeltaConfig` (the Pallas kernels' blocks) or None (`pallas_triton.default_config`).
     interpret: force (True) or forbid (False) Pallas interpret mode.
 
@@ -114,8 +117,14 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     q, k = l2_normalize(q), l2_normalize(k)
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
   cc = heuristics.compute_capability(heuristics.device_of(q, k, v))
+  # Each sequence's own states (cu_seqlens) need the chunk-aligned layout of the jnp path.
+  sequence_states = cu_seqlens is not None and (initial_state is not None or return_final_state)
   if impl == "auto":
-    impl = "pallas" if heuristics.supported_gpu(cc) else "xla"
+    impl = "pallas" if heuristics.supported_gpu(cc) and not sequence_states else "xla"
+  if impl == "pallas" and sequence_states:
+    raise ValueError("per-sequence initial and final states with cu_seqlens run on impl='xla' (what impl='auto' "
+                     "picks for them) or 'reference': the Pallas kernels take one state per row (for that, give "
+                     "segment_ids with one sequence per row)")
   beta = beta.astype(jnp.float32)
   decay = None if decay is None else decay.astype(jnp.float32)
   initial_state = None if initial_state is None else initial_state.astype(jnp.float32)
@@ -123,10 +132,10 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     o, final_state = reference.delta_attention_recurrent(q, k, v, beta, decay, scale=scale,
                                                          initial_state=initial_state, segment_ids=segment_ids,
                                                          cu_seqlens=cu_seqlens)
+  elif sequence_states:
+    o, final_state = xla.chunked_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, scale=scale,
+                                           chunk_size=XLA_CHUNK_SIZE, with_final_state=return_final_state)
   else:
-    if cu_seqlens is not None and (initial_state is not None or return_final_state):
-      raise ValueError("per-sequence initial and final states with cu_seqlens run on impl='reference' only so far; "
-                       "for the chunked path give segment_ids with one sequence per row")
     if cu_seqlens is not None:
       segment_ids = packing.segment_ids_from_cu_seqlens(cu_seqlens, q.shape[1])
     starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
