@@ -9,12 +9,14 @@ process, whatever the seed, variant or gradient subset that asks for it.
 
 import dataclasses
 import functools
+import re
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import heuristics
@@ -201,3 +203,37 @@ def check_against_oracle(case: Case, seed: int, **kwargs):
     limit = DECAY_TOL[case.dtype] if name == "decay" else tol
     err = rel_err(g, grads_ref[name])
     assert err < limit, (name, err)
+
+
+# --- several devices (the CPU's host devices: conftest asks XLA for 8) ---
+
+
+def cpu_mesh(shape, names):
+  devices = jax.devices("cpu")
+  if len(devices) < int(np.prod(shape)):
+    pytest.skip(f"needs {int(np.prod(shape))} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  return Mesh(np.array(devices[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def explicit_mesh(shape, names):
+  cpu_mesh(shape, names)  # skips without enough devices
+  return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape),
+                       devices=jax.devices("cpu")[:int(np.prod(shape))])
+
+
+def collectives(fn, *args):
+  """{kind: [shapes of the arrays it moves]} of the collectives in fn's compiled HLO (jitted here unless it is).
+
+  XLA combines collectives into one over a tuple of arrays: each counts.
+  """
+  text = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args).compile().as_text()
+  found = {}
+  for kind in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"):
+    for match in re.finditer(rf"= (\([^)]*\)|\S+) {kind}(-start)?\(", text):
+      found.setdefault(kind, []).extend(re.findall(r"\w+\[[\d,]*\]", match.group(1)))
+  return found
+
+
+def elements(shape_text):
+  dims = re.search(r"\[([\d,]*)\]", shape_text).group(1)
+  return int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1

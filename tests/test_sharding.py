@@ -5,14 +5,13 @@ result is compared with the single-device op on the same inputs: outputs, the
 final state and the gradients of q, k, v, the decay and the initial state.
 """
 
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import GPU_ONLY, rel_err
+from helpers import GPU_ONLY, collectives, cpu_mesh, elements, explicit_mesh, rel_err
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -25,13 +24,6 @@ pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
 
 B, H, D, E = 2, 3, 8, 5
 ARGNUMS = (0, 1, 2, 3, 4)
-
-
-def cpu_mesh(shape, names):
-  devices = jax.devices("cpu")
-  if len(devices) < int(np.prod(shape)):
-    pytest.skip(f"needs {int(np.prod(shape))} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-  return Mesh(np.array(devices[:int(np.prod(shape))]).reshape(shape), names)
 
 
 def make_inputs(t, decay_kind, *, segments, seed, h=H):
@@ -149,24 +141,6 @@ def test_sharded_wrapper_equals_one_device(decay_kind):
   check_close(got_grads, want_grads, ("q", "k", "v", "decay", "initial_state"), tol=2e-4)
 
 
-def collectives(fn, *args):
-  """{kind: [shapes of the arrays it moves]} of the collectives in fn's compiled HLO (jitted here unless it is).
-
-  XLA combines collectives into one over a tuple of arrays: each counts.
-  """
-  text = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args).compile().as_text()
-  found = {}
-  for kind in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"):
-    for match in re.finditer(rf"= (\([^)]*\)|\S+) {kind}(-start)?\(", text):
-      found.setdefault(kind, []).extend(re.findall(r"\w+\[[\d,]*\]", match.group(1)))
-  return found
-
-
-def elements(shape_text):
-  dims = re.search(r"\[([\d,]*)\]", shape_text).group(1)
-  return int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-
-
 def test_batch_and_head_sharding_moves_no_activations():
   """Split over batch and heads: the forward has no collective; the backward only sums the [H] decay gradient."""
   mesh = cpu_mesh((2, 4), ("data", "model"))
@@ -180,12 +154,6 @@ def test_batch_and_head_sharding_moves_no_activations():
   assert collectives(fwd, q, decay) == {}
   grads = collectives(jax.grad(lambda q, d: fwd(q, d).sum(), argnums=(0, 1)), q, decay)
   assert set(grads) <= {"all-reduce"} and all(elements(s) <= 8 for s in grads.get("all-reduce", [])), grads
-
-
-def explicit_mesh(shape, names):
-  cpu_mesh(shape, names)  # skips without enough devices
-  return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape),
-                       devices=jax.devices("cpu")[:int(np.prod(shape))])
 
 
 @pytest.mark.parametrize("spec", [P("data", None, "model"), P("data", "model"), P(None, "model", "data")],

@@ -236,7 +236,7 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
   """
   _validate(q, k, v, decay, scale, initial_state, impl, variant, config, interpret, return_final_state,
             segment_ids, cu_seqlens, sequence_axis)
-  layout = _explicit_layout(q) if sequence_axis is None and cu_seqlens is None else None
+  layout = explicit_layout(q) if sequence_axis is None and cu_seqlens is None else None
   if layout is not None:  # q typed as split over a mesh: run on each device's block
     mesh, (batch_axes, sequence_axis, head_axis) = layout
     return sharded_lightning_attention(
@@ -252,10 +252,7 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
   if impl == "auto":
     impl = "pallas" if heuristics.supported_gpu(cc) else "xla"
   if impl == "pallas":
-    interpret = (not heuristics.supported_gpu(cc)) if interpret is None else interpret
-    if interpret and manual_axes.varying_axes(q):
-      raise ValueError("Pallas interpret mode cannot run inside jax.shard_map with check_vma=True (a limitation of "
-                       "jax's interpreter): pass check_vma=False to shard_map, or impl='xla' off the GPU")
+    interpret = pallas_interpret(interpret, cc, q)
   run = functools.partial(_run, scale=scale, impl=impl, variant=variant, config=config, interpret=interpret,
                           device=device)
   if sequence_axis is not None and jax.lax.axis_size(sequence_axis) > 1:
@@ -307,17 +304,32 @@ def sharded_lightning_attention(q, k, v, decay=None, *, mesh, batch_axes=None, h
     o [B, T, H, E] sharded as q, and with return_final_state the final state
     [B, H, D, E] float32 split over batch_axes and head_axis.
   """
-  def op(q, k, v, decay, initial_state, segment_ids, sequence_axis):
-    return lightning_attention(q, k, v, decay, scale=scale, initial_state=initial_state,
-                               return_final_state=return_final_state, segment_ids=segment_ids,
-                               sequence_axis=sequence_axis, impl=impl, variant=variant, config=config,
-                               interpret=interpret)
+  def op(given, sequence_axis):
+    out = lightning_attention(given["q"], given["k"], given["v"], given.get("decay"), scale=scale,
+                              initial_state=given.get("initial_state"), return_final_state=return_final_state,
+                              segment_ids=given.get("segment_ids"), sequence_axis=sequence_axis, impl=impl,
+                              variant=variant, config=config, interpret=interpret)
+    return out if return_final_state else (out,)
 
-  return sharding.run_sharded(op, q, k, v, decay, initial_state, segment_ids, mesh=mesh, batch_axes=batch_axes,
-                              head_axis=head_axis, sequence_axis=sequence_axis, return_final_state=return_final_state)
+  per_token = decay is not None and getattr(decay, "ndim", None) == 3
+  out = sharding.run_sharded(
+      op, dict(q=(q, "bthd"), k=(k, "bthd"), v=(v, "bthe"), decay=(decay, "bth" if per_token else "h"),
+               initial_state=(initial_state, "bhde"), segment_ids=(segment_ids, "bt")),
+      mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=sequence_axis,
+      out_labels=("bthe", "bhde") if return_final_state else ("bthe",))
+  return out if return_final_state else out[0]
 
 
-def _explicit_layout(q):
+def pallas_interpret(interpret, cc, q):
+  """The Pallas kernels' interpret flag: as given, else on where `cc` is no supported GPU (checked usable)."""
+  interpret = (not heuristics.supported_gpu(cc)) if interpret is None else interpret
+  if interpret and manual_axes.varying_axes(q):
+    raise ValueError("Pallas interpret mode cannot run inside jax.shard_map with check_vma=True (a limitation of "
+                     "jax's interpreter): pass check_vma=False to shard_map, or impl='xla' off the GPU")
+  return interpret
+
+
+def explicit_layout(q):
   """(mesh, (B, T, H entries of q's spec)) when q's type says it is split over explicit mesh axes, else None.
 
   With an explicit-sharding mesh (`jax.make_mesh`'s default), arrays carry

@@ -19,7 +19,10 @@ needs no collective inside the kernels and no knowledge of the mesh.
 
 Inside `jax.shard_map` the op already runs on each device's block and the
 plain `vjp.lightning_attention_pallas` is used; under `jax.vmap` the kernels
-are vmapped directly (custom_partitioning has no batching rule), unpartitioned.
+are vmapped directly (custom_partitioning has no batching rule), unpartitioned;
+with one device there is nothing to partition and the kernels run as they are.
+The delta op's Pallas path (`delta_attention.vjp`) runs its forward and
+backward kernels through the same `blockwise`.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from lightning_jax.ops.lightning_attention import vjp
 from lightning_jax.ops.lightning_attention.config import PallasOptions
 
 # Labels of the dimensions of each array (Shardy factors): B, T, H, D, E.
-ROWS_D, ROWS_E, STATE, STARTS = "bthd", "bthe", "bhde", "bt"
+ROWS_D, ROWS_E, TOKENS, STATE, STARTS = "bthd", "bthe", "bth", "bhde", "bt"
 _SPLIT = ("b", "h")  # the factors kept split; the others are gathered if they were split
 
 
@@ -85,12 +88,15 @@ _partitioned = custom_partitioning(_body, static_argnums=(0, 1))
 _partitioned.def_partition(_partition, infer_sharding_from_operands=_infer_result_shardings, sharding_rule=_rule)
 
 
-def _blockwise(fn, ins, out_labels):
-  """fn(*arrays) -> tuple of arrays, run on each device's block of B and H.
+def blockwise(fn, ins, out_labels):
+  """fn(*arrays) -> tuple of arrays, run on each device's block of B and H (the Pallas paths of both ops).
 
   ins: (array or None, label) pairs, label naming its dims ("bthd", ...); fn
   gets None where the array is None. out_labels: the labels of fn's results.
+  Inside shard_map, or with one device, fn runs as it is.
   """
+  if inside_shard_map() or jax.device_count() == 1:
+    return tuple(fn(*(x for x, _ in ins)))
   given = [i for i, (x, _) in enumerate(ins) if x is not None]
 
   def flat(*arrays):
@@ -121,7 +127,7 @@ def _blockwise(fn, ins, out_labels):
 def _decay_in(decay, b):
   """(operand, label): per-token rates [B, T, H] as they are, per-head [H] as equal rows [B, H]."""
   if decay is None or chunk_common.per_token(decay):
-    return decay, "bth"
+    return decay, TOKENS
   return jnp.broadcast_to(decay, (b, decay.shape[0])), "bh"
 
 
@@ -137,12 +143,12 @@ def _forward(q, k, v, decay, starts, initial_state, opts):
     return out if opts.return_final_state else (out,)
 
   outs = (ROWS_E, STATE) if opts.return_final_state else (ROWS_E,)
-  out = _blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), _decay_in(decay, q.shape[0]),
+  out = blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), _decay_in(decay, q.shape[0]),
                            (starts, STARTS), (initial_state, STATE)), outs)
   return out if opts.return_final_state else out[0]
 
 
-def _inside_shard_map():
+def inside_shard_map():
   return bool(jax.sharding.get_abstract_mesh().manual_axes)
 
 
@@ -153,7 +159,7 @@ def _lightning_attention_pallas(q, k, v, decay, segment_starts, initial_state, o
 
 def lightning_attention_pallas(q, k, v, decay, segment_starts, initial_state, opts: PallasOptions):
   """`vjp.lightning_attention_pallas` (same arguments), partitioned over B and H outside shard_map."""
-  op = vjp.lightning_attention_pallas if _inside_shard_map() else _lightning_attention_pallas
+  op = vjp.lightning_attention_pallas if inside_shard_map() else _lightning_attention_pallas
   return op(q, k, v, decay, segment_starts, initial_state, opts)
 
 
@@ -189,7 +195,7 @@ def _bwd(opts, residuals, cotangents):
       grads = grads[:3] + (jnp.zeros_like(decay).at[0].set(grads[3]),) + grads[4:]
     return tuple(grads[i] for i, _ in wanted)
 
-  out = _blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), (decay_in, decay_label), (starts, STARTS),
+  out = blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), (decay_in, decay_label), (starts, STARTS),
                            (initial_state, STATE), (final_state, STATE), (do, ROWS_E), (d_final, STATE)),
                    [label for _, label in wanted])
   grads = [None] * 6
