@@ -14,6 +14,7 @@ from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import api as lightning_api
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import packing
+from lightning_jax.ops.lightning_attention import sharding
 
 IMPLS = ("auto", "pallas", "xla", "reference")
 MAX_HEAD_DIM = lightning_api.MAX_HEAD_DIM  # q, k, v are checked by the lightning op's `check_qkv`
@@ -108,11 +109,22 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
   Every array argument is differentiable (beta, decay and initial_state
   included; the gradients of segment_ids and cu_seqlens are zero).
 
+  Under `jax.jit`, inputs split over B and H by a `NamedSharding` run on each
+  device's block, with no gather of q, k, v, o or their gradients: on an
+  explicit-sharding mesh the op splits itself by q's type, on any other the
+  Pallas kernels go through XLA's partitioner (`auto_sharding`). A T split is
+  gathered: the delta rule has no sequence parallelism yet.
+
   Returns:
     o: [B, T, H, E] in the input dtype; with return_final_state, (o, final state).
   """
   _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, segment_ids, cu_seqlens, normalize_qk,
             impl, config, interpret)
+  layout = lightning_api.explicit_layout(q)
+  if layout is not None:  # q typed as split over a mesh: run on each device's block of B and H
+    return _explicit_split(q, k, v, beta, decay, layout, scale=scale, initial_state=initial_state,
+                           return_final_state=return_final_state, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
+                           normalize_qk=normalize_qk, impl=impl, config=config, interpret=interpret)
   if normalize_qk:
     q, k = l2_normalize(q), l2_normalize(k)
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
@@ -144,7 +156,7 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
                                config=config or pallas_triton.default_config(
                                    per_channel_gate=decay is not None and decay.ndim == 4, dtype=q.dtype,
                                    dim_k=q.shape[-1]),
-                               interpret=(not heuristics.supported_gpu(cc)) if interpret is None else interpret)
+                               interpret=lightning_api.pallas_interpret(interpret, cc, q))
       o, final_state = vjp.delta_attention_pallas(q, k, v, beta, decay, starts, initial_state, opts)
     else:
       o, final_state = xla.chunked(q, k, v, beta, decay, starts, initial_state, scale=scale,
@@ -152,4 +164,33 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
   o = o.astype(q.dtype)
   return (o, final_state) if return_final_state else o
 
+
+def _explicit_split(q, k, v, beta, decay, layout, *, initial_state, return_final_state, segment_ids, cu_seqlens,
+                    **options):
+  """`delta_attention` under shard_map over the explicit mesh that q's type names, B and H split as in q.
+
+  A T split is gathered (the delta rule has no sequence parallelism yet) and
+  o split again like q; with cu_seqlens (B = 1) the sequences' states
+  [N, H, D, E] split over H.
+  """
+  mesh, (batch_axes, sequence_axes, head_axis) = layout
+  packed = cu_seqlens is not None
+
+  def op(given, sequence_axis):
+    del sequence_axis  # never split
+    out = delta_attention(given["q"], given["k"], given["v"], given["beta"], given.get("decay"),
+                          initial_state=given.get("initial_state"), return_final_state=return_final_state,
+                          segment_ids=given.get("segment_ids"), cu_seqlens=given.get("cu_seqlens"), **options)
+    return out if return_final_state else (out,)
+
+  state = "nhde" if packed else "bhde"  # n: the sequences, never split
+  out = sharding.run_sharded(
+      op, dict(q=(q, "bthd"), k=(k, "bthd"), v=(v, "bthe"), beta=(beta, "bth"),
+               decay=(decay, "bthd" if decay is not None and decay.ndim == 4 else "bth"),
+               initial_state=(initial_state, state), segment_ids=(segment_ids, "bt"), cu_seqlens=(cu_seqlens, "n")),
+      mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=None,
+      out_labels=("bthe", state) if return_final_state else ("bthe",))
+  if sequence_axes is not None:  # back to q's layout: each device keeps its slice of T (no communication)
+    out = (jax.reshard(out[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*layout[1]))), *out[1:])
+  return out if return_final_state else out[0]
 

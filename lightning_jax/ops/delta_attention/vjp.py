@@ -21,6 +21,11 @@ gate g enters every term as e^{g_t} (Q_g, K_g, the pair products' rows) or
 e^{-g_t} (K_C, their columns), and g_C (the chunk's last row) in K_C and a_n,
 so dg_t = x_t dx_t - y_t dy_t summed over those uses; the rates' cotangent is
 the vjp of the chunk-local cumulative sum (`pallas_triton.gate_logs`).
+
+Forward and backward kernels run through `auto_sharding.blockwise`: under
+`jax.jit`, inputs split over B and H of a mesh stay on their devices (every
+operand and result of the delta rule is per batch and head, so nothing is
+summed across devices).
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ import functools
 import jax
 
 from lightning_jax.ops.delta_attention import pallas_triton
+from lightning_jax.ops.lightning_attention import auto_sharding
+from lightning_jax.ops.lightning_attention.auto_sharding import ROWS_D
+from lightning_jax.ops.lightning_attention.auto_sharding import ROWS_E
+from lightning_jax.ops.lightning_attention.auto_sharding import STARTS
+from lightning_jax.ops.lightning_attention.auto_sharding import STATE
+from lightning_jax.ops.lightning_attention.auto_sharding import TOKENS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,9 +53,23 @@ class PallasOptions:
   interpret: bool
 
 
+def _labelled(q, k, v, beta, decay, segment_starts, initial_state):
+  """The operands with the labels of their dims, for `auto_sharding.blockwise`."""
+  rates = ROWS_D if decay is not None and decay.ndim == 4 else TOKENS  # KDA's: one per key channel
+  return ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), (beta, TOKENS), (decay, rates), (segment_starts, STARTS),
+          (initial_state, STATE))
+
+
 def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts):
-  return pallas_triton.forward(q, k, v, beta, decay, segment_starts, initial_state, scale=opts.scale,
-                               with_final_state=opts.with_final_state, config=opts.config, interpret=opts.interpret)
+  """The forward kernels on each device's block of B and H (see `auto_sharding`)."""
+  def local(*args):
+    o, final_state = pallas_triton.forward(*args, scale=opts.scale, with_final_state=opts.with_final_state,
+                                           config=opts.config, interpret=opts.interpret)
+    return (o, final_state) if opts.with_final_state else (o,)
+
+  out = auto_sharding.blockwise(local, _labelled(q, k, v, beta, decay, segment_starts, initial_state),
+                                (ROWS_E, STATE) if opts.with_final_state else (ROWS_E,))
+  return out if opts.with_final_state else (out[0], None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -61,9 +86,18 @@ def _forward(q, k, v, beta, decay, segment_starts, initial_state, opts):
 def _backward(opts, residuals, cotangents):
   q, k, v, beta, decay, segment_starts, initial_state = residuals
   do, d_final = cotangents
-  dq, dk, dv, d_beta, d_decay, d_initial = pallas_triton.backward(
-      q, k, v, beta, decay, segment_starts, initial_state, do, d_final, scale=opts.scale, config=opts.config,
-      interpret=opts.interpret)
+  operands = _labelled(q, k, v, beta, decay, segment_starts, initial_state)
+  # The cotangents `pallas_triton.backward` returns: of q, k, v, beta, and of decay and initial_state if given.
+  returned = [label for x, label in operands[:5] + operands[6:] if x is not None]
+
+  def local(*args):
+    grads = pallas_triton.backward(*args, scale=opts.scale, config=opts.config, interpret=opts.interpret)
+    return tuple(g for g in grads if g is not None)
+
+  grads = iter(auto_sharding.blockwise(local, (*operands, (do, ROWS_E), (d_final, STATE)), returned))
+  dq, dk, dv, d_beta = (next(grads) for _ in range(4))
+  d_decay = None if decay is None else next(grads)
+  d_initial = None if initial_state is None else next(grads)
   return dq, dk, dv, d_beta, d_decay, None, d_initial
 
 

@@ -1,0 +1,130 @@
+"""delta_attention on several devices: inputs split over B and H by a NamedSharding stay on their devices.
+
+On an Auto mesh (no shard_map, plain `jax.jit`) the Pallas kernels run under
+custom_partitioning; on an explicit mesh the op splits itself by q's type. Each
+result is compared with the token-serial oracle on one device: outputs, the
+final state and the gradients of q, k, v, beta, the rates and the initial state;
+the compiled HLO shows what crosses devices.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import collectives, cpu_mesh, elements, explicit_mesh, rel_err
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lightning_jax as lj
+
+pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
+
+B, H, D, E = 2, 4, 8, 5
+ARGNUMS = (0, 1, 2, 3, 4, 5)
+NAMES = ("q", "k", "v", "beta", "decay", "initial_state")
+ROWS, STATE = P("data", None, "model"), P("data", "model")  # B and H split: [B, T, H, ...], [B, H, D, E]
+
+
+def make_inputs(t, form, *, seed, segments=True):
+  """q, k (unit rows), v, beta in [0, 2], the form's rates, s0, segment ids, and the cotangents do, d_final."""
+  keys = jax.random.split(jax.random.key(seed), 9)
+  q = jax.random.normal(keys[0], (B, t, H, D))
+  k = jax.random.normal(keys[1], (B, t, H, D))
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  v = jax.random.normal(keys[2], (B, t, H, E))
+  beta = jax.random.uniform(keys[3], (B, t, H), maxval=2.0)
+  rate_shape = {"deltanet": None, "gated_deltanet": (B, t, H), "kda": (B, t, H, D)}[form]
+  decay = None if rate_shape is None else jax.random.uniform(keys[4], rate_shape, maxval=0.6)
+  s0 = jax.random.normal(keys[5], (B, H, D, E))
+  ids = jnp.cumsum(jax.random.bernoulli(keys[6], 0.1, (B, t)), axis=1).astype(jnp.int32) if segments else None
+  return q, k, v, beta, decay, s0, ids, jax.random.normal(keys[7], (B, t, H, E)), jax.random.normal(keys[8], s0.shape)
+
+
+def value_and_grads(ids, do, d_final, **kwargs):
+  def loss(q, k, v, beta, decay, s0):
+    o, final = lj.delta_attention(q, k, v, beta, decay, initial_state=s0, return_final_state=True, segment_ids=ids,
+                                  **kwargs)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * d_final), (o, final)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=ARGNUMS, has_aux=True))
+
+
+def check_close(got, want, got_grads, want_grads):
+  for name, a, b in zip(("o", "final_state"), got, want):
+    assert rel_err(a, b) < 1e-4, (name, rel_err(a, b))
+  for name, a, b in zip(NAMES, got_grads, want_grads):
+    if b is not None:
+      assert rel_err(a, b) < 1e-3, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("impl,form", [("pallas", "kda"), ("pallas", "gated_deltanet"), ("xla", "deltanet")])
+def test_auto_mesh_inputs_stay_on_their_devices(impl, form):
+  """A plain Mesh (Auto axes), inputs placed over batch and heads: forward and backward run on each device's
+  block, and nothing crosses devices but the loss's sums (every operand and result of the delta rule is per batch
+  and head)."""
+  mesh = cpu_mesh((2, 2), ("data", "model"))
+  inputs = make_inputs(37, form, seed=1)
+  q, k, v, beta, decay, s0, ids, do, d_final = inputs
+  (_, want), want_grads = value_and_grads(ids, do, d_final, impl="reference")(q, k, v, beta, decay, s0)
+
+  specs = (ROWS, ROWS, ROWS, ROWS, ROWS, STATE, P("data"), ROWS, STATE)
+  place = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  q, k, v, beta, decay, s0, ids, do, d_final = map(place, inputs, specs)
+  kwargs = dict(impl=impl, interpret=True) if impl == "pallas" else dict(impl=impl)
+  vg = value_and_grads(ids, do, d_final, **kwargs)
+  (_, got), got_grads = vg(q, k, v, beta, decay, s0)
+  check_close(got, want, got_grads, want_grads)
+  assert got[0].sharding.spec[:3] == ("data", None, "model") and got_grads[0].sharding.spec[:3] == tuple(ROWS)
+
+  def forward(q, k, v, beta, decay, s0):
+    return lj.delta_attention(q, k, v, beta, decay, initial_state=s0, segment_ids=ids, **kwargs)
+
+  assert collectives(forward, q, k, v, beta, decay, s0) == {}
+  found = collectives(vg, q, k, v, beta, decay, s0)  # the loss's sums, scalars, alone
+  assert set(found) <= {"all-reduce"} and all(elements(s) == 1 for s in found.get("all-reduce", [])), found
+
+
+@pytest.mark.parametrize("spec", [P("data", None, "model"), P(None, "data", "model")],
+                         ids=["batch-heads", "sequence-heads"])
+def test_explicit_mesh_splits_the_op(spec):
+  """Arrays typed as split over an explicit mesh (jax.make_mesh's default): the op splits itself over B and H;
+  a T split is gathered (no sequence parallelism for the delta rule) and o comes back split like q."""
+  mesh = explicit_mesh((2, 2), ("data", "model"))
+  q, k, v, beta, decay, s0, ids, do, d_final = make_inputs(2 * 23, "kda", seed=2)
+  (_, want), want_grads = value_and_grads(ids, do, d_final, impl="reference")(q, k, v, beta, decay, s0)
+  place = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  q, k, v, do = (place(x, spec) for x in (q, k, v, do))
+  vg = value_and_grads(ids, do, d_final, impl="pallas", interpret=True)
+  (_, got), got_grads = vg(q, k, v, beta, decay, s0)
+  check_close(got, want, got_grads, want_grads)
+  assert got[0].sharding.spec[:3] == tuple(spec)
+  if spec[1] is None:  # B and H split: q, k, v, o and their gradients never move
+    assert "all-gather" not in collectives(vg, q, k, v, beta, decay, s0)
+
+
+def test_explicit_mesh_cu_seqlens_states_split_over_heads():
+  mesh = explicit_mesh((2,), ("model",))
+  lengths = (9, 0, 30, 1)
+  cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
+  q, k, v, beta, decay, _, _, _, _ = make_inputs(sum(lengths), "gated_deltanet", seed=3, segments=False)
+  q, k, v, beta, decay = (x[:1] for x in (q, k, v, beta, decay))
+  s0 = jax.random.normal(jax.random.key(4), (len(lengths), H, D, E))
+
+  def run(q, s0, impl):
+    return lj.delta_attention(q, k, v, beta, decay, initial_state=s0, cu_seqlens=cu, return_final_state=True,
+                              impl=impl)
+
+  want = run(q, s0, "reference")
+  got = jax.jit(run, static_argnums=2)(jax.device_put(q, NamedSharding(mesh, P(None, None, "model"))),
+                                       jax.device_put(s0, NamedSharding(mesh, P(None, "model"))), "auto")
+  assert rel_err(got[0], want[0]) < 1e-4 and rel_err(got[1], want[1]) < 1e-4
+  assert got[1].sharding.spec[:2] == (None, "model")
+
+
+def test_interpret_mode_inside_check_vma_shard_map_is_refused():
+  mesh = cpu_mesh((2,), ("data",))
+  q = jnp.ones((2, 8, 2, 4))
+  beta = jnp.ones((2, 8, 2))
+  with pytest.raises(ValueError, match="interpret mode cannot run inside jax.shard_map with check_vma=True"):
+    jax.shard_map(lambda q, beta: lj.delta_attention(q, q, q, beta, impl="pallas", interpret=True),
+                  mesh=mesh, in_specs=P("data"), out_specs=P("data"))(q, beta)
