@@ -6,6 +6,8 @@ to 1e4 in one call, beta near 0 and 2; the errors of bad input.
 """
 
 import dataclasses
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ from lightning_jax.ops.delta_attention import xla
 pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
 
 ARG_NAMES = ("q", "k", "v", "beta", "decay", "initial_state")
+SHARED_MEMORY = pathlib.Path(__file__).parent.parent / "benchmarks" / "tuning" / "delta-shared-memory.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,13 +330,28 @@ def test_pallas_gradients_any_blocks(case, config, kernel_mode):
       assert rel_err(g, g_ref) < 1e-4, (name, rel_err(g, g_ref))
 
 
-def test_default_config_per_form():
+def test_default_config_fits_every_device():
+  """The blocks default_config picks for each target, form, dtype and padded D fit that target's shared memory, as
+  Triton's own allocator measured every kernel, forward and backward (benchmarks/shared_memory.py, committed)."""
   from lightning_jax.ops.delta_attention import pallas_triton
-  kda = pallas_triton.default_config(per_channel_gate=True, dtype=jnp.bfloat16, dim_k=128)
-  gated = pallas_triton.default_config(per_channel_gate=False, dtype=jnp.bfloat16, dim_k=128)
-  wide = pallas_triton.default_config(per_channel_gate=False, dtype=jnp.float32, dim_k=256)
-  assert (kda.backward_chunk_size, gated.backward_chunk_size) == (32, 16)
-  assert (gated.block_e, wide.block_e) == (64, 32)
+  from lightning_jax.ops.lightning_attention import config as lightning_config
+
+  rows = json.loads(SHARED_MEMORY.read_text())["rows"]
+  measured = {(r["capability"], r["form"], r["dtype"], r["dim_k"], tuple(r["config"].values())): r["max_bytes"]
+              for r in rows}
+  grid = sorted({(r["capability"], r["form"], r["dtype"], r["dim_k"]) for r in rows})
+  assert len(grid) == 6 * 3 * 3 * 5  # sm80/86/89/90/100/120, the three forms, three dtypes, padded D 16 to 256
+  for capability, form, dtype, dim in grid:
+    cc = divmod(capability, 10)
+    choose = lambda cc: pallas_triton.default_config(  # noqa: E731
+        per_channel_gate=form == "kda", dtype=jnp.dtype(dtype), dim_k=dim, compute_capability=cc)
+    key = (capability, form, dtype, dim, tuple(dataclasses.asdict(choose(cc)).values()))
+    assert key in measured, f"no measurement of {key}: run python -m benchmarks.shared_memory"
+    assert measured[key] <= lightning_config.shared_memory_budget(cc), (key, measured[key])
+    # No GPU or an unknown one: the smallest budget's blocks.
+    assert choose(None) == choose((8, 6))
+  # Where the H200's blocks overflow a smaller device (float32, D = 256 on sm80) the defaults differ.
+  assert any(r["role"] == "h200" and r["max_bytes"] > r["budget"] for r in rows)
   for bad in (24, 48, 8):
     with pytest.raises(ValueError, match="backward_chunk_size must be a power of two"):
       lj.DeltaConfig(backward_chunk_size=bad)

@@ -155,7 +155,7 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       opts = vjp.PallasOptions(scale=scale, with_final_state=return_final_state,
                                config=config or pallas_triton.default_config(
                                    per_channel_gate=decay is not None and decay.ndim == 4, dtype=q.dtype,
-                                   dim_k=q.shape[-1]),
+                                   dim_k=q.shape[-1], compute_capability=cc),
                                interpret=lightning_api.pallas_interpret(interpret, cc, q))
       o, final_state = vjp.delta_attention_pallas(q, k, v, beta, decay, starts, initial_state, opts)
     else:

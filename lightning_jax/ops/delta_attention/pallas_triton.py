@@ -78,17 +78,37 @@ class DeltaConfig:
       raise ValueError(f"block_e must be a power of two >= {lightning_config.MIN_BLOCK}, got {self.block_e}")
 
 
-def default_config(*, per_channel_gate: bool, dtype, dim_k: int) -> DeltaConfig:
-  """The blocks for one call, from H200 measurements (B2 H32 T8K D128, bf16).
+# float32 operands on devices with less shared memory per block than sm90's 227 KiB: what shrinks, by
+# (padded D at least, budget at most). Triton's allocation of every kernel, forward and backward, on sm80, sm86,
+# sm90, sm100 and sm120 (`benchmarks/shared_memory.py`, `benchmarks/tuning/delta-shared-memory.json`): 16-bit
+# operands fit every device with the H200's blocks, and float32 up to D = 64; past that the value columns, the
+# pipeline, and at D = 256 on 99 KiB devices the chunk and the warps (the gradient kernel's tiles) shrink.
+_FLOAT32_STEPS = (
+    ((256, 99 * 1024), dict(chunk_size=16, block_e=16, num_stages=1, num_warps=2)),
+    ((256, 163 * 1024), dict(block_e=32, num_stages=1)),
+    ((128, 99 * 1024), dict(block_e=32, num_stages=1)),
+)
+
+
+def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capability=None) -> DeltaConfig:
+  """The blocks for one call: the H200's (B2 H32 T8K D128, bf16), smaller where a device's shared memory needs.
 
   The backward's gradient kernel is bound by registers: 16-token chunks made
   it 1.5-1.8x faster for DeltaNet and Gated DeltaNet, and 2.6x slower for KDA,
   whose per-key-channel gates go column by column in the diagonal blocks.
-  float32 operands with D > 128 halve block_e: the sweep's state tile [D, 64]
-  then needed 242688 bytes of shared memory, over sm90's 232448.
+  float32 operands with D > 128 halve block_e: the reverse sweep's state tile
+  [D, 64] then needed 242688 bytes of shared memory, over sm90's 232448. With
+  compute_capability None (no GPU, or an unknown one) the smallest budget
+  applies (`lightning_config.shared_memory_budget`).
   """
-  wide = jnp.dtype(dtype).itemsize * lightning_config.padded_dim(dim_k) > 512
-  return DeltaConfig(backward_chunk_size=32 if per_channel_gate else 16, block_e=32 if wide else 64)
+  dp = lightning_config.padded_dim(dim_k)
+  itemsize = jnp.dtype(dtype).itemsize
+  config = DeltaConfig(backward_chunk_size=32 if per_channel_gate else 16, block_e=32 if itemsize * dp > 512 else 64)
+  budget = lightning_config.shared_memory_budget(compute_capability)
+  for (min_dim, max_budget), step in _FLOAT32_STEPS:
+    if itemsize == 4 and dp >= min_dim and budget <= max_budget:
+      return dataclasses.replace(config, **step)
+  return config
 
 
 def _rows(start, size):
