@@ -5,11 +5,13 @@ block fails to compile (RESOURCE_EXHAUSTED). Which configs fit depends on the
 target (sm90 lays dot operands out for wgmma, sm80-class targets for mma), so
 this script measures every kernel of `delta_attention`'s Pallas path, forward
 and backward, for each target, padded head dim, dtype and form, in the H200's
-config and in the target's own `default_config`: JAX lowers the kernels for CUDA on this machine (no GPU needed), and
-Triton (the `triton` package, written against 3.6) runs its passes on that IR up
-to the shared-memory allocation. On an H200 this reproduced the one overflow
-seen there (the float32 D = 256 reverse sweep with 64 value columns: 242,820
-bytes here, 242,688 reported by the device).
+config and in the target's own `default_config`: JAX lowers the kernels for
+CUDA on this machine (no GPU needed), and Triton (the `triton` package, written
+against 3.6) runs its passes on that IR up to the shared-memory allocation. On
+an H200 this reproduced the one overflow seen there (the float32 D = 256
+reverse sweep with 64 value columns: 242,820 bytes here, 242,688 reported by
+the device). The allocation does not depend on T (the same at 64 and 4096
+tokens), so 64 stands for every length.
 
     python -m benchmarks.shared_memory --out benchmarks/tuning/delta-shared-memory.json
 

@@ -173,8 +173,8 @@ def _explicit_split(q, k, v, beta, decay, layout, *, initial_state, return_final
   o split again like q; with cu_seqlens (B = 1) the sequences' states
   [N, H, D, E] split over H.
   """
-  mesh, (batch_axes, sequence_axes, head_axis) = layout
-  packed = cu_seqlens is not None
+  mesh, spec = layout
+  batch_axes, sequence_axes, head_axis = spec
 
   def op(given, sequence_axis):
     del sequence_axis  # never split
@@ -183,7 +183,7 @@ def _explicit_split(q, k, v, beta, decay, layout, *, initial_state, return_final
                           segment_ids=given.get("segment_ids"), cu_seqlens=given.get("cu_seqlens"), **options)
     return out if return_final_state else (out,)
 
-  state = "nhde" if packed else "bhde"  # n: the sequences, never split
+  state = "bhde" if cu_seqlens is None else "nhde"  # n: the sequences, never split
   out = sharding.run_sharded(
       op, dict(q=(q, "bthd"), k=(k, "bthd"), v=(v, "bthe"), beta=(beta, "bth"),
                decay=(decay, "bthd" if decay is not None and decay.ndim == 4 else "bth"),
@@ -191,6 +191,6 @@ def _explicit_split(q, k, v, beta, decay, layout, *, initial_state, return_final
       mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=None,
       out_labels=("bthe", state) if return_final_state else ("bthe",))
   if sequence_axes is not None:  # back to q's layout: each device keeps its slice of T (no communication)
-    out = (jax.reshard(out[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*layout[1]))), *out[1:])
+    out = (jax.reshard(out[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))), *out[1:])
   return out if return_final_state else out[0]
 

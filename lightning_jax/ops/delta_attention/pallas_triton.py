@@ -79,8 +79,8 @@ class DeltaConfig:
 
 
 # float32 operands on devices with less shared memory per block than sm90's 227 KiB: what shrinks, by
-# (padded D at least, budget at most). Triton's allocation of every kernel, forward and backward, on sm80, sm86,
-# sm90, sm100 and sm120 (`benchmarks/shared_memory.py`, `benchmarks/tuning/delta-shared-memory.json`): 16-bit
+# (padded D at least, budget at most). Triton's allocation of every kernel, forward and backward, on sm80 to
+# sm120 (`benchmarks/shared_memory.py`, `benchmarks/tuning/delta-shared-memory.json`): 16-bit
 # operands fit every device with the H200's blocks, and float32 up to D = 64; past that the value columns, the
 # pipeline, and at D = 256 on 99 KiB devices the chunk and the warps (the gradient kernel's tiles) shrink.
 _FLOAT32_STEPS = (

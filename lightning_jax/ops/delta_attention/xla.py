@@ -70,8 +70,6 @@ def chunked(q, k, v, beta, decay, segment_starts, initial_state, *, scale, chunk
   return from_chunks(o, t), final_state
 
 
-
-
 def chunked_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale, chunk_size, with_final_state):
   """The chunked path over `cu_seqlens` sequences, each from its own initial state, with each one's final state.
 

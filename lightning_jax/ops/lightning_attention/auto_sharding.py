@@ -144,7 +144,7 @@ def _forward(q, k, v, decay, starts, initial_state, opts):
 
   outs = (ROWS_E, STATE) if opts.return_final_state else (ROWS_E,)
   out = blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), _decay_in(decay, q.shape[0]),
-                           (starts, STARTS), (initial_state, STATE)), outs)
+                          (starts, STARTS), (initial_state, STATE)), outs)
   return out if opts.return_final_state else out[0]
 
 
@@ -196,8 +196,8 @@ def _bwd(opts, residuals, cotangents):
     return tuple(grads[i] for i, _ in wanted)
 
   out = blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), (decay_in, decay_label), (starts, STARTS),
-                           (initial_state, STATE), (final_state, STATE), (do, ROWS_E), (d_final, STATE)),
-                   [label for _, label in wanted])
+                          (initial_state, STATE), (final_state, STATE), (do, ROWS_E), (d_final, STATE)),
+                  [label for _, label in wanted])
   grads = [None] * 6
   for (i, _), g in zip(wanted, out):
     grads[i] = g
