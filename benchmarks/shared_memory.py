@@ -1,22 +1,30 @@
-"""Shared memory of the delta kernels on every NVIDIA target, measured by Triton's own allocator, without a GPU.
+"""Shared memory of the Pallas Triton kernels on every NVIDIA target, measured by Triton's allocator, without a GPU.
 
 A Triton kernel that asks for more shared memory than the device allows per
-block fails to compile (RESOURCE_EXHAUSTED). Which configs fit depends on the
+block fails to compile (RESOURCE_EXHAUSTED). Which blocks fit depends on the
 target (sm90 lays dot operands out for wgmma, sm80-class targets for mma), so
-this script measures every kernel of `delta_attention`'s Pallas path, forward
-and backward, for each target, padded head dim, dtype and form, in the H200's
-config and in the target's own `default_config`: JAX lowers the kernels for
-CUDA on this machine (no GPU needed), and Triton (the `triton` package, written
-against 3.6) runs its passes on that IR up to the shared-memory allocation. On
-an H200 this reproduced the one overflow seen there (the float32 D = 256
-reverse sweep with 64 value columns: 242,820 bytes here, 242,688 reported by
-the device). The allocation does not depend on T (the same at 64 and 4096
-tokens), so 64 stands for every length.
+this script lowers the kernels for CUDA on this machine (JAX needs no GPU for
+that) and has Triton (the `triton` package, written against 3.6 and JAX 0.10.2)
+run its passes on their IR up to the shared-memory allocation, for sm80, sm86,
+sm89, sm90, sm100 and sm120:
 
-    python -m benchmarks.shared_memory --out benchmarks/tuning/delta-shared-memory.json
+- `--op delta`: every kernel of `delta_attention`'s Pallas path, forward and
+  backward, per form, dtype and padded D, in the H200's config and in each
+  target's own `default_config`;
+- `--op lightning`: every kernel `lightning_attention` lowers (the chunk_loop
+  and parallel variants, forward and gradients) in the blocks its heuristics
+  pick on each target.
 
-`pallas_triton.default_config` must pick, for every row, a config whose
-kernels all fit; `tests/test_delta_ops.py` checks it against the committed file.
+On an H200 this reproduced the one overflow seen there (the delta op's float32
+D = 256 reverse sweep with 64 value columns: 242,820 bytes here, 242,688
+reported by the device). The allocation does not depend on T (the same at 64
+and 4096 tokens), so short sequences stand for every length.
+
+    python -m benchmarks.shared_memory --op delta --out benchmarks/tuning/delta-shared-memory.json
+    python -m benchmarks.shared_memory --op lightning --out benchmarks/tuning/lightning-shared-memory.json
+
+`tests/test_delta_ops.py` and `tests/test_api.py` hold the configs to the
+committed files.
 """
 
 from __future__ import annotations
@@ -36,8 +44,10 @@ import time
 import jax
 import jax.numpy as jnp
 
+import lightning_jax as lj
 from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.lightning_attention import config as lightning_config
+from lightning_jax.ops.lightning_attention import heuristics
 
 # Targets by compute capability: sm80 (A100), sm86 (RTX 30, A10), sm89 (RTX 40, L4), sm90 (H100/H200), sm100
 # (B200), sm120 (RTX 50).
@@ -45,6 +55,13 @@ TARGETS = (80, 86, 89, 90, 100, 120)
 FORMS = {"deltanet": None, "gated_deltanet": 3, "kda": 4}  # the rates' ndim
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 DIMS = (16, 32, 64, 128, 256)  # every padded D (the kernels hold all of D); E is 256, past every block_e
+# The lightning op: both Triton variants, forward and every gradient, in two calls that between them run every
+# kernel and operand: one (batch, head) pair over 4K tokens (the sequence split, a per-head decay, states) and
+# 128 pairs over 256 tokens (no split; per-token rates, segment ids, states). D = E.
+LIGHTNING_CASES = {"split-head-decay": (1, 4096, 1, "head"), "rows-token-decay-packed": (4, 256, 32, "token")}
+LIGHTNING_VARIANTS = ("chunk_loop", "parallel")
+LIGHTNING_DTYPES = ("bfloat16", "float32")
+LIGHTNING_DIMS = (64, 128, 256)
 
 
 @contextlib.contextmanager
@@ -67,8 +84,29 @@ def captured_triton_ir():
     registration.lowering.lower_jaxpr_to_triton_module = lower
 
 
-def kernel_irs(form: str, dtype, dim: int, config: pallas_triton.DeltaConfig) -> dict[str, str]:
-  """{"forward/<kernel>" or "backward/<kernel>": Triton IR} with segment starts and states (every operand)."""
+def _custom_calls(op, found):
+  for region in op.regions:
+    for block in region.blocks:
+      for inner in block.operations:
+        if inner.operation.name == "stablehlo.custom_call" and "mhlo.backend_config" in inner.attributes:
+          found.append(inner.attributes["mhlo.backend_config"])
+        _custom_calls(inner.operation, found)
+  return found
+
+
+def lowered_kernels(fn, *args) -> list[dict]:
+  """Every Triton kernel of `fn(*args)` lowered for CUDA: its name, Triton IR, num_warps and num_stages."""
+  with captured_triton_ir() as found:
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  configs = _custom_calls(lowered.compiler_ir("stablehlo").operation, [])
+  if [c["name"].value for c in configs] != [name for name, _ in found]:
+    raise RuntimeError("the lowered custom calls do not match the captured kernels (another jax version?)")
+  return [dict(name=name, ir=text, num_warps=c["num_warps"].value, num_stages=c["num_stages"].value)
+          for (name, text), c in zip(found, configs)]
+
+
+def delta_kernels(form: str, dtype, dim: int, config: pallas_triton.DeltaConfig) -> dict[str, dict]:
+  """{"forward/<kernel>" or "backward/<kernel>": `lowered_kernels` entry}, with segment starts and states."""
   b, t, h, e = 1, 64, 1, 256
   q = jnp.zeros((b, t, h, dim), dtype)
   v = jnp.zeros((b, t, h, e), dtype)
@@ -84,12 +122,8 @@ def kernel_irs(form: str, dtype, dim: int, config: pallas_triton.DeltaConfig) ->
       "backward": lambda q, v, beta, decay, state, starts: pallas_triton.backward(
           q, q, v, beta, decay, starts, state, v, state, **kwargs),
   }
-  irs = {}
-  for name, fn in passes.items():
-    with captured_triton_ir() as found:
-      jax.jit(fn).trace(q, v, beta, decay, state, starts).lower(lowering_platforms=("cuda",))
-    irs.update({f"{name}/{kernel}": text for kernel, text in found})
-  return irs
+  return {f"{name}/{kernel['name']}": kernel for name, fn in passes.items()
+          for kernel in lowered_kernels(fn, q, v, beta, decay, state, starts)}
 
 
 def shared_bytes(ir_text: str, capability: int, *, num_warps: int, num_stages: int) -> int:
@@ -124,7 +158,63 @@ def shared_bytes(ir_text: str, capability: int, *, num_warps: int, num_stages: i
   return module.get_int_attr("ttg.shared")
 
 
-def measure(targets, forms, dtypes, dims, log=print) -> list[dict]:
+@contextlib.contextmanager
+def device_capability(capability: int):
+  """The lightning op's heuristics see a device of this compute capability (its blocks follow the device)."""
+  original = heuristics.compute_capability
+  heuristics.compute_capability = lambda device: divmod(capability, 10)
+  try:
+    yield
+  finally:
+    heuristics.compute_capability = original
+
+
+def lightning_kernels(dtype, dim: int, variant: str, case: str, capability: int) -> list[dict]:
+  """`lowered_kernels` of `lightning_attention`'s forward and gradients (q, k, v, the decay, the initial state)."""
+  b, t, h, decay_kind = LIGHTNING_CASES[case]
+  q = jnp.zeros((b, t, h, dim), dtype)
+  decay = jnp.full((h,) if decay_kind == "head" else (b, t, h), 0.1)
+  state = jnp.zeros((b, h, dim, dim), jnp.float32)
+  ids = None if decay_kind == "head" else jnp.zeros((b, t), jnp.int32)
+
+  def loss(q, k, v, decay, state):
+    o, final = lj.lightning_attention(q, k, v, decay, initial_state=state, return_final_state=True, segment_ids=ids,
+                                      impl="pallas", interpret=False, variant=variant)
+    return o.astype(jnp.float32).sum() + final.sum()
+
+  with device_capability(capability):
+    return lowered_kernels(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), q, q, q, decay, state)
+
+
+def lightning_configs(capability: int, dtype, dim: int) -> dict:
+  """The blocks the heuristics pick on this target for each sweep job (`heuristics.resolve`, no tuning cache)."""
+  return {job: dataclasses.asdict(heuristics.resolve(None, dim_k=dim, dim_v=dim, itemsize=jnp.dtype(dtype).itemsize,
+                                                     compute_capability=divmod(capability, 10), job=job))
+          for job in lightning_config.SWEEP_JOBS}
+
+
+def measure_lightning(targets, log=print) -> list[dict]:
+  """One row per target, dtype, D, variant and case: every kernel's blocks and shared bytes, and the largest."""
+  rows = []
+  for capability in targets:
+    budget = lightning_config.shared_memory_budget(divmod(capability, 10))
+    for dtype_name in LIGHTNING_DTYPES:
+      for dim in LIGHTNING_DIMS:
+        for variant in LIGHTNING_VARIANTS:
+          for case in LIGHTNING_CASES:
+            kernels = [dict(name=k["name"], num_warps=k["num_warps"], num_stages=k["num_stages"],
+                            bytes=shared_bytes(k["ir"], capability, num_warps=k["num_warps"],
+                                               num_stages=k["num_stages"]))
+                       for k in lightning_kernels(DTYPES[dtype_name], dim, variant, case, capability)]
+            largest = max(k["bytes"] for k in kernels)
+            rows.append(dict(capability=capability, dtype=dtype_name, dim=dim, variant=variant, case=case,
+                             configs=lightning_configs(capability, DTYPES[dtype_name], dim), kernels=kernels,
+                             max_bytes=largest, budget=budget))
+            log(f"sm{capability} {dtype_name:8s} D{dim:<4d} {variant:10s} {case:24s} max {largest} B of {budget}")
+  return rows
+
+
+def measure_delta(targets, forms, dtypes, dims, log=print) -> list[dict]:
   """Rows of each kernel's shared bytes and their largest, per target, form, dtype and padded D, for two configs:
   the H200's (role "h200": `pallas_triton.default_config` for sm90) and the target's own ("default")."""
   rows = []
@@ -141,9 +231,9 @@ def measure(targets, forms, dtypes, dims, log=print) -> list[dict]:
           budget = lightning_config.shared_memory_budget(divmod(capability, 10))
           for role, config in ((("h200", h200), ("default", own)) if own != h200 else (("h200,default", own),)):
             if config not in irs:
-              irs[config] = kernel_irs(form, DTYPES[dtype_name], dim, config)
-            kernels = {name: shared_bytes(text, capability, num_warps=config.num_warps,
-                                          num_stages=config.num_stages) for name, text in irs[config].items()}
+              irs[config] = delta_kernels(form, DTYPES[dtype_name], dim, config)
+            kernels = {name: shared_bytes(k["ir"], capability, num_warps=k["num_warps"], num_stages=k["num_stages"])
+                       for name, k in irs[config].items()}
             rows.append(dict(capability=capability, form=form, dtype=dtype_name, dim_k=dim, role=role,
                              config=dataclasses.asdict(config), kernels=kernels, max_bytes=max(kernels.values()),
                              budget=budget))
@@ -154,6 +244,7 @@ def measure(targets, forms, dtypes, dims, log=print) -> list[dict]:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--op", choices=("delta", "lightning"), default="delta")
   parser.add_argument("--out", required=True, help="JSON file to write")
   parser.add_argument("--targets", default=",".join(map(str, TARGETS)))
   parser.add_argument("--forms", default=",".join(FORMS))
@@ -163,15 +254,17 @@ def main(argv=None):
   import triton  # noqa: PLC0415  (the measuring compiler; not a dependency of the package)
 
   start = time.time()
-  rows = measure([int(x) for x in args.targets.split(",")], args.forms.split(","), args.dtypes.split(","),
-                 [int(x) for x in args.dims.split(",")])
+  targets = [int(x) for x in args.targets.split(",")]
+  rows = (measure_delta(targets, args.forms.split(","), args.dtypes.split(","), [int(x) for x in args.dims.split(",")])
+          if args.op == "delta" else measure_lightning(targets))
   metadata = dict(
       date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
       command="python -m benchmarks.shared_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
       jax=jax.__version__, triton=triton.__version__, python=platform.python_version(), seconds=round(time.time() - start),
       budgets={str(cc[0] * 10 + cc[1]): b for cc, b in lightning_config.SHARED_MEMORY_BUDGET.items()},
-      note="Triton's shared-memory allocation per kernel (forward and backward, with segment starts and states) "
-           "for the H200's config and each target's default_config.")
+      note=("Triton's shared-memory allocation per kernel (forward and backward, with segment starts and states) "
+            + ("for the H200's config and each target's default_config." if args.op == "delta" else
+               "for the blocks the lightning op's heuristics pick on each target.")))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(dict(metadata=metadata, rows=rows), f, indent=1)

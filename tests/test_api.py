@@ -1,6 +1,8 @@
 """Composition with JAX transforms, per-device configs and input validation."""
 
 import dataclasses
+import json
+import pathlib
 
 import chex
 import jax
@@ -134,6 +136,31 @@ def test_shared_memory_estimate_bounds_what_triton_asked_for():
   assert measured.shared_memory_bytes(sweep) >= 245_760 == 3 * 2 * (2 * 128 * 128 + 128 * 64)
   deep = config_lib.ChunkLoopConfig(chunk_size=64, block_e=64, num_warps=4, num_stages=4)
   assert deep.shared_memory_bytes(sweep) <= config_lib.shared_memory_budget((9, 0))
+
+
+LIGHTNING_SHARED_MEMORY = (pathlib.Path(__file__).parent.parent / "benchmarks" / "tuning"
+                           / "lightning-shared-memory.json")
+
+
+def test_heuristics_blocks_fit_what_triton_allocates_on_every_device():
+  """Triton's own allocation of every kernel the op lowers (chunk_loop and parallel, forward and gradients) in the
+  blocks the heuristics pick for sm80 to sm120 (`python -m benchmarks.shared_memory --op lightning`, committed)
+  fits each device, and the committed rows are today's picks."""
+  rows = json.loads(LIGHTNING_SHARED_MEMORY.read_text())["rows"]
+  assert {r["capability"] for r in rows} == {80, 86, 89, 90, 100, 120}
+  for r in rows:
+    cc, itemsize = divmod(r["capability"], 10), jnp.dtype(r["dtype"]).itemsize
+    for job, recorded in r["configs"].items():
+      today = heuristics.resolve(None, dim_k=r["dim"], dim_v=r["dim"], itemsize=itemsize, compute_capability=cc,
+                                 job=job)
+      assert dataclasses.asdict(today) == recorded, f"re-run benchmarks/shared_memory.py: sm{r['capability']} {job}"
+    assert r["max_bytes"] <= config_lib.shared_memory_budget(cc), (r["capability"], r["dtype"], r["dim"], r["case"])
+    if r["variant"] == "parallel" and r["case"] == "split-head-decay":
+      # Its second chunk_output kernel is the dq sweep's, which carries the per-head decay's tangent state.
+      measured = [k["bytes"] for k in r["kernels"] if k["name"] == "lightning_chunk_output"][1]
+      sweep = config_lib.SweepShape(dim_k=r["dim"], dim_v=r["dim"], itemsize=itemsize, job="tangent")
+      assert config_lib.ChunkOutputConfig(**r["configs"]["tangent"]["chunk_output"]).shared_memory_bytes(
+          sweep) >= measured
 
 
 def test_budgets_by_device():

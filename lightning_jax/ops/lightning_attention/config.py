@@ -173,7 +173,11 @@ class ChunkOutputConfig(_TritonConfig):
   def shared_memory_bytes(self, sweep: SweepShape) -> int:
     c, be, dim_k, job = self.chunk_size, min(self.block_e, sweep.dim_v), sweep.dim_k, sweep.job
     extra = int(job in ("tangent", "dual"))
-    return sweep.itemsize * (2 * c * dim_k + (2 + extra) * c * be + (1 + (job == "dual")) * c * c + dim_k * be)
+    # The tangent job reads a second [dim_k, be] state, the decay tangent's: without it the model fell 45,056
+    # bytes short of Triton's allocation on sm80 (float32, D256; benchmarks/tuning/lightning-shared-memory.json).
+    states = 1 + (job == "tangent")
+    return sweep.itemsize * (2 * c * dim_k + (2 + extra) * c * be + (1 + (job == "dual")) * c * c
+                             + states * dim_k * be)
 
   def accumulator_registers(self, sweep: SweepShape) -> int:
     """float32 registers per thread for the score tile(s) and output tile(s) (see ChunkLoopConfig)."""
