@@ -33,7 +33,8 @@ class Case:
   d: int = 9
   e: int = 7
   decay: str | None = "token"  # None (DeltaNet), "token" [B, T, H] (Gated DeltaNet), "channel" [B, T, H, D] (KDA)
-  rates: str = "moderate"  # or "extreme": 1e-7 and 1e4 mixed
+  rates: str = "moderate"  # or "extreme": 1e-7 and 1e4 mixed; "steep": 2.5 to 5 (KDA's 16-row spans near the
+  # largest the kernels factor through a block's first row, on both sides of it)
   beta: str = "uniform"  # [0, 2], or "edges": 0, 1e-4, 2 - 1e-4, 2
   segments: bool = False
   initial_state: bool = True
@@ -60,6 +61,8 @@ def make_inputs(case, seed=0):
     decay = jax.random.uniform(keys[4], rate_shape, maxval=0.6)
     if case.rates == "extreme":
       decay = jnp.where(jax.random.bernoulli(keys[5], 0.2, rate_shape), 1e4, 1e-7)
+    elif case.rates == "steep":
+      decay = jax.random.uniform(keys[4], rate_shape, minval=2.5, maxval=5.0)
   s0 = jax.random.normal(keys[6], (case.b, case.h, case.d, case.e)) if case.initial_state else None
   ids = None
   if case.segments:  # boundaries inside chunks, a length-1 segment, one on a 16-token edge
@@ -317,6 +320,7 @@ def test_pallas_gradients(case, kernel_mode):
     (Case(b=1, t=70, d=5, e=3, decay="token", segments=True, rates="extreme", beta="edges"),
      dict(chunk_size=64, backward_chunk_size=16)),
     (Case(b=1, t=90, d=12, e=70, decay=None, segments=True), dict(backward_chunk_size=64, block_e=16)),
+    (Case(b=1, t=80, d=24, e=16, decay="channel", rates="steep"), dict(chunk_size=64, backward_chunk_size=32)),
 ], ids=str)
 def test_pallas_gradients_any_blocks(case, config, kernel_mode):
   """The backward's own chunking (several 16-row blocks, one), several E steps, extreme rates, beta at 0 and 2."""

@@ -25,7 +25,8 @@ The gates arrive as chunk-local cumulative log decays g (`chunk.chunk_gates`):
 [B, H, T] for a scalar per token, [B, H, T, D] per key channel (KDA), with
 the segment-start counts `runs` [B, T] for packed sequences. KDA's pair
 products factor through the row before each 16-row block (both factors <= 1);
-within a block they are taken column by column.
+within a block through its first row on the matrix units where the block's
+decay keeps the factors in range (`_factorable`), else column by column.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class DeltaConfig:
   Attributes:
     chunk_size: tokens per chunk of the forward (a power of two >= 16). 32 was
       1.2-1.6x faster than 64 for all three forms on an H200 (B2 H32 T8K
-      D128, bf16): the prepare kernel's serial chain of 16-row blocks halves.
+      D128, bf16): the prepare kernel's serial chain of 16-row blocks halves;
+      KDA's default is 16 (one block per chunk).
     backward_chunk_size: tokens per chunk of the backward, which recomputes
       everything and so may chunk differently (a power of two >= 16).
     block_e: value columns per sweep program and per step of the gradient
@@ -90,12 +92,22 @@ _FLOAT32_STEPS = (
 )
 
 
+# 16-bit operands pipeline the sweeps' loads 3 deep where a block may hold 227 KiB (sm90, sm100): on an H200
+# (`benchmarks/delta_sweep.py`, B2 H32 D128 and B4 H32 D64, T8K, DeltaNet and Gated DeltaNet) the forward took
+# 15-21% less time than at 2 and forward + backward 9-18% less (4 stages: within 3% of 3); the kernels without a
+# loop (prepare, the chunk gradients) do not pipeline.
+_DEEP_PIPELINE_BUDGET = 227 * 1024
+
+
 def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capability=None) -> DeltaConfig:
   """The blocks for one call: the H200's (B2 H32 T8K D128, bf16), smaller where a device's shared memory needs.
 
   The backward's gradient kernel is bound by registers: 16-token chunks made
-  it 1.5-1.8x faster for DeltaNet and Gated DeltaNet, and 2.6x slower for KDA,
-  whose per-key-channel gates go column by column in the diagonal blocks.
+  it 1.5-1.8x faster for DeltaNet and Gated DeltaNet, and 1.7x slower for KDA,
+  whose per-key-channel gates go column by column in its diagonal blocks. KDA's
+  prepare kernel spilled registers with two blocks per chunk: one (16-token
+  chunks, the diagonal block on the matrix units) made its forward 3.6x (D128)
+  and 1.7x (D64) faster (B2 H32 / B4 H32 T8K, bf16).
   float32 operands with D > 128 halve block_e: the reverse sweep's state tile
   [D, 64] then needed 242688 bytes of shared memory, over sm90's 232448. With
   compute_capability None (no GPU, or an unknown one) the smallest budget
@@ -103,8 +115,10 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   """
   dp = lightning_config.padded_dim(dim_k)
   itemsize = jnp.dtype(dtype).itemsize
-  config = DeltaConfig(backward_chunk_size=32 if per_channel_gate else 16, block_e=32 if itemsize * dp > 512 else 64)
   budget = lightning_config.shared_memory_budget(compute_capability)
+  config = DeltaConfig(chunk_size=16 if per_channel_gate else 32, backward_chunk_size=32 if per_channel_gate else 16,
+                       block_e=32 if itemsize * dp > 512 else 64,
+                       num_stages=3 if itemsize == 2 and budget >= _DEEP_PIPELINE_BUDGET else 2)
   for (min_dim, max_budget), step in _FLOAT32_STEPS:
     if itemsize == 4 and dp >= min_dim and budget <= max_budget:
       return dataclasses.replace(config, **step)
@@ -173,6 +187,26 @@ def _through_row_before(g_ref, *, i, j):
   return jnp.exp(_gate_rows(g_ref, i * BLOCK, BLOCK) - g_r), jnp.exp(g_r - _gate_rows(g_ref, j * BLOCK, BLOCK))
 
 
+# The largest decay a diagonal block may span (max over D of g_first - g_last) for `_diagonal_factors`:
+# then e^{-span} <= e^{g_t - g_first} <= 1 <= e^{g_first - g_s} <= e^{span} stays in the operands' range
+# (float16's is narrow), and in the backward's float32 sums of up to 16 such terms.
+_FACTORED_SPAN = {jnp.dtype(jnp.float16): 6.0}
+_FACTORED_SPAN_WIDE = 60.0  # bfloat16 and float32: e^60 = 1.1e26
+
+
+def _factorable(g_ref, *, i, dtype):
+  """Whether block i's diagonal pair products may factor through its first row (`_diagonal_factors`)."""
+  span = jnp.max(_gate_rows(g_ref, i * BLOCK, 1) - _gate_rows(g_ref, i * BLOCK + BLOCK - 1, 1))
+  return span <= _FACTORED_SPAN.get(jnp.dtype(dtype), _FACTORED_SPAN_WIDE)
+
+
+def _diagonal_factors(g_ref, *, i):
+  """Per key channel, e^{g_t - g_s} = e^{g_t - g_f} e^{g_f - g_s} through f, block i's first row:
+  ([16, D] e^{g_t - g_f} <= 1, [16, D] e^{g_f - g_t} >= 1) of the block's rows (`_factorable` bounds them)."""
+  gap = _gate_rows(g_ref, i * BLOCK, BLOCK) - _gate_rows(g_ref, i * BLOCK, 1)
+  return jnp.exp(gap), jnp.exp(-gap)
+
+
 def _column_decay(g_i, g_ref, *, i, c):
   """[16, D] e^{g_t - g_c} for the rows t of block i (g_i, loaded once per block) and its row c (1 for t < c:
   those pairs are masked)."""
@@ -180,13 +214,15 @@ def _column_decay(g_i, g_ref, *, i, c):
   return jnp.exp(jnp.where(row >= c, g_i - _gate_rows(g_ref, i * BLOCK + c, 1), 0.0))
 
 
-def _pair_blocks(xs, y_ref, g_ref, runs_ref, *, i, j, exact):
+def _pair_blocks(xs, y_ref, g_ref, runs_ref, *, i, j, exact, factor_diagonal=False):
   """Block (i, j), j <= i, of sum_d x_td y_sd e^{g_td - g_sd} for each x, over the chunk's 16-row blocks.
 
   xs: ((x_i [16, D] rows of block i, inclusive), ...): `inclusive` keeps
   s == t. y_ref: the chunk's [C, D] ref. Pairs of different segments are 0.
-  The x share the gate factors (A and P). Returns a list of masked [16, 16]
-  float32 blocks.
+  The x share the gate factors (A and P). factor_diagonal: per key channel,
+  a diagonal block goes through its first row where `_factorable`, else (and
+  without it) column by column. Returns a list of masked [16, 16] float32
+  blocks.
   """
   masks = [_pair_mask(runs_ref, i=i, j=j, inclusive=inclusive) for _, inclusive in xs]
   y_j = y_ref[_block(j), :]
@@ -201,17 +237,29 @@ def _pair_blocks(xs, y_ref, g_ref, runs_ref, *, i, j, exact):
     y_hat = (y_j.astype(_F32) * from_j).astype(y_j.dtype)
     return [jnp.where(mask, dot((x.astype(_F32) * to_i).astype(x.dtype), y_hat), 0.0)
             for (x, _), mask in zip(xs, masks)]
-  xs_f32 = [x.astype(_F32) for x, _ in xs]
-  s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-  g_i = _gate_rows(g_ref, i * BLOCK, BLOCK)
 
-  def column(c, blocks):  # the pairs (t, j * 16 + c) for every row t of the block
-    y_decayed = y_ref[_rows(j * BLOCK + c, 1), :].astype(_F32) * _column_decay(g_i, g_ref, i=i, c=c)
-    return tuple(jnp.where(s == c, jnp.sum(x * y_decayed, axis=1, keepdims=True), block)
-                 for x, block in zip(xs_f32, blocks))
+  def factored():
+    to_first, from_first = _diagonal_factors(g_ref, i=i)
+    y_hat = (y_j.astype(_F32) * from_first).astype(y_j.dtype)
+    return [jnp.where(mask, dot((x.astype(_F32) * to_first).astype(x.dtype), y_hat), 0.0)
+            for (x, _), mask in zip(xs, masks)]
 
-  blocks = jax.lax.fori_loop(0, BLOCK, column, tuple(jnp.zeros((BLOCK, BLOCK), _F32) for _ in xs))
-  return [jnp.where(mask, block, 0.0) for block, mask in zip(blocks, masks)]
+  def by_columns():
+    xs_f32 = [x.astype(_F32) for x, _ in xs]
+    s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+    g_i = _gate_rows(g_ref, i * BLOCK, BLOCK)
+
+    def column(c, blocks):  # the pairs (t, j * 16 + c) for every row t of the block
+      y_decayed = y_ref[_rows(j * BLOCK + c, 1), :].astype(_F32) * _column_decay(g_i, g_ref, i=i, c=c)
+      return tuple(jnp.where(s == c, jnp.sum(x * y_decayed, axis=1, keepdims=True), block)
+                   for x, block in zip(xs_f32, blocks))
+
+    blocks = jax.lax.fori_loop(0, BLOCK, column, tuple(jnp.zeros((BLOCK, BLOCK), _F32) for _ in xs))
+    return [jnp.where(mask, block, 0.0) for block, mask in zip(blocks, masks)]
+
+  if not factor_diagonal:
+    return by_columns()
+  return jax.lax.cond(_factorable(g_ref, i=i, dtype=y_j.dtype), factored, by_columns)
 
 
 def _pair_blocks_vjp(d_pairs, xs, ys, y_ref, g_ref, *, dtype, exact):
@@ -232,7 +280,7 @@ def _pair_blocks_vjp(d_pairs, xs, ys, y_ref, g_ref, *, dtype, exact):
   s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
   for i in range(nb):
     for j in range(i + 1):
-      if per_channel and i == j:  # column by column, as in the forward
+      if per_channel and i == j:  # column by column
         x_f32 = [x[i].astype(_F32) for x in xs]
 
         def column(c, carry, i=i, x_f32=x_f32, d_blocks=[d[i, i] for d in d_pairs],
@@ -278,7 +326,7 @@ def _unit_lower_inverse(a):
   return inverse
 
 
-def _chunk_inverse(q, k, beta, k_ref, g_ref, runs_ref, *, exact):
+def _chunk_inverse(q, k, beta, k_ref, g_ref, runs_ref, *, exact, factor_diagonal):
   """A chunk's pair products and T = (I + A)^{-1}, by 16-row blocks.
 
   q: None or the list of the chunk's [16, D] query blocks; k: its key
@@ -292,7 +340,7 @@ def _chunk_inverse(q, k, beta, k_ref, g_ref, runs_ref, *, exact):
     for j in range(i):
       key_pairs[i, j] = _pair_blocks([(k[i], False)], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact)[0]
     diagonal = _pair_blocks([(k[i], False)] + ([] if q is None else [(q[i], True)]), k_ref, g_ref, runs_ref, i=i,
-                            j=i, exact=exact)
+                            j=i, exact=exact, factor_diagonal=factor_diagonal)
     key_pairs[i, i] = diagonal[0]
     if q is not None:
       query_pairs[i, i] = diagonal[1]
@@ -344,7 +392,7 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
   rows = _chunk_rows(q_ref, k_ref, beta_ref, g_ref, runs_ref)
   nb = len(rows.k)
   _, tri, p_diagonal = _chunk_inverse(None if p_ref is None else rows.q, rows.k, rows.beta, k_ref, g_ref, runs_ref,
-                                      exact=exact)
+                                      exact=exact, factor_diagonal=True)
   k_gated = [rows.k[i].astype(_F32) * (rows.decay_rows[i] * rows.beta[i]) for i in range(nb)]
   v_beta = [v_ref[_block(i), :].astype(_F32) * rows.beta[i] for i in range(nb)]
   for i in range(nb):  # block by block, writing as it goes: D = E = 256 fits in shared memory
@@ -458,7 +506,10 @@ def _chunk_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, stat
   f32 = lambda x: x.astype(_F32)  # noqa: E731
   zeros = lambda *shape: jnp.zeros(shape, _F32)  # noqa: E731
   rows = _chunk_rows(q_ref, k_ref, beta_ref, g_ref, runs_ref)
-  key_pairs, tri, query_pairs = _chunk_inverse(rows.q, rows.k, rows.beta, k_ref, g_ref, runs_ref, exact=exact)
+  # Diagonal blocks column by column here: factored, this register-bound kernel was slower on an H200 (KDA B2 H32
+  # T8K D128: 20.8 against 19.0 ms), and their vjp under cond failed to compile (jaxlib 0.11.2's Triton).
+  key_pairs, tri, query_pairs = _chunk_inverse(rows.q, rows.k, rows.beta, k_ref, g_ref, runs_ref, exact=exact,
+                                               factor_diagonal=False)
   for i in blocks:
     for j in range(i):
       query_pairs[i, j] = _query_pairs_below(rows.q[i], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact)
