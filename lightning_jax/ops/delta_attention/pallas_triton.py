@@ -116,7 +116,7 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   dp = lightning_config.padded_dim(dim_k)
   itemsize = jnp.dtype(dtype).itemsize
   budget = lightning_config.shared_memory_budget(compute_capability)
-  config = DeltaConfig(chunk_size=16 if per_channel_gate else 32, backward_chunk_size=32 if per_channel_gate else 16,
+  config = DeltaConfig(chunk_size=16 if per_channel_gate else 32, backward_chunk_size=16,
                        block_e=32 if itemsize * dp > 512 else 64,
                        num_stages=3 if itemsize == 2 and budget >= _DEEP_PIPELINE_BUDGET else 2)
   for (min_dim, max_budget), step in _FLOAT32_STEPS:
@@ -200,6 +200,12 @@ def _factorable(g_ref, *, i, dtype):
   return span <= _FACTORED_SPAN.get(jnp.dtype(dtype), _FACTORED_SPAN_WIDE)
 
 
+def _columns_to_take(factorable):
+  """The column loop's trip count: none where the block factors (a traced bool), else all 16. A loop of traced
+  length stands in for cond, under which jaxlib 0.11.2's Triton failed to compile the vjp on an H200."""
+  return (1 - factorable.astype(jnp.int32)) * BLOCK
+
+
 def _diagonal_factors(g_ref, *, i):
   """Per key channel, e^{g_t - g_s} = e^{g_t - g_f} e^{g_f - g_s} through f, block i's first row:
   ([16, D] e^{g_t - g_f} <= 1, [16, D] e^{g_f - g_t} >= 1) of the block's rows (`_factorable` bounds them)."""
@@ -214,15 +220,14 @@ def _column_decay(g_i, g_ref, *, i, c):
   return jnp.exp(jnp.where(row >= c, g_i - _gate_rows(g_ref, i * BLOCK + c, 1), 0.0))
 
 
-def _pair_blocks(xs, y_ref, g_ref, runs_ref, *, i, j, exact, factor_diagonal=False):
+def _pair_blocks(xs, y_ref, g_ref, runs_ref, *, i, j, exact):
   """Block (i, j), j <= i, of sum_d x_td y_sd e^{g_td - g_sd} for each x, over the chunk's 16-row blocks.
 
   xs: ((x_i [16, D] rows of block i, inclusive), ...): `inclusive` keeps
   s == t. y_ref: the chunk's [C, D] ref. Pairs of different segments are 0.
-  The x share the gate factors (A and P). factor_diagonal: per key channel,
-  a diagonal block goes through its first row where `_factorable`, else (and
-  without it) column by column. Returns a list of masked [16, 16] float32
-  blocks.
+  The x share the gate factors (A and P). Per key channel, a diagonal block
+  goes through its first row where `_factorable`, else column by column.
+  Returns a list of masked [16, 16] float32 blocks.
   """
   masks = [_pair_mask(runs_ref, i=i, j=j, inclusive=inclusive) for _, inclusive in xs]
   y_j = y_ref[_block(j), :]
@@ -238,28 +243,21 @@ def _pair_blocks(xs, y_ref, g_ref, runs_ref, *, i, j, exact, factor_diagonal=Fal
     return [jnp.where(mask, dot((x.astype(_F32) * to_i).astype(x.dtype), y_hat), 0.0)
             for (x, _), mask in zip(xs, masks)]
 
-  def factored():
-    to_first, from_first = _diagonal_factors(g_ref, i=i)
-    y_hat = (y_j.astype(_F32) * from_first).astype(y_j.dtype)
-    return [jnp.where(mask, dot((x.astype(_F32) * to_first).astype(x.dtype), y_hat), 0.0)
-            for (x, _), mask in zip(xs, masks)]
+  # Where the block does not factor (these overflow), the column loop below overwrites every column.
+  to_first, from_first = _diagonal_factors(g_ref, i=i)
+  y_hat = (y_j.astype(_F32) * from_first).astype(y_j.dtype)
+  blocks = tuple(dot((x.astype(_F32) * to_first).astype(x.dtype), y_hat) for x, _ in xs)
+  xs_f32 = [x.astype(_F32) for x, _ in xs]
+  s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
+  g_i = _gate_rows(g_ref, i * BLOCK, BLOCK)
 
-  def by_columns():
-    xs_f32 = [x.astype(_F32) for x, _ in xs]
-    s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-    g_i = _gate_rows(g_ref, i * BLOCK, BLOCK)
+  def column(c, blocks):  # the pairs (t, j * 16 + c) for every row t of the block
+    y_decayed = y_ref[_rows(j * BLOCK + c, 1), :].astype(_F32) * _column_decay(g_i, g_ref, i=i, c=c)
+    return tuple(jnp.where(s == c, jnp.sum(x * y_decayed, axis=1, keepdims=True), block)
+                 for x, block in zip(xs_f32, blocks))
 
-    def column(c, blocks):  # the pairs (t, j * 16 + c) for every row t of the block
-      y_decayed = y_ref[_rows(j * BLOCK + c, 1), :].astype(_F32) * _column_decay(g_i, g_ref, i=i, c=c)
-      return tuple(jnp.where(s == c, jnp.sum(x * y_decayed, axis=1, keepdims=True), block)
-                   for x, block in zip(xs_f32, blocks))
-
-    blocks = jax.lax.fori_loop(0, BLOCK, column, tuple(jnp.zeros((BLOCK, BLOCK), _F32) for _ in xs))
-    return [jnp.where(mask, block, 0.0) for block, mask in zip(blocks, masks)]
-
-  if not factor_diagonal:
-    return by_columns()
-  return jax.lax.cond(_factorable(g_ref, i=i, dtype=y_j.dtype), factored, by_columns)
+  blocks = jax.lax.fori_loop(0, _columns_to_take(_factorable(g_ref, i=i, dtype=y_j.dtype)), column, blocks)
+  return [jnp.where(mask, block, 0.0) for block, mask in zip(blocks, masks)]
 
 
 def _pair_blocks_vjp(d_pairs, xs, ys, y_ref, g_ref, *, dtype, exact):
@@ -280,11 +278,12 @@ def _pair_blocks_vjp(d_pairs, xs, ys, y_ref, g_ref, *, dtype, exact):
   s = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
   for i in range(nb):
     for j in range(i + 1):
-      if per_channel and i == j:  # column by column
+      if per_channel and i == j:  # as in the forward: through the block's first row where it factors, else by columns
+        factorable = _factorable(g_ref, i=i, dtype=dtype)
         x_f32 = [x[i].astype(_F32) for x in xs]
+        d_blocks = [d[i, i] for d in d_pairs]
 
-        def column(c, carry, i=i, x_f32=x_f32, d_blocks=[d[i, i] for d in d_pairs],
-                   g_i=_gate_rows(g_ref, i * BLOCK, BLOCK)):
+        def column(c, carry, i=i, x_f32=x_f32, d_blocks=d_blocks, g_i=_gate_rows(g_ref, i * BLOCK, BLOCK)):
           dx_blocks, dy = carry
           decay = _column_decay(g_i, g_ref, i=i, c=c)
           y_decayed = y_ref[_rows(i * BLOCK + c, 1), :].astype(_F32) * decay
@@ -295,9 +294,17 @@ def _pair_blocks_vjp(d_pairs, xs, ys, y_ref, g_ref, *, dtype, exact):
             dy = dy + jnp.where(row == c, jnp.sum(d_column * x * decay, axis=0, keepdims=True), 0.0)
           return tuple(dx_blocks), dy
 
-        dx_blocks, dys[i] = jax.lax.fori_loop(0, BLOCK, column, (tuple(dx[i] for dx in dxs), dys[i]))
+        # Where the block does not factor (these overflow), the loop takes every column instead.
+        to_first, from_first = _diagonal_factors(g_ref, i=i)
+        y_hat = cast(ys[i].astype(_F32) * from_first)
+        dx_blocks = tuple(jnp.where(factorable, dx[i] + dot(cast(d), y_hat) * to_first, dx[i])
+                          for dx, d in zip(dxs, d_blocks))
+        dy = jnp.where(factorable, dys[i] + from_first * sum(dot(cast(d), cast(x * to_first), trans_a=True)
+                                                             for x, d in zip(x_f32, d_blocks)), dys[i])
+        dx_blocks, dy = jax.lax.fori_loop(0, _columns_to_take(factorable), column, (dx_blocks, dy))
         for dx, dx_block in zip(dxs, dx_blocks):
           dx[i] = dx_block
+        dys[i] = dy
         continue
       if per_channel:  # through the row before block i, as in the forward
         to_i, from_j = _through_row_before(g_ref, i=i, j=j)
@@ -326,7 +333,7 @@ def _unit_lower_inverse(a):
   return inverse
 
 
-def _chunk_inverse(q, k, beta, k_ref, g_ref, runs_ref, *, exact, factor_diagonal):
+def _chunk_inverse(q, k, beta, k_ref, g_ref, runs_ref, *, exact):
   """A chunk's pair products and T = (I + A)^{-1}, by 16-row blocks.
 
   q: None or the list of the chunk's [16, D] query blocks; k: its key
@@ -340,7 +347,7 @@ def _chunk_inverse(q, k, beta, k_ref, g_ref, runs_ref, *, exact, factor_diagonal
     for j in range(i):
       key_pairs[i, j] = _pair_blocks([(k[i], False)], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact)[0]
     diagonal = _pair_blocks([(k[i], False)] + ([] if q is None else [(q[i], True)]), k_ref, g_ref, runs_ref, i=i,
-                            j=i, exact=exact, factor_diagonal=factor_diagonal)
+                            j=i, exact=exact)
     key_pairs[i, i] = diagonal[0]
     if q is not None:
       query_pairs[i, i] = diagonal[1]
@@ -392,7 +399,7 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
   rows = _chunk_rows(q_ref, k_ref, beta_ref, g_ref, runs_ref)
   nb = len(rows.k)
   _, tri, p_diagonal = _chunk_inverse(None if p_ref is None else rows.q, rows.k, rows.beta, k_ref, g_ref, runs_ref,
-                                      exact=exact, factor_diagonal=True)
+                                      exact=exact)
   k_gated = [rows.k[i].astype(_F32) * (rows.decay_rows[i] * rows.beta[i]) for i in range(nb)]
   v_beta = [v_ref[_block(i), :].astype(_F32) * rows.beta[i] for i in range(nb)]
   for i in range(nb):  # block by block, writing as it goes: D = E = 256 fits in shared memory
@@ -506,10 +513,7 @@ def _chunk_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, stat
   f32 = lambda x: x.astype(_F32)  # noqa: E731
   zeros = lambda *shape: jnp.zeros(shape, _F32)  # noqa: E731
   rows = _chunk_rows(q_ref, k_ref, beta_ref, g_ref, runs_ref)
-  # Diagonal blocks column by column here: factored, this register-bound kernel was slower on an H200 (KDA B2 H32
-  # T8K D128: 20.8 against 19.0 ms), and their vjp under cond failed to compile (jaxlib 0.11.2's Triton).
-  key_pairs, tri, query_pairs = _chunk_inverse(rows.q, rows.k, rows.beta, k_ref, g_ref, runs_ref, exact=exact,
-                                               factor_diagonal=False)
+  key_pairs, tri, query_pairs = _chunk_inverse(rows.q, rows.k, rows.beta, k_ref, g_ref, runs_ref, exact=exact)
   for i in blocks:
     for j in range(i):
       query_pairs[i, j] = _query_pairs_below(rows.q[i], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact)
