@@ -103,11 +103,11 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   """The blocks for one call: the H200's (B2 H32 T8K D128, bf16), smaller where a device's shared memory needs.
 
   The backward's gradient kernel is bound by registers: 16-token chunks made
-  it 1.5-1.8x faster for DeltaNet and Gated DeltaNet, and 1.7x slower for KDA,
-  whose per-key-channel gates go column by column in its diagonal blocks. KDA's
-  prepare kernel spilled registers with two blocks per chunk: one (16-token
-  chunks, the diagonal block on the matrix units) made its forward 3.6x (D128)
-  and 1.7x (D64) faster (B2 H32 / B4 H32 T8K, bf16).
+  it 1.5-1.8x faster for DeltaNet and Gated DeltaNet (8x at D128 on jaxlib
+  0.11.2), and KDA's 1.6-3.2x faster than 32 once its diagonal blocks ran
+  on the matrix units. KDA's prepare kernel spilled registers with two blocks
+  per chunk: one (16-token chunks) made its forward 3.6x (D128) and 1.7x (D64)
+  faster (B2 H32 / B4 H32 T8K, bf16; `benchmarks/delta_sweep.py`).
   float32 operands with D > 128 halve block_e: the reverse sweep's state tile
   [D, 64] then needed 242688 bytes of shared memory, over sm90's 232448. With
   compute_capability None (no GPU, or an unknown one) the smallest budget
