@@ -26,30 +26,17 @@ from lightning_jax.ops.delta_attention import pallas_triton
 
 def ptxas_report(ir_text: str, *, num_warps: int, num_stages: int, capability: int = 90) -> str:
   """ptxas's resource lines for one kernel's Triton IR, compiled for sm<capability>a."""
-  from triton._C.libtriton import ir  # noqa: PLC0415
-  from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-  from triton.backends.nvidia.compiler import CUDABackend  # noqa: PLC0415
-  from triton.compiler.compiler import Language  # noqa: PLC0415
+  import triton  # noqa: PLC0415
 
-  backend = CUDABackend(GPUTarget("cuda", capability, 32))
-  options = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages))
-  context = ir.context()
-  ir.load_dialects(context)
-  backend.load_dialects(context)
+  module, stages, metadata, _, _ = shared_memory.triton_gpu_module(ir_text, capability, num_warps=num_warps,
+                                                                   num_stages=num_stages)
+  ptx = stages["ptx"](stages["llir"](module, metadata), metadata)
+  ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
   with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "kernel.ttir")
+    path = os.path.join(tmp, "kernel.ptx")
     with open(path, "w") as f:
-      f.write(ir_text)
-    module = ir.parse_mlir_module(path, context)
-    module.context = context
-    stages, metadata = {}, {}
-    backend.add_stages(stages, options, Language.TRITON)
-    module = stages["ttgir"](stages["ttir"](module, metadata), metadata)
-    ptx = stages["ptx"](stages["llir"](module, metadata), metadata)
-    with open(os.path.join(tmp, "kernel.ptx"), "w") as f:
       f.write(ptx)
-    ptxas = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "ptxas")
-    out = subprocess.run([ptxas, "-v", "--gpu-name", f"sm_{capability}a", f.name, "-o", os.path.join(tmp, "k.cubin")],
+    out = subprocess.run([ptxas, "-v", "--gpu-name", f"sm_{capability}a", path, "-o", os.path.join(tmp, "kernel.cubin")],
                          capture_output=True, text=True, check=True)
   return "; ".join(line.split(":", 1)[-1].strip() for line in out.stderr.splitlines()
                    if "Used" in line or "spill" in line)

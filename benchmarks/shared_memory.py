@@ -126,11 +126,15 @@ def delta_kernels(form: str, dtype, dim: int, config: pallas_triton.DeltaConfig)
           for kernel in lowered_kernels(fn, q, v, beta, decay, state, starts)}
 
 
-def shared_bytes(ir_text: str, capability: int, *, num_warps: int, num_stages: int) -> int:
-  """Triton's shared-memory allocation for the kernel on sm<capability> (its passes to the allocation only)."""
-  from triton._C.libtriton import ir, nvidia, passes  # noqa: PLC0415
+def triton_gpu_module(ir_text: str, capability: int, *, num_warps: int, num_stages: int):
+  """The kernel's Triton IR through Triton's own passes to TritonGPU IR for sm<capability>.
+
+  Returns (module, stages, metadata, backend, options): `stages` holds the
+  later ones ("llir", "ptx", ...), each taking (module, metadata).
+  """
+  from triton._C.libtriton import ir  # noqa: PLC0415
   from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-  from triton.backends.nvidia.compiler import CUDABackend, get_ptx_version_from_options  # noqa: PLC0415
+  from triton.backends.nvidia.compiler import CUDABackend  # noqa: PLC0415
   from triton.compiler.compiler import Language  # noqa: PLC0415
 
   backend = CUDABackend(GPUTarget("cuda", capability, 32))
@@ -143,10 +147,18 @@ def shared_bytes(ir_text: str, capability: int, *, num_warps: int, num_stages: i
     f.flush()
     module = ir.parse_mlir_module(f.name, context)
   module.context = context
-  stages = {}
+  stages, metadata = {}, {}
   backend.add_stages(stages, options, Language.TRITON)
-  metadata = {}
   module = stages["ttgir"](stages["ttir"](module, metadata), metadata)
+  return module, stages, metadata, backend, options
+
+
+def shared_bytes(ir_text: str, capability: int, *, num_warps: int, num_stages: int) -> int:
+  """Triton's shared-memory allocation for the kernel on sm<capability> (its passes to the allocation only)."""
+  from triton._C.libtriton import ir, nvidia, passes  # noqa: PLC0415
+  from triton.backends.nvidia.compiler import get_ptx_version_from_options  # noqa: PLC0415
+
+  module, _, _, backend, options = triton_gpu_module(ir_text, capability, num_warps=num_warps, num_stages=num_stages)
   pm = ir.pass_manager(module.context)  # the start of make_llir, through the allocation
   passes.ttgpuir.add_combine_tensor_select_and_if(pm)
   passes.ttgpuir.add_allocate_warp_groups(pm)
