@@ -47,7 +47,10 @@ def _inputs(key, b, t, h, d, form):
 
 
 def _kernel_fns(config, scale, dp):
-  """name -> f(q, k, v, beta, decay, do) running that kernel alone on the padded operands (the gates too)."""
+  """name -> f(q, k, v, beta, decay, do, states) running that kernel alone on the padded operands (the gates too).
+
+  states: None, or for chunk_gradients its per-chunk state operands (`_states`), made outside the timed call.
+  """
   kw = dict(scale=scale, config=config, interpret=jax.default_backend() != "gpu")
   bwd = dict(kw, config=dataclasses.replace(config, chunk_size=config.backward_chunk_size))
 
@@ -55,45 +58,50 @@ def _kernel_fns(config, scale, dp):
     g = pt.gate_logs(decay, seq_len=q.shape[1], dim_k=dp, chunk_size=chunk_size)
     return pt._padded(q, k, v, beta, None, g, chunk_size=chunk_size)  # noqa: SLF001
 
-  def prepare(q, k, v, beta, decay, do):
+  def prepare(q, k, v, beta, decay, do, states):
     qp, kp, vp, br, gates = operands(q, k, v, beta, decay, config.chunk_size)
     return pt.prepare(qp, kp, vp, br, gates, **kw)
 
-  def sweep(q, k, v, beta, decay, do):
+  def sweep(q, k, v, beta, decay, do, states):
     qp, kp, vp, br, gates = operands(q, k, v, beta, decay, config.chunk_size)
     w, u, p = pt.prepare(qp, kp, vp, br, gates, **kw)
     return pt.sweep(qp, kp, w, u, p, gates, None, with_final_state=False, **kw)
 
-  def state_sweep(q, k, v, beta, decay, do):
+  def state_sweep(q, k, v, beta, decay, do, states):
     qp, kp, vp, br, gates = operands(q, k, v, beta, decay, config.backward_chunk_size)
     w, u, p = pt.prepare(qp, kp, vp, br, gates, **bwd)
     return pt.sweep(qp, kp, w, u, p, gates, None, with_outputs=False, with_final_state=False, with_states=True,
                     **bwd)
 
-  def state_cotangents(q, k, v, beta, decay, do):
+  def state_cotangents(q, k, v, beta, decay, do, states):
     qp, kp, vp, br, gates = operands(q, k, v, beta, decay, config.backward_chunk_size)
     w, u, p = pt.prepare(qp, kp, vp, br, gates, **bwd)
     dop = chunk_common.pad_tokens_and_features(do, num_tokens=qp.shape[1], dim=vp.shape[-1])
     return pt.state_cotangents(qp, kp, w, p, gates, dop, None, **bwd)
 
-  def chunk_gradients(q, k, v, beta, decay, do):
+  def chunk_gradients(q, k, v, beta, decay, do, states):
     qp, kp, vp, br, gates = operands(q, k, v, beta, decay, config.backward_chunk_size)
-    b, tp, h, _ = qp.shape
-    n = tp // config.backward_chunk_size
-    states = (jnp.zeros((b, h, n * dp, vp.shape[-1]), q.dtype) + kp[0, 0, 0, 0]).astype(q.dtype)
-    dop = chunk_common.pad_tokens_and_features(do, num_tokens=tp, dim=vp.shape[-1])
+    dop = chunk_common.pad_tokens_and_features(do, num_tokens=qp.shape[1], dim=vp.shape[-1])
     return pt.chunk_gradients(qp, kp, vp, br, gates, states, states, dop, **bwd)
 
-  def op_fwd(q, k, v, beta, decay, do):
+  def op_fwd(q, k, v, beta, decay, do, states):
     return lj.delta_attention(q, k, v, beta, decay, impl="pallas", config=config)
 
-  def op_fwdbwd(q, k, v, beta, decay, do):
+  def op_fwdbwd(q, k, v, beta, decay, do, states):
     args = (q, k, v, beta) if decay is None else (q, k, v, beta, decay)
     o, vjp = jax.vjp(lambda *a: lj.delta_attention(*a, impl="pallas", config=config), *args)
     return o, vjp(do)
 
   return dict(prepare=prepare, sweep=sweep, state_sweep=state_sweep, state_cotangents=state_cotangents,
               chunk_gradients=chunk_gradients, op_fwd=op_fwd, op_fwdbwd=op_fwdbwd)
+
+
+def _states(key, q, config):
+  """Random per-chunk states [B, H, N Dp, Ep] in q's dtype, the chunk gradients' S_n and G_n operands."""
+  b, t, h, d = q.shape
+  n = -(-t // config.backward_chunk_size)
+  dp = lightning_config.padded_dim(d)
+  return 0.1 * jax.random.normal(key, (b, h, n * dp, dp), q.dtype)
 
 
 def _parse_configs(text):
@@ -122,7 +130,7 @@ def main(argv=None):
     for form in args.forms.split(","):
       sets = [_inputs(jax.random.PRNGKey(s), b, t, h, d, form) for s in range(2)]
       base = pt.default_config(per_channel_gate=form == "kda", dtype=jnp.bfloat16, dim_k=d, compute_capability=cc)
-      jobs = []
+      jobs, states = [], {}  # states: per backward chunk size, one array per input set
       for name, fields in _parse_configs(args.configs):
         try:
           config = dataclasses.replace(base, **fields)
@@ -130,23 +138,29 @@ def main(argv=None):
           print(json.dumps(dict(form=form, config=name, error=str(e))))
           continue
         fns = _kernel_fns(config, d ** -0.5, dp)
-        jobs += [(name, config, kernel, fns[kernel]) for kernel in args.kernels.split(",")]
+        for kernel in args.kernels.split(","):
+          extra = [None] * len(sets)
+          if kernel == "chunk_gradients":
+            extra = states.setdefault(config.backward_chunk_size, [
+                _states(jax.random.PRNGKey(100 + i), s[0], config) for i, s in enumerate(sets)])
+          jobs.append((name, config, kernel, fns[kernel], [(*s, x) for s, x in zip(sets, extra)]))
 
       def build(job):
         try:
-          return jax.jit(job[3]).lower(*sets[0]).compile()
+          return jax.jit(job[3]).lower(*job[4][0]).compile()
         except Exception as e:  # noqa: BLE001  a config over the device's budget: recorded, not fatal
           return f"{type(e).__name__}: {str(e)[:300]}"
 
       with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
         compiled = list(pool.map(build, jobs))
-      for (name, config, kernel, _), fn in zip(jobs, compiled):
+      for (name, config, kernel, _, job_sets), fn in zip(jobs, compiled):
         row = dict(shape=[b, t, h, d], form=form, config=name, kernel=kernel, fields=dataclasses.asdict(config))
         if isinstance(fn, str):
           row["error"] = fn
         else:
-          row["median_ms"] = timing.measure(functools.partial(lambda f, i: f(*sets[i]), fn), jax.block_until_ready,
-                                            n_sets=len(sets), warmup=2, max_iters=20, max_seconds=args.max_seconds,
+          call = functools.partial(lambda f, job_sets, i: f(*job_sets[i]), fn, job_sets)
+          row["median_ms"] = timing.measure(call, jax.block_until_ready, n_sets=len(job_sets), warmup=2, max_iters=20,
+                                            max_seconds=args.max_seconds,
                                             min_sample_seconds=timing.GPU_SAMPLE_SECONDS)["time_ms"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "fields"}), flush=True)
