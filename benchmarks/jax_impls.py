@@ -141,8 +141,8 @@ def refusal(job: dict, attn, extras) -> str | None:
 def lightning_unavailable(job: dict) -> str | None:
   """Why a variant of ours cannot run this job here, else None.
 
-  The warp-specialised forward has limits (sm90, jax >= 0.11, per-head decay
-  without packing), which its `refusal` gives.
+  The warp-specialised forward has limits (sm90, jax >= 0.11, 16-bit inputs,
+  D <= 128), which its `refusal` gives.
   """
   if job["impl"] != "lj-pallas-warp_specialized":
     return None

@@ -290,9 +290,3 @@ def test_cu_seqlens_needs_a_batch_of_one():
   q = jnp.zeros((2, 9, 2, 4))
   with pytest.raises(ValueError, match="batch of one"):
     lj.lightning_attention(q, q, q, cu_seqlens=jnp.asarray([0, 9]), impl="xla")
-
-
-def test_warp_specialized_refuses_per_token_decay():
-  q = jnp.zeros((1, 9, 2, 64), BF16)
-  with pytest.raises(ValueError, match="per-head decay only"):
-    lj.lightning_attention(q, q, q, jnp.ones((1, 9, 2)), impl="pallas", variant="warp_specialized", interpret=True)

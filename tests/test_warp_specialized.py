@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import BF16, F16, F32, WS_JAX, WS_MODES, Case, check_against_oracle, needs_ws_jax, on_sm90, rel_err
+from helpers import BF16, F16, F32, TOL, WS_JAX, WS_MODES, Case, check_against_oracle, needs_ws_jax, on_sm90, rel_err
+from test_packed import EXTREME_RATES, Packing, check_packed
 
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import heuristics
@@ -89,23 +90,66 @@ def test_warp_specialized_under_vmap_jit_and_checkpoint(mode, with_states):
       assert rel_err(final[i], want_final) < 2e-2
 
 
+# Per-token rates and packed rows run the kernel's per-chunk factors (the
+# gradients come from chunk_loop): boundaries inside chunks and on their edges,
+# per-token and per-head rates and none, cu_seqlens with empty sequences.
+WS_PACKINGS = [
+    Packing(((64, 1, 50, 35), (20, 44, 86)), d=64, e=48, dtype=BF16),
+    Packing(((100, 48, 130),), d=128, e=64, dtype=BF16, decay="head", initial_state=False),
+    Packing(((0, 30, 99, 0),), h=1, d=40, e=80, dtype=F16, decay=None, cu_seqlens=True),
+]
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
+@pytest.mark.parametrize("p", WS_PACKINGS, ids=str)
+def test_warp_specialized_packed_matches_sequences_alone(p, mode):
+  config = INTERPRETED_STATE_CONFIG if mode == "interpret" and p.d > 64 else None
+  check_packed(p, zlib.crc32(f"{p}ws".encode()), impl="pallas", variant="warp_specialized",
+               interpret=mode == "interpret", config=config)
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
+def test_warp_specialized_extreme_token_rates_in_a_split_sequence(mode):
+  """Rates from 0 to 1e4 in one chunk, segments, and 5 slices from the Triton states pass: against the oracle."""
+  rng = np.random.default_rng(17)
+  b, t, h, d, e = 2, 300, 2, 64, 64
+  q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, n)), BF16) for n in (d, d, e))
+  decay = jnp.asarray(np.repeat(rng.choice(EXTREME_RATES, size=(b, t // 4, h)), 4, axis=1), F32)
+  decay = decay.at[:, 7].set(1e4).at[:, 8].set(1e-7)
+  segment_ids = jnp.asarray(np.cumsum(rng.random((b, t)) < 0.02, axis=1), jnp.int32)
+  s0 = jnp.asarray(rng.normal(size=(b, h, d, e)), F32)
+  config = lj.LightningConfig(slice_size=64, warp_specialized=lj.WarpSpecializedConfig(num_stages=2))
+  call = lambda **kw: lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True,  # noqa: E731
+                                             segment_ids=segment_ids, **kw)
+  o, final = call(impl="pallas", variant="warp_specialized", config=config, interpret=mode == "interpret")
+  o_ref, final_ref = call(impl="reference")
+  assert rel_err(o, o_ref) < TOL[BF16] and rel_err(final, final_ref) < TOL[BF16]
+
+
 @needs_ws_jax
-@pytest.mark.parametrize("dim_k,dim_v,has_decay,with_states", [
-    (128, 128, True, False), (64, 256, False, False), (128, 64, True, True), (64, 128, False, True)])
-def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, has_decay, with_states):
+@pytest.mark.parametrize("dim_k,dim_v,gates,with_states", [
+    (128, 128, "head", False), (64, 256, None, False), (128, 64, "head", True), (64, 128, None, True),
+    (64, 64, "token", True), (128, 128, "packed", False)])
+def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states):
   """Mosaic GPU lowering (layout inference included) for an sm90 GPU, from any backend.
 
   The interpreter checks the arithmetic and the barriers but not the layouts;
-  this checks that the kernel lowers as the GPU compiles it.
+  this checks that the kernel lowers as the GPU compiles it. gates: a per-head
+  rate, none, or per-chunk factors of per-token rates (with segments: "packed").
   """
   q = jax.ShapeDtypeStruct((2, 192, 3, dim_k), BF16)
   v = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
-  decay = jax.ShapeDtypeStruct((3,), F32) if has_decay else None
+  decay = jax.ShapeDtypeStruct((3,), F32) if gates == "head" else None
+  chunk_gates = None
+  if gates in ("token", "packed"):
+    chunk_gates = (jax.ShapeDtypeStruct((2, 3, 192), F32),
+                   jax.ShapeDtypeStruct((2, 192), jnp.int32) if gates == "packed" else None)
   s0 = jax.ShapeDtypeStruct((2, 3, 1, dim_v, dim_k), F32) if with_states else None  # one slice
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2)
-  fn = jax.jit(lambda q, k, v, decay, s0: pallas_mosaic_gpu.forward_padded(
-      q, k, v, decay, s0, scale=0.125, seq_len=150, return_final_state=with_states, num_stages=cfg.num_stages))
-  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, decay, s0)
+  fn = jax.jit(lambda q, k, v, decay, s0, chunk_gates: pallas_mosaic_gpu.forward_padded(
+      q, k, v, decay, s0, chunk_gates=chunk_gates, scale=0.125, seq_len=150, return_final_state=with_states,
+      num_stages=cfg.num_stages))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, decay, s0, chunk_gates)
   assert "lightning_warp_specialized" in exported.mlir_module()
 
 
@@ -143,7 +187,8 @@ def test_warp_specialized_config_is_validated_and_budgeted():
 
 @pytest.mark.parametrize("call,want", [
     (dict(), "warp_specialized"),
-    (dict(d=64), "chunk_loop"),  # measured slower than Triton at D = 64
+    (dict(d=64), "chunk_loop"),  # measured slower than Triton at D = 64 with a per-head rate
+    (dict(d=64, per_token=True), "warp_specialized"),  # and faster with per-chunk factors
     (dict(dtype=F32), "chunk_loop"),
     (dict(compute_capability=(8, 0)), "chunk_loop"),
     (dict(compute_capability=(10, 0)), "chunk_loop"),

@@ -214,7 +214,7 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
       "auto" (pallas on NVIDIA GPUs with compute capability >= 8.0, else xla).
     variant: pallas only: "chunk_loop", "parallel", "warp_specialized" or
       "auto". "warp_specialized" is a Mosaic GPU forward for sm90 (bf16/fp16,
-      D <= 128, E <= 256, jax >= 0.11, per-head decay without packing; the
+      D <= 128, E <= 256, jax >= 0.11; every decay form, packed rows too; the
       backward pass runs the chunk_loop sweeps); "auto" picks it where it is
       faster.
     config: a `LightningConfig` overriding, field by field, the active tuning

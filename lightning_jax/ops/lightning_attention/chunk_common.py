@@ -249,13 +249,15 @@ def token_chunk_gates(rates, starts, *, chunk_size, num_tokens, reverse):
 
 def chunk_totals(cumdecay, runs, *, chunk_size, num_chunks, reverse):
   """Each chunk's summed rates (natural units) [B, H, N] (None without cumdecay) and whether a segment
-  starts in it [B, N], in sweep order.
+  starts in it [B, N] (None without runs), in sweep order.
 
   From `token_chunk_gates`' outputs; the first `num_chunks` chunks are real.
   """
   end = 0 if reverse else chunk_size - 1  # the chunk's last row in sweep order
   in_order = (lambda x: x[..., ::-1]) if reverse else (lambda x: x)  # noqa: E731
-  started = in_order(runs.reshape(runs.shape[0], -1, chunk_size)[:, :num_chunks, end] > 0)
+  started = None
+  if runs is not None:
+    started = in_order(runs.reshape(runs.shape[0], -1, chunk_size)[:, :num_chunks, end] > 0)
   if cumdecay is None:
     return None, started
   rate = cumdecay.reshape(*cumdecay.shape[:2], -1, chunk_size)[:, :, :num_chunks, end] / LOG2_E
@@ -311,7 +313,7 @@ def token_decay_factors(cumdecay, runs, *, reverse):
 
   Args:
     cumdecay: [C] float32, the chunk's `token_chunk_gates` cumulative rates.
-    runs: [C] int32, its segment-start counts.
+    runs: [C] int32, its segment-start counts, or None (no segments).
     reverse: static bool, the anti-causal sweep.
 
   Returns:
@@ -329,7 +331,7 @@ def token_decay_factors(cumdecay, runs, *, reverse):
                     jnp.exp2(nonpositive(cumdecay[None, :] - cumdecay[:, None])), 0.0)
   f = ChunkFactors(jnp.exp2(-cumdecay), jnp.exp2(nonpositive(cumdecay - c_end)), jnp.exp2(-c_end), intra,
                    None, None, None, None)
-  return mask_segments(f, runs)
+  return f if runs is None else mask_segments(f, runs)
 
 
 def mask_segments(f, runs):

@@ -215,14 +215,18 @@ def fuse_dk_dv(*, dim_k: int, dim_v: int) -> bool:
   return dim_k <= 64 and dim_v <= 64
 
 
-def prefer_warp_specialized(*, dim_k: int) -> bool:
+def prefer_warp_specialized(*, dim_k: int, per_token: bool = False) -> bool:
   """Whether `variant="auto"` takes the warp-specialised forward over chunk_loop (where both can run).
 
   On an H100 (bf16, B2 H32 D128 and B4 H32 D64, T 8K and 32K; PERFORMANCE.md,
   "Warp-specialised forward (sm90)") it took 8-10% less time than chunk_loop at
-  D = 128 and T = 32K and was within 4% at 8K; at D = 64 it was 2-11% slower.
+  D = 128 and T = 32K and was within 4% at 8K; at D = 64 it was 2-11% slower
+  with a per-head rate. With per-token rates or packed sequences (`per_token`)
+  chunk_loop computes every chunk's factors in its one instruction stream, and
+  the warp-specialised forward wins at D = 64 too (PERFORMANCE.md, "Per-token
+  decay and packed sequences").
   """
-  return dim_k > 64
+  return per_token or dim_k > 64
 
 
 def jax_version() -> tuple[int, int]:
@@ -230,15 +234,9 @@ def jax_version() -> tuple[int, int]:
 
 
 def warp_specialized_unsupported(*, dim_k: int, dim_v: int, dtype, compute_capability: tuple[int, int] | None,
-                                 interpret: bool, per_token: bool = False) -> str | None:
-  """Why the warp-specialised forward cannot run a call (None if it can).
-
-  Dims are the unpadded D and E; `per_token`: the call has per-token rates or
-  packed sequences (the kernel loads its decay factors once per head).
-  """
+                                 interpret: bool) -> str | None:
+  """Why the warp-specialised forward cannot run a call (None if it can); dims are the unpadded D and E."""
   ws = WarpSpecializedConfig
-  if per_token:
-    return "takes per-head decay only: per-token rates and packed sequences run the Triton variants"
   if jax_version() < ws.MIN_JAX:
     return f"needs jax >= {ws.MIN_JAX[0]}.{ws.MIN_JAX[1]}, this is {jax.__version__}"
   if not interpret and compute_capability != ws.COMPUTE_CAPABILITY:
@@ -272,13 +270,13 @@ def pallas_variant(variant: str, *, d: int, e: int, dtype, compute_capability: t
                    interpret: bool, per_token: bool = False) -> str:
   """The Pallas variant that runs: `variant`, checked, or the one "auto" picks for this call."""
   ws_unsupported = warp_specialized_unsupported(dim_k=d, dim_v=e, dtype=dtype, compute_capability=compute_capability,
-                                                interpret=interpret, per_token=per_token)
+                                                interpret=interpret)
   if variant == "warp_specialized" and ws_unsupported:
     raise ValueError(f"variant='warp_specialized' {ws_unsupported}")
   if variant != "auto":
     return variant
   # Compiled only (its interpreter is for tests), and where it was measured faster.
-  if not interpret and not ws_unsupported and prefer_warp_specialized(dim_k=d):
+  if not interpret and not ws_unsupported and prefer_warp_specialized(dim_k=d, per_token=per_token):
     return "warp_specialized"
   # With the sequence split filling the GPU where few (batch, head) programs
   # would not, chunk_loop beat parallel at every shape measured (PERFORMANCE.md,

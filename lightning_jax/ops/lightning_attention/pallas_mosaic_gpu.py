@@ -22,8 +22,16 @@ walks the chunks of 64 tokens of its slice in order (the whole sequence unless
 So the serial state chain, the output matmuls and the loads overlap, which a
 Triton program (one instruction stream) cannot do (benchmarks/PERFORMANCE.md,
 "Warp-specialised forward (sm90)"). The decay factors (`chunk_common`, with
-scale folded into the row and intra factors) are computed outside, per head,
-and loaded once. Where the kernel runs is `heuristics.warp_specialized_unsupported`.
+scale folded into the row and intra factors) come in one of two forms:
+
+  per head  (a per-head rate or none) computed outside and loaded once;
+  per chunk (per-token rates or packed sequences) the row, key and state
+            factors computed outside for every chunk (`chunk_factors`) and
+            loaded with its q, k, v; the output warpgroup builds the [C, C]
+            intra factors from the chunk's cumulative rates (and segment
+            counts), so that no [C, C] array per chunk crosses HBM.
+
+Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 """
 
 from __future__ import annotations
@@ -67,6 +75,37 @@ def decay_factors(decay, heads: int, *, scale: float, last_rows: int = CHUNK_SIZ
   return scale * full.intra, vectors
 
 
+# Rows of the per-head factors (`decay_factors`) and of a chunk's (`chunk_factors`).
+_ROW, _KEY, _STATE, _LAST_KEY, _LAST_STATE = range(5)
+_CUM, _RUNS = 0, 3
+# Subtracted per segment start in an exponent (log2 units): 2^-1e4 is 0 in float32.
+_SEGMENT_EXPONENT = 1.0e4
+
+
+def chunk_factors(cumdecay, runs):
+  """Per-chunk factors of per-token rates and segment starts, [B, H, N, F, C] float32.
+
+  Rows: the cumulative rates (`_CUM`, log2 units), the key factors, the state
+  factor repeated along C and, with segments (F = 4), the segment-start
+  counts (`_RUNS`); in the definitions of `chunk_common.token_decay_factors`,
+  whose row and intra factors the kernel computes from the first and last rows.
+
+  Args:
+    cumdecay: [B, H, Tp] float32 (`chunk_common.token_chunk_gates`, forward).
+    runs: [B, Tp] int32 segment-start counts, or None (no segments).
+  """
+  b, h, tp = cumdecay.shape
+  c = CHUNK_SIZE
+  cum = cumdecay.reshape(b, h, tp // c, c)
+  run_counts = jnp.zeros((b, tp // c, c), jnp.int32) if runs is None else runs.reshape(b, tp // c, c)
+  factors = jax.vmap(jax.vmap(jax.vmap(functools.partial(chunk_common.token_decay_factors, reverse=False)),
+                              in_axes=(0, None)))(cum, run_counts)
+  rows = [cum, factors.key, jnp.broadcast_to(factors.state[..., None], cum.shape)]
+  if runs is not None:
+    rows.append(jnp.broadcast_to(run_counts[:, None].astype(_F32), cum.shape))
+  return jnp.stack(rows, axis=3)
+
+
 def _smem(shape, dtype):
   # Rows of 128 bytes (64 bf16 elements), swizzled: the layout wgmma reads.
   swizzle_elems = 128 // jnp.dtype(dtype).itemsize
@@ -82,34 +121,37 @@ def _matmul(a, b, shape):
   return pl.run_scoped(body, plgpu.ACC(shape, _F32))
 
 
-def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, has_decay,
-            has_initial, has_final, last_rows):
+def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, per_chunk,
+            has_decay, has_segments, has_initial, has_final, last_rows, scale):
   refs = list(refs)
   initial_ref = refs.pop(0) if has_initial else None
   out_ref = refs.pop(0)
   final_ref = refs.pop(0) if has_final else None
   buffers, barriers = refs
-  q_smem, k_smem, v_smem, state_smem, scores_smem, vk_smem, out_smem, intra_smem, vectors_smem = buffers
+  q_smem, k_smem, v_smem, state_smem, scores_smem, vk_smem, out_smem, intra_smem, vectors_smem = buffers[:9]
+  factors_by_column = buffers[9] if per_chunk else None  # a second copy of each chunk's factors
   q_loaded, k_loaded, v_loaded, released, state_ready, state_read, factors_loaded = barriers[:7]
+  barriers = list(barriers[7:])
+  chunk_factors_loaded = barriers.pop(0) if per_chunk else None
   if has_initial or has_final:
     # The float32 initial/final state shares memory with the published states:
     # it is read before the first one is published and written after the last is read.
     state_smem, state_f32_smem = state_smem
   if has_initial:
-    (initial_loaded,) = barriers[7:]
+    (initial_loaded,) = barriers
   c, be = CHUNK_SIZE, BLOCK_E
   head, col = lax.axis_index("heads"), lax.axis_index("value_blocks")
   # A CTA walks `num_chunks` chunks of one slice of the sequence (see `forward`);
   # unsplit, the offsets stay static.
-  batch, sequence_slice, first_row = lax.axis_index("batch_slices"), 0, 0
+  batch, sequence_slice, first_chunk = lax.axis_index("batch_slices"), 0, 0
   if num_slices > 1:
     batch, sequence_slice = lax.div(batch, num_slices), lax.rem(batch, num_slices)
-    first_row = sequence_slice * (num_chunks * c)
+    first_chunk = sequence_slice * num_chunks
   cols = pl.ds(col * be, be)
   wg = lax.axis_index("wg")
 
   def chunk_rows(n):
-    start = first_row + n * c
+    start = (first_chunk + n) * c
     return pl.ds(start if isinstance(start, int) else pl.multiple_of(start, c), c)
 
   def slot_of(n):
@@ -118,14 +160,21 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   @pl.when(wg == 0)
   def _memory():
     plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
-    plgpu.copy_gmem_to_smem(intra_ref.at[head], intra_smem, factors_loaded.at[0])
-    plgpu.copy_gmem_to_smem(vectors_ref.at[head], vectors_smem, factors_loaded.at[1])
+    if per_chunk:  # the scaled causal mask; the rest comes with each chunk
+      plgpu.copy_gmem_to_smem(intra_ref, intra_smem, factors_loaded.at[0])
+    else:
+      plgpu.copy_gmem_to_smem(intra_ref.at[head], intra_smem, factors_loaded.at[0])
+      plgpu.copy_gmem_to_smem(vectors_ref.at[head], vectors_smem, factors_loaded.at[1])
 
     def load(n, slot):
       rows = chunk_rows(n)
       plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_loaded.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], k_loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, cols], v_smem.at[slot], v_loaded.at[slot])
+      if per_chunk:
+        for factors_smem in (vectors_smem, factors_by_column):
+          plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, first_chunk + n], factors_smem.at[slot],
+                                  chunk_factors_loaded.at[slot])
 
     for n in range(min(num_stages, num_chunks)):
       load(n, n)
@@ -143,15 +192,22 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     def _drain(n):
       plgpu.barrier_wait(released.at[slot_of(n)])
 
+  def chunk_factor_rows(n):
+    """Chunk n's factors in shared memory, [F, C], once loaded (per-chunk factors)."""
+    slot = slot_of(n)
+    plgpu.barrier_wait(chunk_factors_loaded.at[slot])
+    return vectors_smem.at[slot]
+
   @pl.when(wg == 1)
   def _state_chain():
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     if has_initial:
       plgpu.copy_gmem_to_smem(initial_ref.at[batch, head, sequence_slice, cols], state_f32_smem,
                               initial_loaded.at[0])
-    plgpu.barrier_wait(factors_loaded.at[1])
+    if has_decay and not per_chunk:
+      plgpu.barrier_wait(factors_loaded.at[1])
 
-    def body(n, state_t, key, state_decay):
+    def body(n, state_t, head_factors):
       slot, buf = slot_of(n), lax.rem(n, 2)
       plgpu.barrier_wait(k_loaded.at[slot])
       plgpu.barrier_wait(v_loaded.at[slot])
@@ -163,17 +219,22 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       state_smem[buf] = state_t.astype(state_smem.dtype)
       plgpu.commit_smem()
       plgpu.barrier_arrive(state_ready.at[buf])
-      if has_decay:
+      if not has_decay:
+        update = _matmul(v_smem.at[slot].transpose((1, 0)), k_smem.at[slot], state_t.shape)
+      else:
+        if per_chunk:
+          rows = chunk_factor_rows(n)
+          key, state_decay = rows[_KEY], rows[_STATE]
+        else:
+          key, state_decay = head_factors
         # key * v, staged so that wgmma reads its transpose from shared memory.
         vk_smem[...] = (v_smem[slot].astype(_F32) * key[:, None]).astype(vk_smem.dtype)
         plgpu.commit_smem()
         update = _matmul(vk_smem.transpose((1, 0)), k_smem.at[slot], state_t.shape)
-      else:
-        update = _matmul(v_smem.at[slot].transpose((1, 0)), k_smem.at[slot], state_t.shape)
       plgpu.barrier_arrive(released.at[slot])
-      if has_decay:
-        return state_t * state_decay[:, None] + update
-      return state_t + update
+      if not has_decay:
+        return state_t + update
+      return state_t * state_decay[:, None] + update
 
     if has_initial:
       plgpu.barrier_wait(initial_loaded.at[0])
@@ -181,14 +242,17 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.commit_smem()  # every thread has read it before the first publish overwrites it
     else:
       state = jnp.zeros((be, q_smem.shape[-1]), _F32)
-    # A partial last chunk has its own key and state factors (padded rows are
-    # zeros, but they would still decay the state); only the final state sees them.
-    split = num_chunks - 1 if has_final and has_decay and last_rows != c else num_chunks
-    full_factors = vectors_smem[1], vectors_smem[2]
-    state = lax.fori_loop(0, split, lambda n, s: body(n, s, *full_factors), state)
+    # Per head, a partial last chunk has its own key and state factors (padded
+    # rows are zeros, but they would still decay the state); only the final
+    # state sees them. Per chunk, padded rows have rate 0 and change nothing.
+    split = num_chunks - 1 if has_final and has_decay and not per_chunk and last_rows != c else num_chunks
+    head_factors = None
+    if has_decay and not per_chunk:
+      head_factors = vectors_smem[_KEY], vectors_smem[_STATE]
+    state = lax.fori_loop(0, split, lambda n, s: body(n, s, head_factors), state)
     if split < num_chunks:
-      last_factors = vectors_smem[3], vectors_smem[4]
-      state = lax.fori_loop(split, num_chunks, lambda n, s: body(n, s, *last_factors), state)
+      last_factors = vectors_smem[_LAST_KEY], vectors_smem[_LAST_STATE]
+      state = lax.fori_loop(split, num_chunks, lambda n, s: body(n, s, last_factors), state)
 
     @pl.loop(max(num_chunks - 2, 0), num_chunks)
     def _drain(n):
@@ -204,17 +268,36 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   def _outputs():
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     plgpu.barrier_wait(factors_loaded.at[0])
-    plgpu.barrier_wait(factors_loaded.at[1])
-    intra = intra_smem[...]
-    row = vectors_smem[0]
+    intra = intra_smem[...]  # per chunk: the scaled causal mask
+    row = None
+    if not per_chunk:
+      plgpu.barrier_wait(factors_loaded.at[1])
+      row = vectors_smem[_ROW]
 
     @pl.loop(0, num_chunks)
     def _chunk(n):
       slot, buf = slot_of(n), lax.rem(n, 2)
+      chunk_intra, chunk_row = intra, row
+      if per_chunk:
+        rows = chunk_factor_rows(n)
+        # row_i = scale 2^-c_i before the chunk's first segment start, intra_ij =
+        # scale 2^(c_j - c_i) on j <= i within a segment; exponents are clamped
+        # at 0 so that no entry outside the causal mask overflows (it zeroes them).
+        # Each row is read along the rows and, from its second copy, along the
+        # columns of the scores (one load cannot take both layouts).
+        by_row = lambda i: lax.broadcast_in_dim(rows[i], (c, c), (0,))  # noqa: E731
+        by_column = lambda i: lax.broadcast_in_dim(factors_by_column[slot_of(n), i], (c, c), (1,))  # noqa: E731
+        gap = by_column(_CUM) - by_row(_CUM)
+        row_exponent = -rows[_CUM]
+        if has_segments:
+          gap = gap - _SEGMENT_EXPONENT * (by_row(_RUNS) - by_column(_RUNS))
+          row_exponent = row_exponent - _SEGMENT_EXPONENT * rows[_RUNS]
+        chunk_intra = intra * jnp.exp2(jnp.minimum(gap, 0.0))
+        chunk_row = scale * jnp.exp2(row_exponent)
       plgpu.barrier_wait(q_loaded.at[slot])
       plgpu.barrier_wait(k_loaded.at[slot])
       scores = _matmul(q_smem.at[slot], k_smem.at[slot].transpose((1, 0)), (c, c))
-      scores_smem[...] = (scores * intra).astype(scores_smem.dtype)
+      scores_smem[...] = (scores * chunk_intra).astype(scores_smem.dtype)
       plgpu.commit_smem()
       plgpu.barrier_wait(v_loaded.at[slot])
       plgpu.barrier_wait(state_ready.at[buf])
@@ -227,7 +310,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       intra_out, inter = pl.run_scoped(products, plgpu.ACC((c, be), _F32), plgpu.ACC((c, be), _F32))
       plgpu.barrier_arrive(state_read.at[buf])
       plgpu.barrier_arrive(released.at[slot])
-      out = intra_out + inter * row[:, None]
+      out = intra_out + inter * chunk_row[:, None]
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store of chunk n - 2 has read its buffer
       out_smem[buf] = out.astype(out_smem.dtype)
       plgpu.commit_smem()
@@ -236,7 +319,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     plgpu.wait_smem_to_gmem(0)
 
 
-def forward_padded(q, k, v, decay, initial_state=None, *, scale: float, seq_len: int,
+def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, scale: float, seq_len: int,
                    return_final_state: bool = False, num_stages: int, num_slices: int = 1, interpret: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
 
@@ -246,6 +329,10 @@ def forward_padded(q, k, v, decay, initial_state=None, *, scale: float, seq_len:
       (`WarpSpecializedConfig.padded_dims`).
       Padded rows must be zeros past the real tokens (they are: the caller pads).
     decay: [H] float32 rates or None.
+    chunk_gates: None, or per-token rates and packed sequences as
+      `chunk_common.token_chunk_gates` gives them for a forward sweep over Tp
+      tokens in chunks of CHUNK_SIZE: (cumdecay [B, H, Tp] float32 or None,
+      runs [B, Tp] int32 or None), with decay None.
     initial_state: None, or the transposed state before each slice, [B, H,
       num_slices, V, K] float32.
     seq_len: the number of real tokens T (with one slice, Tp - CHUNK_SIZE < T <= Tp).
@@ -271,10 +358,22 @@ def forward_padded(q, k, v, decay, initial_state=None, *, scale: float, seq_len:
   if initial_state is not None and initial_state.shape != (b, h, num_slices, dim_v, dim_k):
     raise ValueError(f"initial_state must be [B, H, S, V, K] = {(b, h, num_slices, dim_v, dim_k)}, "
                      f"got {initial_state.shape}")
+  if chunk_gates is not None and decay is not None:
+    raise ValueError("give decay (per head) or chunk_gates (per token), not both")
   num_chunks = tp // c // num_slices
   # The last chunk's own factors serve the final state alone (one slice).
   last_rows = seq_len - (tp // c - 1) * c if num_slices == 1 else c
-  intra, vectors = decay_factors(decay, h, scale=scale, last_rows=last_rows)
+  per_chunk = chunk_gates is not None
+  if per_chunk:
+    cumdecay, runs = chunk_gates
+    if cumdecay is None:
+      cumdecay = jnp.zeros((b, h, tp), _F32)
+    intra = scale * chunk_common.causal_mask(c, reverse=False).astype(_F32)
+    vectors = chunk_factors(cumdecay, runs)
+    factor_smem = (plgpu.SMEM((num_stages,) + vectors.shape[-2:], _F32),) * 2
+  else:
+    intra, vectors = decay_factors(decay, h, scale=scale, last_rows=last_rows)
+    factor_smem = (plgpu.SMEM(vectors.shape[1:], _F32),)
   dtype = q.dtype
   with_states = initial_state is not None or return_final_state
   state_smem = _smem((2, be, dim_k), dtype)
@@ -283,10 +382,11 @@ def forward_padded(q, k, v, decay, initial_state=None, *, scale: float, seq_len:
   scratch = (
       (_smem((num_stages, c, dim_k), dtype), _smem((num_stages, c, dim_k), dtype),
        _smem((num_stages, c, be), dtype), state_smem, _smem((c, c), dtype),
-       _smem((c, be), dtype), _smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32), plgpu.SMEM(vectors.shape[1:], _F32)),
+       _smem((c, be), dtype), _smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32)) + factor_smem,
       (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
        plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
+      + ((plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),) if per_chunk else ())
       + ((plgpu.Barrier(num_barriers=1),) if initial_state is not None else ()),
   )
   inputs = (intra, vectors, q, k, v) + (() if initial_state is None else (initial_state,))
@@ -294,8 +394,10 @@ def forward_padded(q, k, v, decay, initial_state=None, *, scale: float, seq_len:
   if return_final_state:
     out_type = (out_type, manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs))
   kernel = functools.partial(_kernel, num_chunks=num_chunks, num_slices=num_slices, num_stages=num_stages,
-                             has_decay=decay is not None, has_initial=initial_state is not None,
-                             has_final=return_final_state, last_rows=last_rows)
+                             per_chunk=per_chunk, has_decay=per_chunk or decay is not None,
+                             has_segments=per_chunk and chunk_gates[1] is not None,
+                             has_initial=initial_state is not None, has_final=return_final_state,
+                             last_rows=last_rows, scale=scale)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
@@ -304,17 +406,21 @@ def forward_padded(q, k, v, decay, initial_state=None, *, scale: float, seq_len:
       grid_names=("heads", "batch_slices", "value_blocks"),
       num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      # approx_math: exp2 as the one ex2.approx instruction (relative error ~2^-22), not a library routine.
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name="lightning_warp_specialized",
   )(*inputs)
 
 
-def forward(q, k, v, decay, initial_state, opts: PallasOptions):
+def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=None):
   """The forward pass on unpadded inputs: (o [B, T, H, E], the final state [B, H, D, E] float32 or None).
 
-  q, k: [B, T, H, D]; v: [B, T, H, E]; decay: [H] float32 or None;
-  initial_state: [B, H, D, E] float32 or None. Pads T and the dims, runs
+  q, k: [B, T, H, D]; v: [B, T, H, E]; decay: [H] or (per-token) [B, T, H]
+  float32 or None; initial_state: [B, H, D, E] float32 or None;
+  segment_starts: [B, T] bool or None (`chunk_common.segment_starts`). Per-token
+  rates or segments run the kernel's per-chunk factors (a per-head rate then
+  becomes per-token rates). Pads T and the dims, runs
   `forward_padded` with the config of `heuristics.resolve_warp_specialized`,
   and slices the padding off.
 
@@ -337,12 +443,20 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions):
   pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
   q, k, v = pad_rows(q, dim=kp), pad_rows(k, dim=kp), pad_rows(v, dim=vp)
   initial_state = chunk_common.pad_state(initial_state, kp, vp)
+  gates, chunk_gates = dict(decay=decay), None
+  if chunk_common.per_token(decay) or segment_starts is not None:
+    rates = decay if decay is None or chunk_common.per_token(decay) else jnp.broadcast_to(decay, (b, t, h))
+    cumdecay, runs = chunk_common.token_chunk_gates(rates, segment_starts, chunk_size=c, num_tokens=tp,
+                                                    reverse=False)
+    runs = None if segment_starts is None else runs
+    gates = dict(chunk_cumdecay=cumdecay, chunk_runs=runs)
+    chunk_gates = (cumdecay, runs)
   final_state = None
   if num_slices > 1:
     configs = heuristics.resolve(opts.config, dim_k=kp, dim_v=vp, itemsize=q.dtype.itemsize,
                                  compute_capability=opts.compute_capability, split_chunk_size=c)
     (initial_state, _), (final_state, _) = pallas_triton.slice_starts(
-        pallas_triton.SweepOperands(decay=decay, y=k, z=v, initial_state=initial_state), cfg=configs.slice_states,
+        pallas_triton.SweepOperands(**gates, y=k, z=v, initial_state=initial_state), cfg=configs.slice_states,
         chunk_size=c, seq_len=t, reverse=False, slice_chunks=slice_chunks,
         with_final_state=opts.return_final_state, interpret=opts.interpret)
   elif initial_state is not None:
@@ -350,7 +464,8 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions):
   # The kernel carries the state transposed, S^T [V, K].
   if initial_state is not None:
     initial_state = jnp.swapaxes(initial_state, -1, -2)
-  result = forward_padded(q, k, v, decay, initial_state, scale=opts.scale, seq_len=t,
+  result = forward_padded(q, k, v, gates.get("decay"), initial_state, chunk_gates=chunk_gates, scale=opts.scale,
+                          seq_len=t,
                           return_final_state=opts.return_final_state and num_slices == 1,
                           num_stages=cfg.num_stages, num_slices=num_slices, interpret=opts.interpret)
   o, kernel_final = result if opts.return_final_state and num_slices == 1 else (result, None)

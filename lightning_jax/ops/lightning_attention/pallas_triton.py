@@ -69,7 +69,7 @@ class SweepOperands(NamedTuple):
     chunk_cumdecay, chunk_runs: [B, H, Tp] float32 and [B, Tp] int32, the
       per-chunk factors' inputs in the sweep's convention
       (`chunk_common.token_chunk_gates`): cumdecay with per-token rates only,
-      runs with per-token rates or segments (a per-head rate is then masked).
+      runs with segments only (a per-head rate is then masked).
     x, y: [B, T, H, K]; z: [B, T, H, V].
     dual_with: [B, T, H, V] u of the dual output, or None.
     initial_state: [B, H, K, V] float32, or None (zeros); in the chunk loop's
@@ -143,7 +143,8 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse):
 
   if ins.chunk_cumdecay is not None:
     return lambda chunk_idx: chunk_common.token_decay_factors(
-        ins.chunk_cumdecay[chunk_rows(chunk_idx)], ins.chunk_runs[chunk_rows(chunk_idx)], reverse=reverse)
+        ins.chunk_cumdecay[chunk_rows(chunk_idx)],
+        None if ins.chunk_runs is None else ins.chunk_runs[chunk_rows(chunk_idx)], reverse=reverse)
   if ins.decay is None and ins.chunk_runs is None:
     return lambda chunk_idx: None
   lam2 = 0.0 if ins.decay is None else ins.decay[()].astype(_F32) * chunk_common.LOG2_E
@@ -417,13 +418,13 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
                        reverse=reverse, slice_chunks=slice_chunks, num_slices=local_slices, with_chunk_states=False,
                        with_final_state=True, with_tangent=with_tangent, interpret=interpret)
   slice_decay = slice_resets = None
-  if ins.chunk_runs is not None:  # packed or per-token: each slice's summed rates and segment starts
+  if ins.chunk_cumdecay is not None or ins.chunk_runs is not None:  # per-token or packed
     rate, started = chunk_common.chunk_totals(ins.chunk_cumdecay, ins.chunk_runs, chunk_size=chunk_size,
                                               num_chunks=num_chunks, reverse=reverse)
     pad = num_slices * slice_chunks - num_chunks
     by_slice = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(  # noqa: E731
         *x.shape[:-1], num_slices, slice_chunks)[..., :local_slices, :]
-    slice_resets = by_slice(started).any(-1)
+    slice_resets = None if started is None else by_slice(started).any(-1)
     slice_decay = None if rate is None else by_slice(rate).sum(-1)
   states, tangents = chunk_common.combine_slice_states(local.final_state, lengths[:local_slices], ins.decay,
                                                        ins.initial_state, local.final_tangent,
@@ -555,7 +556,9 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
       raise ValueError("give decay (per head) or token_decay, not both")
     cumdecay, runs = chunk_common.token_chunk_gates(ins.token_decay, ins.segment_starts, chunk_size=chunk,
                                                     num_tokens=tp, reverse=reverse)
-    padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay, chunk_runs=runs)
+    # Without segments the counts are all zeros: the kernels skip their masks.
+    padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
+                             chunk_runs=None if ins.segment_starts is None else runs)
   return padded, configs, chunk, slice_chunks
 
 

@@ -75,7 +75,7 @@ def sweep_gates(decay, segment_starts):
 
 def _primal(q, k, v, decay, segment_starts, initial_state, opts):
   if opts.variant == "warp_specialized":
-    o, final_state = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts)
+    o, final_state = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts, segment_starts)
   else:
     res = pallas_triton.sweep(SweepOperands(**sweep_gates(decay, segment_starts), x=q, y=k, z=v,
                                             initial_state=initial_state),
