@@ -17,7 +17,7 @@ import pytest
 from helpers import BF16, DECAY_TOL, F32, TOL, rel_err
 
 import lightning_jax as lj
-from lightning_jax.ops.lightning_attention import reference
+from lightning_jax.ops.lightning_attention import chunk_common, reference
 
 pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
 
@@ -235,6 +235,26 @@ def test_reference_matches_a_float64_loop():
       o_want, final_want = loop_float64(q[0, sl, hh], k[0, sl, hh], v[0, sl, hh], rates[0, sl, hh],
                                         np.zeros(cu[n + 1] - cu[n], bool), s0n[n, hh], 0.7)
       assert rel_err(o[0, sl, hh], o_want) < 1e-5 and rel_err(finals[n, hh], final_want) < 1e-5
+
+
+@pytest.mark.parametrize("length", [1, 64, 65, 4100])  # 4100: three levels of 64-token blocks
+@pytest.mark.parametrize("reverse", [False, True])
+def test_segmented_cumsum_matches_a_float64_loop(length, reverse):
+  """Sums restart at every start, and each one's error is bounded by its own segment's magnitudes."""
+  rng = np.random.default_rng(length + reverse)
+  for start_rate in (0.0, 0.01, 0.5):
+    # Magnitudes over 14 orders: a large segment must not leak rounding into a small neighbour.
+    x = rng.normal(size=(2, length, 3)) * np.exp(rng.uniform(-16, 16, (2, length, 3)))
+    starts = rng.random((2, length)) < start_rate
+    got = np.asarray(chunk_common.segmented_cumsum(jnp.asarray(x, F32), jnp.asarray(starts), axis=1,
+                                                   reverse=reverse), np.float64)
+    want, bound = np.zeros_like(x), np.zeros_like(x)
+    acc, acc_abs = np.zeros((2, 3)), np.zeros((2, 3))
+    for t in (range(length - 1, -1, -1) if reverse else range(length)):
+      keep = ~starts[:, t, None]
+      acc, acc_abs = keep * acc + x[:, t], keep * acc_abs + np.abs(x[:, t])
+      want[:, t], bound[:, t] = acc, acc_abs
+    assert np.all(np.abs(got - want) <= 1e-6 * bound), start_rate
 
 
 # --- one compilation, helper, errors -------------------------------------------------

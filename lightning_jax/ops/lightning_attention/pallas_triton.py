@@ -81,7 +81,9 @@ class SweepOperands(NamedTuple):
     tangent_with: [B, T, H, V] weights w of the decay tangent's row dots, or
       None (no tangent; needs a per-head decay).
     dot_with: [B, T, H, V] weights w of the output's own row dots
-      `sum_v out_t * w_t` (the per-token decay gradient), or None.
+      `sum_v out_t * w_t` (the per-token decay gradient), or None. (With
+      `sweep(..., dots_with_dual=True)` the weights are `dual_with`, which the
+      kernels have loaded already.)
   """
   decay: jax.Array | None = None
   token_decay: jax.Array | None = None
@@ -209,11 +211,17 @@ def _chunk_state(y, z, state, tangent, f, *, exact):
   return new_state, new_tangent
 
 
-def _row_dots(ins: SweepOperands, rows, out, out_tangent):
-  """Per-row sum_v of the decay tangent times `tangent_with`, or of out times `dot_with`, float32 [C]."""
-  if ins.tangent_with is not None:
-    return jnp.sum(out_tangent * ins.tangent_with[rows, :].astype(_F32), axis=1)
-  return jnp.sum(out * ins.dot_with[rows, :].astype(_F32), axis=1)
+def _row_weights(ins: SweepOperands, rows, u, *, dots_with_dual):
+  """The chunk's rows of `tangent_with` or `dot_with` [C, V], or its `u` (`dots_with_dual`), or None."""
+  if dots_with_dual:
+    return u
+  weights = ins.dot_with if ins.tangent_with is None else ins.tangent_with
+  return None if weights is None else weights[rows, :]
+
+
+def _row_dots(ins: SweepOperands, weights, out, out_tangent):
+  """Per-row sum_v of the decay tangent (with `tangent_with`) or of out (with `dot_with`) times `weights`, float32 [C]."""
+  return jnp.sum((out if ins.tangent_with is None else out_tangent) * weights.astype(_F32), axis=1)
 
 
 def _initial_carry(ins: SweepOperands, *, with_tangent: bool):
@@ -255,7 +263,7 @@ def _write_final(outs: SweepResults, state, tangent):
 
 
 def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, num_chunks,
-                       slice_chunks, num_slices, reverse, exact):
+                       slice_chunks, num_slices, reverse, exact, dots_with_dual):
   carry = _initial_carry(ins, with_tangent=ins.tangent_with is not None)
   first, num_steps = _slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices)
   factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
@@ -265,6 +273,9 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
     n, rows = _chunk_rows(first + step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
     x, y, z = ins.x[rows, :], ins.y[rows, :], ins.z[rows, :]
     u = None if ins.dual_with is None else ins.dual_with[rows, :]
+    # Loaded before the chunk's products, which hide its latency: Triton's
+    # pipeliner leaves a load that feeds no dot blocking.
+    weights = _row_weights(ins, rows, u, dots_with_dual=dots_with_dual)
     f = factors(n)
     if f is not None:
       # The outputs first, reading the carried state only after the scores'
@@ -283,7 +294,7 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
     if outs.dual is not None:
       outs.dual[rows, :] = dual.astype(outs.dual.dtype)
     if outs.row_dots is not None:
-      outs.row_dots[rows] = _row_dots(ins, rows, out, out_tangent)
+      outs.row_dots[rows] = _row_dots(ins, weights, out, out_tangent)
     return next_carry
 
   _write_final(outs, *jax.lax.fori_loop(0, num_steps, body, carry))
@@ -307,10 +318,11 @@ def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, 
   _write_final(outs, *jax.lax.fori_loop(0, num_steps, body, carry))
 
 
-def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, reverse, exact):
+def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, reverse, exact,
+                         dots_with_dual):
   f = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)(pl.program_id(1))
-  out, dual, out_tangent = _chunk_out(ins.x[...], ins.y[...], ins.z[...],
-                                      None if ins.dual_with is None else ins.dual_with[...],
+  u = None if ins.dual_with is None else ins.dual_with[...]
+  out, dual, out_tangent = _chunk_out(ins.x[...], ins.y[...], ins.z[...], u,
                                       ins.chunk_states[...].astype(ins.x.dtype),
                                       None if ins.chunk_tangents is None else ins.chunk_tangents[...], f,
                                       scale=scale, reverse=reverse, exact=exact)
@@ -318,7 +330,8 @@ def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk
   if outs.dual is not None:
     outs.dual[...] = dual.astype(outs.dual.dtype)
   if outs.row_dots is not None:
-    outs.row_dots[...] = _row_dots(ins, slice(None), out, out_tangent)
+    outs.row_dots[...] = _row_dots(ins, _row_weights(ins, slice(None), u, dots_with_dual=dots_with_dual), out,
+                                   out_tangent)
 
 
 def _call(kernel, grid, ins: SweepOperands, in_specs, results: SweepResults, out_specs, cfg, name,
@@ -335,7 +348,7 @@ def _call(kernel, grid, ins: SweepOperands, in_specs, results: SweepResults, out
   return outs
 
 
-def _output_structs(ins: SweepOperands, *, n_e, with_final_state, out_dtype) -> SweepResults:
+def _output_structs(ins: SweepOperands, *, n_e, with_final_state, out_dtype, dots_with_dual) -> SweepResults:
   """The shapes of the results a sweep writes (None where not asked for)."""
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
@@ -348,7 +361,7 @@ def _output_structs(ins: SweepOperands, *, n_e, with_final_state, out_dtype) -> 
             else jax.ShapeDtypeStruct((n_e, b, tp, h, dim_k), out_dtype if n_e == 1 else _F32)),
       final_state=state if with_final_state else None,
       row_dots=(jax.ShapeDtypeStruct((b, h, n_e, tp), _F32)
-                if has_tangent or ins.dot_with is not None else None),
+                if has_tangent or ins.dot_with is not None or dots_with_dual else None),
       final_tangent=state if has_tangent and with_final_state else None)
 
 
@@ -436,7 +449,7 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
 
 
 def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-                slice_chunks, interpret) -> SweepResults:
+                slice_chunks, dots_with_dual, interpret) -> SweepResults:
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
   cfg = configs.chunk_loop
@@ -464,7 +477,8 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
                       y=rows(dim_k, False), z=rows(be, True), dual_with=rows(be, True), initial_state=start,
                       initial_tangent=start, tangent_with=rows(be, True), dot_with=rows(be, True))
   # With slices the final state and tangent come from the combine.
-  results = _output_structs(ins, n_e=n_e, with_final_state=with_final_state and ns == 1, out_dtype=out_dtype)
+  results = _output_structs(ins, n_e=n_e, with_final_state=with_final_state and ns == 1, out_dtype=out_dtype,
+                            dots_with_dual=dots_with_dual)
   out_specs = _present(
       results, out=rows(be, True),
       dual=pl.BlockSpec((None, None, tp, None, dim_k), lambda i, e: (e, i // ns // h, 0, i // ns % h, 0)),
@@ -472,7 +486,8 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
       row_dots=pl.BlockSpec((None, None, None, tp), lambda i, e: (i // ns // h, i // ns % h, e, 0)),
       final_tangent=state)
   kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len, num_chunks=num_chunks,
-                             slice_chunks=slice_chunks, num_slices=ns, reverse=reverse, exact=ins.x.dtype == _F32)
+                             slice_chunks=slice_chunks, num_slices=ns, reverse=reverse, exact=ins.x.dtype == _F32,
+                             dots_with_dual=dots_with_dual)
   outs = _call(kernel, (b * h * ns, n_e), ins, in_specs, results, out_specs, cfg, "lightning_chunk_loop", interpret)
   if ns > 1:
     outs = outs._replace(final_state=final_state, final_tangent=final_tangent)
@@ -480,7 +495,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
 
 
 def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-              slice_chunks, interpret) -> SweepResults:
+              slice_chunks, dots_with_dual, interpret) -> SweepResults:
   del slice_chunks  # every chunk runs in parallel already
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
@@ -503,9 +518,9 @@ def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, 
 
   chunk_state = pl.BlockSpec((None, None, None, dim_k, be), lambda i, j, e: (i // h, i % h, j, 0, e))
   out_ins = ins._replace(initial_state=None, chunk_states=states.chunk_states, chunk_tangents=states.chunk_tangents)
-  results = _output_structs(ins, n_e=n_e, with_final_state=False, out_dtype=out_dtype)
+  results = _output_structs(ins, n_e=n_e, with_final_state=False, out_dtype=out_dtype, dots_with_dual=dots_with_dual)
   kernel = functools.partial(_chunk_output_kernel, scale=scale, chunk_size=c, seq_len=seq_len, reverse=reverse,
-                             exact=exact)
+                             exact=exact, dots_with_dual=dots_with_dual)
   outs = _call(
       kernel, (b * h, n, n_e), out_ins,
       _present(out_ins, decay=pl.BlockSpec((None,), lambda i, j, e: (i % h,)),
@@ -562,8 +577,8 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
   return padded, configs, chunk, slice_chunks
 
 
-def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtype,
-          opts: PallasOptions) -> SweepResults:
+def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtype, opts: PallasOptions,
+          dots_with_dual: bool = False) -> SweepResults:
   """One sweep of `opts.variant` ("chunk_loop" or "parallel") on unpadded operands.
 
   Pads T to a multiple of the chunk size and the feature dims to powers of two
@@ -578,6 +593,8 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
     with_final_state: whether to write the final state (and tangent); the
       kernels skip the float32 [B, H, K, V] write(s) nobody reads.
     out_dtype: dtype of `out` and `dual`.
+    dots_with_dual: row dots of out with `dual_with` (u . out, from what the
+      kernels load for the dual output); `ins.dot_with` is then None.
 
   Returns:
     `SweepResults` with out, and dual, final_state, row_dots, final_tangent
@@ -587,7 +604,7 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
   padded, configs, _, slice_chunks = _prepare(ins, reverse=reverse, opts=opts)
   res = LAUNCHERS[opts.variant](padded, scale=opts.scale, seq_len=t, reverse=reverse,
                                 with_final_state=with_final_state, configs=configs, out_dtype=out_dtype,
-                                slice_chunks=slice_chunks, interpret=opts.interpret)
+                                slice_chunks=slice_chunks, dots_with_dual=dots_with_dual, interpret=opts.interpret)
 
   def unpad_state(s):
     return None if s is None else s[:, :, :dim_k, :dim_v]

@@ -31,7 +31,10 @@ exp(-(B_t - B_j)), so, with float32 row dots from the sweeps,
     dL/dB_t = k_t . dk_t - q_t . dq_t  (- <dS_T, S_T> at the last token),
     dL/dr_s = sum_{t >= s in s's segment} dL/dB_t   (0 where s starts a segment),
 
-as flash-linear-attention's simple GLA does. Residuals are the inputs (and the
+as flash-linear-attention's simple GLA does. k_t . dk_t equals v_t . dv_t
+(both are k_t G_t v_t^T plus the same intra-chunk sum), which the fused dk/dv
+sweep reduces from the v it already loads; otherwise the dk sweep reduces
+k_t . dk_t, and the dq sweep q_t . dq_t, each loading one more [C, block] tile. Residuals are the inputs (and the
 final state, for that last term): nothing of size O(T D E) is kept. Cotangents
 nobody asked for (`symbolic_zeros`) are not computed: a decay that is not
 differentiated costs no tangent, unused q or k, v gradients no sweep.
@@ -121,12 +124,13 @@ def _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state):
   if d_final is not None:
     d_cum = d_cum.at[..., -1].add(-jnp.sum(d_final * final_state, axis=(-2, -1)))
   d_cum = jnp.swapaxes(d_cum, 1, 2)  # [B, T, H]
-  starts = (jnp.zeros(d_cum.shape[:2], bool) if segment_starts is None else segment_starts)
   # Summed backwards within each segment: a segment ends where the next one starts.
-  ends = jnp.pad(starts[:, 1:], ((0, 0), (0, 1)), constant_values=True)
+  ends = None if segment_starts is None else jnp.pad(segment_starts[:, 1:], ((0, 0), (0, 1)), constant_values=True)
   d_rate = chunk_common.segmented_cumsum(d_cum, ends, axis=1, reverse=True)
   # Rates past the clamp change no factor (chunk_common.MAX_LOG2_RATE); a start's own rate scales a zero state.
-  live = (decay * chunk_common.LOG2_E < chunk_common.MAX_LOG2_RATE) & ~starts[..., None]
+  live = decay * chunk_common.LOG2_E < chunk_common.MAX_LOG2_RATE
+  if segment_starts is not None:
+    live &= ~segment_starts[..., None]
   return jnp.where(live, d_rate, 0.0)
 
 
@@ -148,7 +152,7 @@ def _backward(opts, residuals, cotangents):
   token_grad = needs.d_decay and per_token  # reverse mode, per-token rates
 
   sweep = functools.partial(pallas_triton.sweep, opts=opts)
-  dq = d_decay = d_initial = dk = dv = q_dq = None
+  dq = d_decay = d_initial = dk = dv = q_dq = k_dk = None
   if needs.dq or with_tangent or token_grad:
     # The dq sweep carries S^T; for the decay gradient it also carries
     # U^T = -dS^T/dlambda and reduces q_t . (scale do_t U_t^T) per token, or
@@ -166,24 +170,26 @@ def _backward(opts, residuals, cotangents):
   # Reverse sweeps over G (the state gradient): dv = k G + ..., and
   # dk = v G^T + ..., the dv sweep's dual output or a sweep of its own (see
   # `heuristics.fuse_dk_dv`). The state the dv sweep ends with gives d initial_state.
-  # With per-token rates k . dk comes from dk's own sweep, whose row dots are float32.
-  fuse = needs.dk and not token_grad and heuristics.fuse_dk_dv(dim_k=config_lib.padded_dim(q.shape[-1]),
-                                                               dim_v=config_lib.padded_dim(v.shape[-1]))
+  # With per-token rates, the fused sweep's float32 row dots v . dv give k . dk.
+  fuse = needs.dk and heuristics.fuse_dk_dv(dim_k=config_lib.padded_dim(q.shape[-1]),
+                                            dim_v=config_lib.padded_dim(v.shape[-1]))
   with_initial = needs.d_initial and initial_state is not None
   if needs.dv or with_initial or fuse:
     res = sweep(SweepOperands(**gates, x=k, y=q, z=do, initial_state=d_final_scaled,
                               dual_with=v if fuse else None),
-                reverse=True, with_final_state=with_initial, out_dtype=v.dtype)
+                reverse=True, with_final_state=with_initial, out_dtype=v.dtype, dots_with_dual=fuse and token_grad)
     dv, dk = res.out, res.dual
+    if fuse and token_grad:
+      k_dk = res.row_dots
     if with_initial:
       d_initial = scale * initial_state_factor(decay) * res.final_state
-  if (needs.dk and not fuse) or token_grad:
+  if (needs.dk and not fuse) or (token_grad and k_dk is None):
     res = sweep(SweepOperands(**gates, x=v, y=do, z=q, initial_state=transpose(d_final_scaled),
                               dot_with=k if token_grad else None),
                 reverse=True, with_final_state=False, out_dtype=k.dtype)
-    dk = res.out
-    if token_grad:
-      d_decay = _token_decay_grad(decay, segment_starts, q_dq, res.row_dots, d_final, final_state)
+    dk, k_dk = res.out, res.row_dots
+  if token_grad:
+    d_decay = _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state)
   # Inside shard_map, a replicated decay or initial state collects every device's share.
   return (dq, dk, dv, manual_axes.sum_to_type_of(d_decay, decay), None,
           manual_axes.sum_to_type_of(d_initial, initial_state))
