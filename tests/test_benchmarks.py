@@ -527,3 +527,16 @@ def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch,
   assert report.overlap(fla, worker.result(jobs[0], "fwd", "ok", time_ms=2.0)) is None
   loses = report.where_we_lose({"metadata": {}, "results": [fla, {**xla, "time_ms": 9.0}]})
   assert "fla-chunk 2.000 [1.000-3.000]" in loses and "| no |" in loses
+
+
+def test_pieces_times_every_piece_of_per_token_rates(capsys):
+  """`benchmarks.pieces` on a tiny shape (interpret mode): a positive time for each piece of the per-token rows."""
+  from benchmarks import pieces  # noqa: PLC0415
+
+  pieces.main(["--shapes", "1x80x1x8", "--kinds", "token,token-fixed"])
+  rows = {line.split()[1]: line.split()[2:] for line in capsys.readouterr().out.splitlines()
+          if line.startswith("1x80x1x8 ") and "vjp" not in line}
+  times = {kind: dict(zip(["fwd", *pieces.COLUMNS[1:]], cells)) for kind, cells in rows.items()}
+  assert {k: [c for c, v in t.items() if v != "-"] for k, t in times.items()} == {
+      "token": ["fwd", "qkvg", "g"], "token-fixed": ["qkv", "q", "k", "v"]}
+  assert all(float(v) > 0 for t in times.values() for v in t.values() if v != "-")

@@ -237,7 +237,7 @@ def test_reference_matches_a_float64_loop():
       assert rel_err(o[0, sl, hh], o_want) < 1e-5 and rel_err(finals[n, hh], final_want) < 1e-5
 
 
-@pytest.mark.parametrize("length", [1, 64, 65, 4100])  # 4100: three levels of 64-token blocks
+@pytest.mark.parametrize("length", [1, 64, 65, 4100])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_segmented_cumsum_matches_a_float64_loop(length, reverse):
   """Sums restart at every start, and each one's error is bounded by its own segment's magnitudes."""

@@ -198,60 +198,21 @@ def segment_starts(segment_ids):
 def segmented_cumsum(x, starts, *, axis, reverse=False):
   """Inclusive cumulative sums of x along `axis` that restart wherever `starts` is True (in scan order).
 
-  Each sum adds only the elements of its own segment (masked sums in blocks
-  of `_SCAN_BLOCK`, then the same over the blocks' sums), so no rounding of
-  other segments' (possibly large) sums reaches it. Without `starts`, a
-  plain cumulative sum. A handful of fused operations and small batched
-  matmuls, where an associative scan would launch dozens of kernels on a GPU.
+  Each sum adds only the elements of its own segment, in a tree, so no
+  rounding of earlier segments' (possibly large) sums reaches it.
 
   Args:
     x: float array.
-    starts: bool, shaped like x's leading dims through `axis` (broadcast over
-      the rest), or None (no restarts).
+    starts: bool, shaped like x's leading dims through `axis` (broadcast over the rest).
     reverse: scan from the end (then a True marks the last element of a segment in array order).
   """
-  if starts is None:
-    return jax.lax.cumsum(x, axis=axis, reverse=reverse)
-  lead, t = math.prod(x.shape[:axis]), x.shape[axis]
-  values = x.reshape(lead, t, -1)
-  starts = jnp.broadcast_to(starts, x.shape[:axis + 1]).reshape(lead, t)
-  if reverse:
-    values, starts = values[:, ::-1], starts[:, ::-1]
-  segment = jax.lax.cumsum(starts.astype(jnp.int32), axis=1)
-  sums = _segmented_prefix_sums(values, segment)
-  if reverse:
-    sums = sums[:, ::-1]
-  return sums.reshape(x.shape)
+  flags = jnp.broadcast_to(starts.reshape(starts.shape + (1,) * (x.ndim - starts.ndim)), x.shape)
 
+  def combine(earlier, later):
+    (value_a, start_a), (value_b, start_b) = earlier, later
+    return jnp.where(start_b, value_b, value_a + value_b), start_a | start_b
 
-_SCAN_BLOCK = 64
-
-
-def _segmented_prefix_sums(x, segment):
-  """sum_{j <= i, segment_j == segment_i} x_j for x [L, T, R] and non-decreasing segment ids [L, T].
-
-  Within blocks of `_SCAN_BLOCK` a masked matmul; a block's first segment
-  then adds what the blocks before it hold of that segment: the prefix sums
-  of the blocks' last-segment sums, the same problem T / block times
-  smaller, solved recursively.
-  """
-  lead, t, rest = x.shape
-  block = min(_SCAN_BLOCK, t)
-  n = -(-t // block)
-  # Padding continues the last segment with zeros.
-  x = jnp.pad(x, ((0, 0), (0, n * block - t), (0, 0))).reshape(lead, n, block, rest)
-  segment = jnp.pad(segment, ((0, 0), (0, n * block - t)), mode="edge").reshape(lead, n, block)
-  row, col = np.arange(block)[:, None], np.arange(block)[None, :]
-  same = (col <= row) & (segment[..., :, None] == segment[..., None, :])  # [L, N, i, j]
-  sums = jnp.einsum("lnij,lnjr->lnir", same.astype(x.dtype), x, precision=jax.lax.Precision.HIGHEST)
-  if n > 1:
-    last = segment[:, :, -1]
-    before = _segmented_prefix_sums(sums[:, :, -1], last)  # [L, N, R], through each block's last segment
-    # Block m's first segment continues from block m - 1 where their ids match.
-    carry = jnp.where((last[:, :-1] == segment[:, 1:, 0])[..., None], before[:, :-1], 0.0)
-    carry = jnp.pad(carry, ((0, 0), (1, 0), (0, 0)))
-    sums = sums + jnp.where((segment == segment[:, :, :1])[..., None], carry[:, :, None, :], 0.0)
-  return sums.reshape(lead, n * block, rest)[:, :t]
+  return jax.lax.associative_scan(combine, (x, flags), reverse=reverse, axis=axis)[0]
 
 
 def token_chunk_gates(rates, starts, *, chunk_size, num_tokens, reverse):

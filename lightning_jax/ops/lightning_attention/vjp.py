@@ -34,10 +34,11 @@ exp(-(B_t - B_j)), so, with float32 row dots from the sweeps,
 as flash-linear-attention's simple GLA does. k_t . dk_t equals v_t . dv_t
 (both are k_t G_t v_t^T plus the same intra-chunk sum), which the fused dk/dv
 sweep reduces from the v it already loads; otherwise the dk sweep reduces
-k_t . dk_t, and the dq sweep q_t . dq_t, each loading one more [C, block] tile. Residuals are the inputs (and the
-final state, for that last term): nothing of size O(T D E) is kept. Cotangents
-nobody asked for (`symbolic_zeros`) are not computed: a decay that is not
-differentiated costs no tangent, unused q or k, v gradients no sweep.
+k_t . dk_t, and the dq sweep q_t . dq_t, each loading one more [C, block]
+tile. Residuals are the inputs (and the final state, for that last term):
+nothing of size O(T D E) is kept. Cotangents nobody asked for
+(`symbolic_zeros`) are not computed: a decay that is not differentiated costs
+no tangent, unused q or k, v gradients no sweep.
 """
 
 from __future__ import annotations
@@ -124,13 +125,12 @@ def _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state):
   if d_final is not None:
     d_cum = d_cum.at[..., -1].add(-jnp.sum(d_final * final_state, axis=(-2, -1)))
   d_cum = jnp.swapaxes(d_cum, 1, 2)  # [B, T, H]
+  starts = (jnp.zeros(d_cum.shape[:2], bool) if segment_starts is None else segment_starts)
   # Summed backwards within each segment: a segment ends where the next one starts.
-  ends = None if segment_starts is None else jnp.pad(segment_starts[:, 1:], ((0, 0), (0, 1)), constant_values=True)
+  ends = jnp.pad(starts[:, 1:], ((0, 0), (0, 1)), constant_values=True)
   d_rate = chunk_common.segmented_cumsum(d_cum, ends, axis=1, reverse=True)
   # Rates past the clamp change no factor (chunk_common.MAX_LOG2_RATE); a start's own rate scales a zero state.
-  live = decay * chunk_common.LOG2_E < chunk_common.MAX_LOG2_RATE
-  if segment_starts is not None:
-    live &= ~segment_starts[..., None]
+  live = (decay * chunk_common.LOG2_E < chunk_common.MAX_LOG2_RATE) & ~starts[..., None]
   return jnp.where(live, d_rate, 0.0)
 
 
