@@ -1,6 +1,6 @@
 """Times the pieces of the lightning op's forward+backward by leaving parts out, per-head against per-token rates.
 
-    python -m benchmarks.pieces [--shapes 1x32768x32x128,...] [--ncu-shape 1x32768x32x128 --ncu-kind token]
+    python -m benchmarks.pieces [--shapes 1x32768x32x128,...] [--kinds head,token] [--ncu-shape 1x32768x32x128]
 
 For each shape (bf16) and each decay kind (a per-head rate, fixed; per-token
 rates, differentiated as the CLI's fwd+bwd does; per-token rates held fixed)
@@ -8,7 +8,9 @@ it times, with `--variant` (auto), the forward, the VJP with respect to q, k, v
 (and the rates), and the VJP with respect to q, k or v alone: the differences
 place the backward's time in its sweeps. With `--ncu-shape` it runs one
 forward+backward of that shape between cuProfilerStart and cuProfilerStop, for
-`ncu --profile-from-start off` to list every kernel's duration.
+`ncu --profile-from-start off` to list every kernel's duration (on the H200
+with jax 0.11.2 this ran for per-head rates; the per-token program crashed
+under ncu, cause unknown).
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ def _row_weights(ins: SweepOperands, rows, u, *, dots_with_dual):
 
 
 def _row_dots(ins: SweepOperands, weights, out, out_tangent):
-  """Per-row sum_v of the decay tangent (with `tangent_with`) or of out (with `dot_with`) times `weights`, float32 [C]."""
+  """Per-row sum_v of `weights` times the decay tangent (with `tangent_with`), else out: float32 [C]."""
   return jnp.sum((out if ins.tangent_with is None else out_tangent) * weights.astype(_F32), axis=1)
 
 
