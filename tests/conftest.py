@@ -5,8 +5,9 @@ import os
 # XLA may otherwise drop f32 -> bf16 -> f32 round trips, so that interpret mode
 # on the CPU computes more precisely than the GPU does and hides rounding bugs;
 # eight host devices make the CPU mesh of the multi-device tests; XLA:CPU's
-# YNNPACK fusions off: jaxlib 0.10.2's transpose there segfaulted on this
-# project's CI-like machine (an AMD EPYC without AVX-512; the KDA layer's gradient).
+# YNNPACK fusions off: with jaxlib 0.10.2 on an AMD EPYC (no AVX-512) an
+# elementwise one took an operand in a transposed layout and segfaulted (the
+# KDA layer's gradient; with only elementwise fusions on, XLA names the layout).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"
                            " --xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type=").strip()
 # Test processes (pytest-xdist runs several) allocate GPU memory as they go
