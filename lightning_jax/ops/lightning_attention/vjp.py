@@ -178,9 +178,7 @@ def _backward(opts, residuals, cotangents):
     res = sweep(SweepOperands(**gates, x=k, y=q, z=do, initial_state=d_final_scaled,
                               dual_with=v if fuse else None),
                 reverse=True, with_final_state=with_initial, out_dtype=v.dtype, dots_with_dual=fuse and token_grad)
-    dv, dk = res.out, res.dual
-    if fuse and token_grad:
-      k_dk = res.row_dots
+    dv, dk, k_dk = res.out, res.dual, res.row_dots  # row dots only with per-token rates: v . dv = k . dk
     if with_initial:
       d_initial = scale * initial_state_factor(decay) * res.final_state
   if (needs.dk and not fuse) or (token_grad and k_dk is None):
