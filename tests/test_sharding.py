@@ -97,6 +97,64 @@ def test_sequence_parallel_equals_one_device(devices, t_local, decay_kind, segme
               tol=2e-4 if decay_kind == "head" else 2e-5)  # dL/d(rate) sums T position-weighted terms
 
 
+@pytest.mark.parametrize("argnums", [(0,), (1,), (3,), (4,), (0, 2)], ids=["q", "k", "decay", "initial", "qv"])
+def test_sequence_parallel_differentiates_any_subset(argnums):
+  """Gradients of some inputs alone (the rest fixed, e.g. ALiBi rates) equal one device's, with no exchange needed."""
+  mesh = cpu_mesh((2,), ("sp",))
+  q, k, v, decay, s0, _, do, d_final = make_inputs(2 * 19, "head", segments=False, seed=11)
+  rows = P(None, "sp")
+
+  def local(q, k, v, decay, s0):
+    return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, sequence_axis="sp",
+                                  impl="pallas", interpret=True)
+
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P(), P()), out_specs=(rows, P()),
+                          check_vma=False)
+  _, want = value_and_grads(single_device(None), do, d_final, argnums)(q, k, v, decay, s0)
+  _, got = value_and_grads(sharded, do, d_final, argnums)(q, k, v, decay, s0)
+  check_close(got, want, [("q", "k", "v", "decay", "initial_state")[i] for i in argnums], tol=2e-4)
+
+
+def _pallas_calls(fn, *args):
+  """The pallas_calls in fn's jaxpr, nested ones included: (name, operand shapes, result shapes) each."""
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        yield (str(eqn.params["name"]), tuple(x.aval.shape for x in eqn.invars),
+               tuple(x.aval.shape for x in eqn.outvars))
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            yield from walk(sub)
+  return sorted(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def test_sequence_parallel_runs_the_local_ops_kernels_and_two_states_passes():
+  """With fixed rates, a device's forward+backward of q, k, v runs the plain op's kernels from an initial state
+  (the prefix) with a final-state cotangent, plus one states pass each way: no decay tangent, no initial-state
+  gradient."""
+  devices, t_local = 2, 64
+  mesh = cpu_mesh((devices,), ("sp",))
+  q, k, v, decay, s0, _, do, d_final = make_inputs(devices * t_local, "head", segments=False, seed=3)
+  kwargs = dict(impl="pallas", interpret=True)
+
+  def local(q, k, v, do, d_final):
+    def attn(q, k, v):
+      return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, **kwargs)
+    return jax.vjp(attn, q, k, v)[1]((do, d_final))
+
+  def split(q, k, v, do):
+    attn = lambda q, k, v: lj.sharded_lightning_attention(q, k, v, decay, mesh=mesh, sequence_axis="sp", **kwargs)  # noqa: E731
+    return jax.vjp(attn, q, k, v)[1](do)
+
+  want = _pallas_calls(local, *(x[:, :t_local] for x in (q, k, v, do)), d_final)
+  got = _pallas_calls(split, q, k, v, do)
+  states_passes = [call for call in got if call[0] == "lightning_chunk_states"]
+  assert len(states_passes) == 2 and not any(call[0] == "lightning_chunk_states" for call in want), (want, got)
+  assert [call for call in got if call not in states_passes] == want, (want, got)
+
+
 def test_sequence_axis_of_one_device_is_the_plain_op():
   """One device along the axis: the plain op, its final state typed as replicated (out_specs P()) as with several."""
   mesh = cpu_mesh((1,), ("sp",))

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import manual_axes
@@ -184,31 +185,71 @@ def sequence_parallel(local: Local, q, k, v, decay, initial_state, segment_ids):
   return _primal(local, q, k, v, decay, initial_state, segment_ids)
 
 
+class _Needs(NamedTuple):
+  """Which inputs the caller differentiates (the others get no sweep, no tangent, no exchange)."""
+  q: bool
+  k: bool
+  v: bool
+  decay: bool
+  initial_state: bool
+
+  @property
+  def op_inputs(self) -> list[str]:
+    """The local op's differentiated inputs (the prefix is not: its cotangent travels as the g_p)."""
+    return [name for name in ("q", "k", "v", "decay") if getattr(self, name)]
+
+  @property
+  def state_grads(self) -> bool:
+    """Whether anything needs the state cotangents g_p (every gradient but dq's)."""
+    return self.k or self.v or self.decay or self.initial_state
+
+
 def _fwd(local: Local, q, k, v, decay, initial_state, segment_ids):
+  # With symbolic_zeros the primals say whether each one is differentiated: the
+  # local op's vjp is then taken over those alone, so that a fixed decay (the
+  # usual ALiBi slopes) costs no tangent and the prefix no initial-state sweep.
+  perturbed = lambda x: x is not None and x.perturbed  # noqa: E731
+  needs = _Needs(*(perturbed(x) for x in (q, k, v, decay, initial_state)))
+  q, k, v, decay, initial_state, segment_ids = (
+      None if x is None else x.value for x in (q, k, v, decay, initial_state, segment_ids))
   prefix, final_state, links, p, starts = _forward_parts(local, q, k, v, decay, initial_state, segment_ids)
-  o, op_vjp = jax.vjp(lambda q, k, v, decay, prefix: local.run_op(q, k, v, decay, prefix, segment_ids),
-                      q, k, v, decay, prefix)
+  primals = dict(q=q, k=k, v=v, decay=decay)
+
+  def op(*args):
+    return local.run_op(**{**primals, **dict(zip(needs.op_inputs, args))}, initial_state=prefix,
+                        segment_ids=segment_ids)
+
+  o, op_vjp = jax.vjp(op, *(primals[name] for name in needs.op_inputs))
   out = (o[0], final_state) if local.with_final_state else o[0]
-  return out, (op_vjp, links, p, q, decay, initial_state, starts)
+  return out, (op_vjp, needs, links, p, q, decay, initial_state, starts)
 
 
 def _bwd(local: Local, residuals, cotangents):
-  op_vjp, links, p, q, decay, initial_state, starts = residuals
+  op_vjp, needs, links, p, q, decay, initial_state, starts = residuals
   do, d_final = cotangents if local.with_final_state else (cotangents, None)
+  if isinstance(do, SymbolicZero):
+    do = jnp.zeros(do.shape, do.dtype)  # only the final state is used downstream
+  if isinstance(d_final, SymbolicZero):
+    d_final = None
   axis = local.axis
   typed = _varies(q, axis)  # False: shard_map without check_vma (q, sharded over the axis, varies)
   if d_final is not None and (not typed or _varies(d_final, axis)):
     # Every device returned the same final state: its cotangent is the sum of theirs.
     d_final = jax.lax.psum(d_final, axis)
-  own = local.scale * local.slice_state(q, do, decay, starts, True)
-  if links.continues is not None:
-    own = jnp.where(_mine(links.continues, p, axis=1)[:, None, None, None], own, 0.0)
-  (gathered,) = _gather(axis, own)
-  state_grads = _combine(gathered, links, d_final, reverse=True)
-  after_mine = _mine(state_grads, p + 1, axis=2)
-  dq, dk, dv, d_decay, _ = op_vjp((do, after_mine))
+  state_grads = None
+  after_mine = jnp.zeros(q.shape[:1] + (q.shape[2], q.shape[3], do.shape[3]), jnp.float32)
+  if needs.state_grads:
+    own = local.scale * local.slice_state(q, do, decay, starts, True)
+    if links.continues is not None:
+      own = jnp.where(_mine(links.continues, p, axis=1)[:, None, None, None], own, 0.0)
+    (gathered,) = _gather(axis, own)
+    state_grads = _combine(gathered, links, d_final, reverse=True)
+    after_mine = _mine(state_grads, p + 1, axis=2)
+  # dq does not depend on the state cotangents: without them the local op's
+  # backward runs the dq sweep alone (a zero final-state cotangent).
+  grads = dict(zip(needs.op_inputs, op_vjp((do, after_mine))))
   d_initial = None
-  if initial_state is not None:
+  if needs.initial_state:
     d_initial = state_grads[:, :, 0]
     if not typed or _varies(initial_state, axis):
       # shard_map sums the cotangents of an input not typed as replicated: device 0's counts.
@@ -216,7 +257,7 @@ def _bwd(local: Local, residuals, cotangents):
     d_initial = d_initial.astype(initial_state.dtype)
   # (A rate replicated over the axis gets its devices' contributions summed by
   # the local op's vjp, under check_vma, or by shard_map's transpose, without.)
-  return dq, dk, dv, d_decay, d_initial, None
+  return grads.get("q"), grads.get("k"), grads.get("v"), grads.get("decay"), d_initial, None
 
 
-sequence_parallel.defvjp(_fwd, _bwd)
+sequence_parallel.defvjp(_fwd, _bwd, symbolic_zeros=True)
