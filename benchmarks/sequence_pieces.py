@@ -1,6 +1,7 @@
 """Times what one device of sequence parallelism runs, on one device, against the plain op.
 
     python -m benchmarks.sequence_pieces [--shape 1x131072x32x128] [--states-blocks 64x64x4x3,128x128x8x2]
+    python -m benchmarks.sequence_pieces --trace-devices 2 --out-dir DIR   # where the time goes on 2 devices
 
 A device of `sequence_axis` runs, per local slice of T (`sequence_parallel`):
 forward, the slice's own state (a states pass over k, v) then the op from its
@@ -13,17 +14,31 @@ beside the plain op's forward and forward+backward, so that the sums
     forward+backward: states + states_reverse + prefix_fwdbwd
 
 give the device's compute before any exchange (the all-gathers move [B, H, D,
-E] float32 states). The states passes are timed with each block config of
+E] float32 states). Every program runs with each states-pass block config of
 `--states-blocks` (block_d x block_e x warps x stages of `ChunkStatesConfig`;
-"default" is the heuristics' choice).
+"default" is the heuristics' choice), which the plain op's own sequence split
+uses too where few (batch, head) pairs would leave the GPU idle.
+
+With `--trace-devices N` it instead runs the sequence-parallel forward and
+forward+backward of N devices (T N tokens over a mesh ("sp",)) under
+`jax.profiler`, and prints each device's time per kernel per call from the
+Perfetto trace (written under `--out-dir`): the local kernels against the
+collectives.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import gzip
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import api
@@ -49,13 +64,13 @@ def _states_config(text):
 
 
 def programs(decay, states_blocks):
-  """{name: fn(q, k, v, do, prefix, d_final)}: the plain op's and one sequence-parallel device's programs."""
-  def op(q, k, v, **kwargs):
-    return lj.lightning_attention(q, k, v, decay, impl="pallas", **kwargs)
+  """{name[blocks]: fn(q, k, v, do, prefix, d_final)}: the plain op's and one sequence-parallel device's programs,
+  with each states-pass config (which the plain op's own sequence split uses too)."""
+  def op(q, k, v, blocks, **kwargs):
+    return lj.lightning_attention(q, k, v, decay, impl="pallas", config=_states_config(blocks), **kwargs)
 
-  def fwdbwd(q, k, v, do, cotangents=None, **kwargs):
-    o, vjp = jax.vjp(lambda q, k, v: op(q, k, v, **kwargs), q, k, v)
-    return o, vjp(do if cotangents is None else cotangents)
+  def fwdbwd(q, k, v, cotangents, blocks, **kwargs):
+    return jax.vjp(lambda q, k, v: op(q, k, v, blocks, **kwargs), q, k, v)[1](cotangents)
 
   def states(y, z, blocks, reverse):
     device = heuristics.device_of(y)
@@ -63,16 +78,61 @@ def programs(decay, states_blocks):
     return api._slice_state(y, z, decay, None, reverse, scale=float(y.shape[-1] ** -0.5), impl="pallas",  # noqa: SLF001
                             config=_states_config(blocks), interpret=interpret, device=device)
 
-  found = {
-      "fwd": lambda q, k, v, do, prefix, d_final: op(q, k, v),
-      "fwdbwd": lambda q, k, v, do, prefix, d_final: fwdbwd(q, k, v, do),
-      "prefix_fwd": lambda q, k, v, do, prefix, d_final: op(q, k, v, initial_state=prefix, return_final_state=True),
-      "prefix_fwdbwd": lambda q, k, v, do, prefix, d_final: fwdbwd(
-          q, k, v, None, (do, d_final), initial_state=prefix, return_final_state=True),
-  }
-  for blocks in states_blocks:
-    found[f"states[{blocks}]"] = lambda q, k, v, do, prefix, d_final, b=blocks: states(k, v, b, False)
-    found[f"states_reverse[{blocks}]"] = lambda q, k, v, do, prefix, d_final, b=blocks: states(q, do, b, True)
+  found = {}
+  for b in states_blocks:
+    prefixed = dict(initial_state=None, return_final_state=True)
+    found.update({
+        f"fwd[{b}]": lambda q, k, v, do, prefix, d_final, b=b: op(q, k, v, b),
+        f"fwdbwd[{b}]": lambda q, k, v, do, prefix, d_final, b=b: fwdbwd(q, k, v, do, b),
+        f"prefix_fwd[{b}]": lambda q, k, v, do, prefix, d_final, b=b: op(
+            q, k, v, b, **dict(prefixed, initial_state=prefix)),
+        f"prefix_fwdbwd[{b}]": lambda q, k, v, do, prefix, d_final, b=b: fwdbwd(
+            q, k, v, (do, d_final), b, **dict(prefixed, initial_state=prefix)),
+        f"states[{b}]": lambda q, k, v, do, prefix, d_final, b=b: states(k, v, b, False),
+        f"states_reverse[{b}]": lambda q, k, v, do, prefix, d_final, b=b: states(q, do, b, True),
+    })
+  return found
+
+
+def kernel_times(trace: dict, calls: int) -> dict:
+  """{device process name: {kernel: ms per call}} from a Perfetto trace of `calls` calls (GPU processes only)."""
+  events = trace["traceEvents"]
+  names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  times = collections.defaultdict(lambda: collections.defaultdict(float))
+  for e in events:
+    process = names.get(e.get("pid"), "")
+    if e.get("ph") == "X" and "GPU" in process:
+      times[process][e["name"]] += e["dur"] / 1e3 / calls
+  return {process: dict(sorted(kernels.items(), key=lambda kv: -kv[1])) for process, kernels in times.items()}
+
+
+def trace_sequence_parallel(shape, devices: int, out_dir: pathlib.Path, calls: int = 5) -> dict:
+  """The N-device forward and forward+backward under the profiler: {mode: kernel_times}."""
+  b, t, h, d = shape
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("sp",))
+  rows = NamedSharding(mesh, P(None, "sp"))
+  decay = jnp.asarray(lj.alibi_slopes(h))
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (jax.device_put(jax.random.normal(key, (b, t * devices, h, d), jnp.bfloat16), rows) for key in keys)
+
+  def attn(q, k, v):
+    return lj.sharded_lightning_attention(q, k, v, decay, mesh=mesh, sequence_axis="sp", impl="pallas")
+
+  modes = {"fwd": jax.jit(attn), "fwdbwd": jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))}
+  found = {}
+  for mode, fn in modes.items():
+    args = (q, k, v) if mode == "fwd" else (q, k, v, do)
+    jax.block_until_ready(fn(*args))
+    folder = out_dir / f"trace-{mode}"
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    (path,) = folder.glob("**/perfetto_trace.json.gz")
+    found[mode] = kernel_times(json.load(gzip.open(path)), calls)
+    for process, kernels in found[mode].items():
+      print(f"{mode} {process}: {sum(kernels.values()):.3f} ms of kernels per call")
+      for name, ms in list(kernels.items())[:12]:
+        print(f"  {ms:8.3f} ms  {name[:100]}")
   return found
 
 
@@ -80,8 +140,12 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--shape", default="1x131072x32x128", help="one device's BxTxHxD")
   p.add_argument("--states-blocks", default="default", help="comma-separated default or DxExWARPSxSTAGES")
+  p.add_argument("--trace-devices", type=int, help="trace the sequence-parallel programs of this many devices")
+  p.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("."), help="where --trace-devices writes")
   args = p.parse_args(argv)
   shape = tuple(int(x) for x in args.shape.split("x"))
+  if args.trace_devices:
+    return trace_sequence_parallel(shape, args.trace_devices, args.out_dir)
   decay = jnp.asarray(lj.alibi_slopes(shape[2]))
   arg_sets = [_inputs(shape, seed) for seed in range(2)]
   times = {}
@@ -90,12 +154,12 @@ def main(argv=None):
     times[name] = timing.measure(lambda i, c=compiled: c(*arg_sets[i]), jax.block_until_ready, n_sets=2, warmup=2,
                                  max_iters=15, max_seconds=0.5, min_sample_seconds=timing.GPU_SAMPLE_SECONDS)["time_ms"]
     print(f"{args.shape} {name:32s} {times[name]:8.3f} ms", flush=True)
-  best = lambda prefix: min(ms for name, ms in times.items() if name.startswith(prefix + "["))  # noqa: E731
-  fwd = best("states") + times["prefix_fwd"]
-  fwdbwd = best("states") + best("states_reverse") + times["prefix_fwdbwd"]
-  print(f"one device of sequence parallelism (best states blocks): forward {fwd:.3f} ms "
-        f"({fwd / times['fwd']:.2f}x the plain op), forward+backward {fwdbwd:.3f} ms "
-        f"({fwdbwd / times['fwdbwd']:.2f}x)")
+  for b in args.states_blocks.split(","):
+    fwd = times[f"states[{b}]"] + times[f"prefix_fwd[{b}]"]
+    fwdbwd = times[f"states[{b}]"] + times[f"states_reverse[{b}]"] + times[f"prefix_fwdbwd[{b}]"]
+    print(f"states blocks {b}: one device of sequence parallelism: forward {fwd:.3f} ms "
+          f"({fwd / times[f'fwd[{b}]']:.2f}x the plain op), forward+backward {fwdbwd:.3f} ms "
+          f"({fwdbwd / times[f'fwdbwd[{b}]']:.2f}x)")
   return times
 
 

@@ -540,3 +540,27 @@ def test_pieces_times_every_piece_of_per_token_rates(capsys):
   assert {k: [c for c, v in t.items() if v != "-"] for k, t in times.items()} == {
       "token": ["fwd", "qkvg", "g"], "token-fixed": ["qkv", "q", "k", "v"]}
   assert all(float(v) > 0 for t in times.values() for v in t.values() if v != "-")
+
+
+def test_sequence_pieces_times_one_sequence_parallel_device():
+  """`benchmarks.sequence_pieces` on a tiny shape (interpret mode): every program timed with each states config."""
+  from benchmarks import sequence_pieces  # noqa: PLC0415
+
+  times = sequence_pieces.main(["--shape", "1x40x1x8", "--states-blocks", "default,16x16x4x1"])
+  pieces = ("fwd", "fwdbwd", "prefix_fwd", "prefix_fwdbwd", "states", "states_reverse")
+  assert sorted(times) == sorted(f"{p}[{b}]" for p in pieces for b in ("default", "16x16x4x1"))
+  assert all(ms > 0 for ms in times.values())
+
+
+def test_sequence_pieces_reads_kernel_times_per_device_from_a_perfetto_trace():
+  """Kernel time per call, per GPU process (host events left out), largest first."""
+  from benchmarks import sequence_pieces  # noqa: PLC0415
+
+  meta = lambda pid, name: {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}  # noqa: E731
+  event = lambda pid, name, dur: {"ph": "X", "pid": pid, "tid": 1, "ts": 0.0, "dur": dur, "name": name}  # noqa: E731
+  trace = {"traceEvents": [meta(1, "/host:CPU"), meta(2, "/device:GPU:0"), meta(3, "/device:GPU:1"),
+                           event(1, "PjitFunction", 9000.0), event(2, "states", 1000.0), event(2, "loop", 3000.0),
+                           event(2, "states", 1000.0), event(3, "all-gather", 500.0)]}
+  found = sequence_pieces.kernel_times(trace, calls=2)
+  assert found == {"/device:GPU:0": {"loop": 1.5, "states": 1.0}, "/device:GPU:1": {"all-gather": 0.25}}
+  assert list(found["/device:GPU:0"]) == ["loop", "states"]

@@ -367,14 +367,14 @@ def test_compiled_kernels_inside_shard_map(check_vma, decay_kind):
                                                      seed=5)
   rows = P(None, "sp")
 
-  def local(q, k, v, decay, s0):
+  def local(q, k, v, decay, s0, ids):
     return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, segment_ids=ids,
                                   sequence_axis="sp", impl="pallas")
 
-  sharded = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, rows if decay_kind == "token" else P(), P()),
-                          out_specs=(rows, P()), check_vma=check_vma)
+  in_specs = (rows, rows, rows, rows if decay_kind == "token" else P(), P(), None if ids is None else rows)
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(rows, P()), check_vma=check_vma)
   (_, want), want_grads = value_and_grads(single_device(ids), do, d_final, ARGNUMS)(q, k, v, decay, s0)
-  (_, got), got_grads = value_and_grads(sharded, do, d_final, ARGNUMS)(q, k, v, decay, s0)
+  (_, got), got_grads = value_and_grads(lambda *a: sharded(*a, ids), do, d_final, ARGNUMS)(q, k, v, decay, s0)
   check_close(got, want, ("o", "final_state"), tol=1e-4)
   check_close(got_grads, want_grads, ("q", "k", "v", "decay", "initial_state"), tol=1e-3)
 
