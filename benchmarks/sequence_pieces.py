@@ -70,7 +70,9 @@ def programs(decay, states_blocks):
     return lj.lightning_attention(q, k, v, decay, impl="pallas", config=_states_config(blocks), **kwargs)
 
   def fwdbwd(q, k, v, cotangents, blocks, **kwargs):
-    return jax.vjp(lambda q, k, v: op(q, k, v, blocks, **kwargs), q, k, v)[1](cotangents)
+    # o is returned: the VJP's residuals are the inputs, so XLA would drop an unused forward.
+    o, vjp = jax.vjp(lambda q, k, v: op(q, k, v, blocks, **kwargs), q, k, v)
+    return o, vjp(cotangents)
 
   def states(y, z, blocks, reverse):
     device = heuristics.device_of(y)
@@ -118,7 +120,11 @@ def trace_sequence_parallel(shape, devices: int, out_dir: pathlib.Path, calls: i
   def attn(q, k, v):
     return lj.sharded_lightning_attention(q, k, v, decay, mesh=mesh, sequence_axis="sp", impl="pallas")
 
-  modes = {"fwd": jax.jit(attn), "fwdbwd": jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))}
+  def fwdbwd(q, k, v, do):
+    o, vjp = jax.vjp(attn, q, k, v)
+    return o, vjp(do)
+
+  modes = {"fwd": jax.jit(attn), "fwdbwd": jax.jit(fwdbwd)}
   found = {}
   for mode, fn in modes.items():
     args = (q, k, v) if mode == "fwd" else (q, k, v, do)
