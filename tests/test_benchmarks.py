@@ -14,6 +14,7 @@ import time
 import pytest
 
 from benchmarks import cases, metrics, report, run, worker
+import lightning_jax as lj
 from lightning_jax.tune import timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -546,10 +547,13 @@ def test_sequence_pieces_times_one_sequence_parallel_device():
   """`benchmarks.sequence_pieces` on a tiny shape (interpret mode): every program timed with each states config."""
   from benchmarks import sequence_pieces  # noqa: PLC0415
 
-  times = sequence_pieces.main(["--shape", "1x40x1x8", "--states-blocks", "default,16x16x4x1"])
+  times = sequence_pieces.main(["--shape", "1x40x1x8", "--states-blocks", "16x16x4x1"])
   pieces = ("fwd", "fwdbwd", "prefix_fwd", "prefix_fwdbwd", "states", "states_reverse")
-  assert sorted(times) == sorted(f"{p}[{b}]" for p in pieces for b in ("default", "16x16x4x1"))
+  assert sorted(times) == sorted(f"{p}[16x16x4x1]" for p in pieces)
   assert all(ms > 0 for ms in times.values())
+  assert sequence_pieces._states_config("default") is None  # noqa: SLF001
+  assert sequence_pieces._states_config("128x64x8x3").chunk_states == lj.ChunkStatesConfig(  # noqa: SLF001
+      block_d=128, block_e=64, num_warps=8, num_stages=3)
 
 
 def test_sequence_pieces_reads_kernel_times_per_device_from_a_perfetto_trace():

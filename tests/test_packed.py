@@ -1,8 +1,9 @@
 """Packed sequences (segment_ids, cu_seqlens) and per-token decay.
 
 A packed call against each sequence run alone through the token-serial oracle
-(outputs, per-sequence final states and every gradient), in every impl and
-Pallas variant (split included); per-token decay at extreme rates against the
+(outputs, per-sequence final states and every gradient) for the oracle itself
+and the XLA path, and against the oracle's packed call in every Pallas variant
+(split included); per-token decay at extreme rates against the
 oracle; the oracle itself against a float64 loop; one compilation for
 changing boundaries; the errors of bad input.
 """
@@ -115,15 +116,23 @@ def outputs_and_grads(fn, args, do, d_final):
       zip([("q", "k", "v", "decay", "initial_state")[i] for i in argnums], grads))
 
 
-def check_packed(p: Packing, seed, **kwargs):
+def check_packed(p: Packing, seed, *, against_alone=False, **kwargs):
+  """The call's outputs, final states and gradients against the oracle's: each sequence run alone
+  (`against_alone`), else the oracle's packed call, which `test_reference_packed_matches_sequences_alone`
+  holds to the sequences alone (one oracle compile instead of one per sequence)."""
   q, k, v, decay, s0, do, d_final = make_inputs(p, seed)
   pack = packing_args(p)
 
   def ours(q, k, v, decay, s0):
     return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, **pack, **kwargs)
 
+  def packed_oracle(q, k, v, decay, s0):
+    return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, **pack,
+                                  impl="reference")
+
   (o, final), grads = outputs_and_grads(ours, (q, k, v, decay, s0), do, d_final)
-  (o_ref, final_ref), grads_ref = outputs_and_grads(lambda *a: alone(p, *a), (q, k, v, decay, s0), do, d_final)
+  oracle = (lambda *a: alone(p, *a)) if against_alone else packed_oracle
+  (o_ref, final_ref), grads_ref = outputs_and_grads(oracle, (q, k, v, decay, s0), do, d_final)
   tol = TOL[p.dtype]
   assert o.shape == o_ref.shape and o.dtype == p.dtype
   assert rel_err(o, o_ref) < tol, ("o", rel_err(o, o_ref))
@@ -137,12 +146,12 @@ def check_packed(p: Packing, seed, **kwargs):
 
 @pytest.mark.parametrize("p", PACKINGS, ids=str)
 def test_reference_packed_matches_sequences_alone(p):
-  check_packed(p, zlib.crc32(f"{p}ref".encode()), impl="reference")
+  check_packed(p, zlib.crc32(f"{p}ref".encode()), against_alone=True, impl="reference")
 
 
 @pytest.mark.parametrize("p", PACKINGS, ids=str)
 def test_xla_packed_matches_sequences_alone(p):
-  check_packed(p, zlib.crc32(f"{p}xla".encode()), impl="xla")
+  check_packed(p, zlib.crc32(f"{p}xla".encode()), against_alone=True, impl="xla")
 
 
 SMALL_SPLIT = lj.LightningConfig(
