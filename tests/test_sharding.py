@@ -97,22 +97,35 @@ def test_sequence_parallel_equals_one_device(devices, t_local, decay_kind, segme
               tol=2e-4 if decay_kind == "head" else 2e-5)  # dL/d(rate) sums T position-weighted terms
 
 
-@pytest.mark.parametrize("argnums", [(0,), (1,), (3,), (4,), (0, 2)], ids=["q", "k", "decay", "initial", "qv"])
-def test_sequence_parallel_differentiates_any_subset(argnums):
-  """Gradients of some inputs alone (the rest fixed, e.g. ALiBi rates) equal one device's, with no exchange needed."""
+# (argnums, impl, loss): the Pallas kernels in interpret mode (shard_map without check_vma), and the
+# XLA path under check_vma, where every zero cotangent must be typed as varying over the axis.
+SUBSETS = [((0,), "pallas", "both"), ((1,), "pallas", "both"), ((3,), "pallas", "both"), ((4,), "pallas", "both"),
+           ((0, 2), "pallas", "both"), ((0,), "xla", "both"), ((3,), "xla", "both"), ((1, 4), "xla", "final")]
+
+
+@pytest.mark.parametrize("argnums,impl,loss", SUBSETS)
+def test_sequence_parallel_differentiates_any_subset(argnums, impl, loss):
+  """Gradients of some inputs alone (the rest fixed, e.g. ALiBi rates), and of the final state alone (o's
+  cotangent a symbolic zero), equal one device's."""
   mesh = cpu_mesh((2,), ("sp",))
-  q, k, v, decay, s0, _, do, d_final = make_inputs(2 * 19, "head", segments=False, seed=11)
+  q, k, v, decay, s0, _, do, d_final = make_inputs(2 * 19, "head", segments=False, seed=11 + len(argnums))
   rows = P(None, "sp")
+  kwargs = dict(impl="pallas", interpret=True) if impl == "pallas" else dict(impl=impl)
 
   def local(q, k, v, decay, s0):
     return lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, sequence_axis="sp",
-                                  impl="pallas", interpret=True)
+                                  **kwargs)
 
   sharded = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P(), P()), out_specs=(rows, P()),
-                          check_vma=False)
-  _, want = value_and_grads(single_device(None), do, d_final, argnums)(q, k, v, decay, s0)
-  _, got = value_and_grads(sharded, do, d_final, argnums)(q, k, v, decay, s0)
-  check_close(got, want, [("q", "k", "v", "decay", "initial_state")[i] for i in argnums], tol=2e-4)
+                          check_vma=impl != "pallas")
+  names = [("q", "k", "v", "decay", "initial_state")[i] for i in argnums]
+  if loss == "both":
+    _, want = value_and_grads(single_device(None), do, d_final, argnums)(q, k, v, decay, s0)
+    _, got = value_and_grads(sharded, do, d_final, argnums)(q, k, v, decay, s0)
+  else:
+    final_only = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a)[1] * d_final), argnums))  # noqa: E731
+    want, got = final_only(single_device(None))(q, k, v, decay, s0), final_only(sharded)(q, k, v, decay, s0)
+  check_close(got, want, names, tol=2e-4)
 
 
 def _pallas_calls(fn, *args):

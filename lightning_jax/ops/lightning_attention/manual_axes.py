@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 
 import jax
+import jax.numpy as jnp
 
 
 def _manual_type(x):
@@ -19,10 +20,21 @@ def _manual_type(x):
 
 def varying_axes(x) -> frozenset:
   """The mesh axes x varies over (empty outside shard_map or without check_vma)."""
-  manual = _manual_type(x)
+  return _aval_axes(jax.typeof(x))
+
+
+def _aval_axes(aval) -> frozenset:
+  manual = getattr(aval, "manual_axis_type", None)
   if manual is not None:
     return manual.varying
-  return frozenset(getattr(jax.typeof(x), "vma", frozenset()))
+  return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def zeros_of(aval):
+  """Zeros of an abstract value's shape and dtype, varying over the axes it does (a cotangent's type)."""
+  axes = tuple(sorted(_aval_axes(aval), key=str))
+  zeros = jnp.zeros(aval.shape, aval.dtype)
+  return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
 
 
 def struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:

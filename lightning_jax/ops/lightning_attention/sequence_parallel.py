@@ -221,14 +221,16 @@ def _fwd(local: Local, q, k, v, decay, initial_state, segment_ids):
 
   o, op_vjp = jax.vjp(op, *(primals[name] for name in needs.op_inputs))
   out = (o[0], final_state) if local.with_final_state else o[0]
-  return out, (op_vjp, needs, links, p, q, decay, initial_state, starts)
+  # Without state cotangents the local op's final state gets a zero one, typed like it.
+  zero_final = None if needs.state_grads else manual_axes.zeros_of(jax.typeof(o[1]))
+  return out, (op_vjp, needs, links, p, q, decay, initial_state, starts, zero_final)
 
 
 def _bwd(local: Local, residuals, cotangents):
-  op_vjp, needs, links, p, q, decay, initial_state, starts = residuals
+  op_vjp, needs, links, p, q, decay, initial_state, starts, after_mine = residuals
   do, d_final = cotangents if local.with_final_state else (cotangents, None)
   if isinstance(do, SymbolicZero):
-    do = jnp.zeros(do.shape, do.dtype)  # only the final state is used downstream
+    do = manual_axes.zeros_of(do.aval)  # only the final state is used downstream
   if isinstance(d_final, SymbolicZero):
     d_final = None
   axis = local.axis
@@ -237,7 +239,6 @@ def _bwd(local: Local, residuals, cotangents):
     # Every device returned the same final state: its cotangent is the sum of theirs.
     d_final = jax.lax.psum(d_final, axis)
   state_grads = None
-  after_mine = jnp.zeros(q.shape[:1] + (q.shape[2], q.shape[3], do.shape[3]), jnp.float32)
   if needs.state_grads:
     own = local.scale * local.slice_state(q, do, decay, starts, True)
     if links.continues is not None:
@@ -246,7 +247,7 @@ def _bwd(local: Local, residuals, cotangents):
     state_grads = _combine(gathered, links, d_final, reverse=True)
     after_mine = _mine(state_grads, p + 1, axis=2)
   # dq does not depend on the state cotangents: without them the local op's
-  # backward runs the dq sweep alone (a zero final-state cotangent).
+  # backward runs the dq sweep alone.
   grads = dict(zip(needs.op_inputs, op_vjp((do, after_mine))))
   d_initial = None
   if needs.initial_state:
