@@ -178,10 +178,11 @@ def rel_err(x, y):
   return np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)
 
 
-def check_against_oracle(case: Case, seed: int, **kwargs):
+def check_against_oracle(case: Case, seed: int, *, argnums=None, **kwargs):
+  """Outputs, final state and the gradients wrt `argnums` (default: every argument the case has)."""
   q, k, v, decay, s0, do, d_final = make_inputs(case, seed)
   args = (q, k, v, decay, s0)
-  argnums = tuple(i for i, a in enumerate(args) if a is not None)
+  argnums = tuple(i for i, a in enumerate(args) if a is not None and (argnums is None or i in argnums))
 
   out, grads = outputs_and_grads(ours(case, **kwargs), case, argnums)(*args, do, d_final)
   want, grads_ref = oracle_outputs_and_grads(case)(*args, do, d_final)

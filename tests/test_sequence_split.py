@@ -169,6 +169,32 @@ def test_split_chunk_loop_matches_oracle(case, slice_size, kernel_mode):
                        config=lj.LightningConfig(slice_size=slice_size), interpret=kernel_mode)
 
 
+@pytest.mark.parametrize("case", [Case(1, 200, 2, 72, 96, F32), Case(1, 150, 1, 24, 32, F32, decay="extreme")],
+                         ids=str)
+def test_split_backward_with_fixed_rates_matches_oracle(case):
+  """q, k, v and initial-state gradients, the rates fixed: the dq sweep's split pass is the forward's transposed,
+  and (D > 64: dk in a sweep of its own) the dk sweep's the dv sweep's."""
+  check_against_oracle(case, seed=zlib.crc32(f"{case}fixed".encode()), argnums=(0, 1, 2, 4), impl="pallas",
+                       variant="chunk_loop", config=lj.LightningConfig(slice_size=64), interpret=True)
+
+
+def test_split_backward_takes_the_forward_and_dv_passes():
+  """With fixed rates and square states, a jitted forward+backward runs two split passes, not four: the dq
+  sweep's is the forward's transposed and the dk sweep's the dv sweep's, the same kernel call on the same
+  operands, which XLA's common-subexpression pass merges (counted here in the optimised CPU program)."""
+  q, k, v, do = (jax.random.normal(key, (1, 256, 1, 80)) for key in jax.random.split(jax.random.key(2), 4))
+  config = lj.LightningConfig(slice_size=64)
+
+  def fwdbwd(q, k, v, do):
+    o, vjp = jax.vjp(lambda q, k, v: lj.lightning_attention(q, k, v, jnp.array([0.1]), impl="pallas", interpret=True,
+                                                             variant="chunk_loop", config=config), q, k, v)
+    return o, vjp(do)
+
+  hlo = jax.jit(fwdbwd).lower(q, k, v, do).compile().as_text()
+  loops = re.findall(r" while\([^\n]*op_name=\"[^\"]*?(lightning_\w+)\)*/while\"", hlo)
+  assert sorted(loops) == ["lightning_chunk_loop"] * 4 + ["lightning_chunk_states"] * 2, loops
+
+
 def test_split_with_small_blocks_matches_oracle():
   small = lj.LightningConfig(
       chunk_loop=lj.ChunkLoopConfig(chunk_size=16, block_e=16, num_warps=2, num_stages=1),

@@ -408,12 +408,16 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
 
 
 def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice_chunks, with_final_state,
-                 interpret):
+                 interpret, transposed=False):
   """The state (and decay tangent, with `ins.tangent_with`) before each slice of a sequence split.
 
   Pass 1 of the split: the states kernel writes each slice's own state (the
   last slice's only for the final state), and `combine_slice_states` adds the
-  slices before it.
+  slices before it. With `transposed` (square states, no tangent) the kernel
+  runs over (z, y) and its states are transposed: the very pass of the sweep
+  that carries the transposed state over the same operands (the forward's for
+  the dq sweep, the dv sweep's for the dk sweep), which XLA then runs once
+  where both sweeps are in one program.
 
   Returns:
     (states, tangents): [B, H, S, K, V] float32 (tangents None without
@@ -427,9 +431,16 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   # Without the final state, nothing reads the last slice's own state.
   local_slices = num_slices if with_final_state else num_slices - 1
   with_tangent = ins.tangent_with is not None
-  local = _states_pass(ins._replace(initial_state=None), cfg=cfg, chunk_size=chunk_size, seq_len=seq_len,
-                       reverse=reverse, slice_chunks=slice_chunks, num_slices=local_slices, with_chunk_states=False,
+  own = ins._replace(initial_state=None)
+  if transposed:
+    if with_tangent or ins.y.shape[-1] != ins.z.shape[-1]:
+      raise ValueError("transposed slice states need square states and no decay tangent")
+    own, cfg = own._replace(y=ins.z, z=ins.y), dataclasses.replace(cfg, block_d=cfg.block_e, block_e=cfg.block_d)
+  local = _states_pass(own, cfg=cfg, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse,
+                       slice_chunks=slice_chunks, num_slices=local_slices, with_chunk_states=False,
                        with_final_state=True, with_tangent=with_tangent, interpret=interpret)
+  if transposed:
+    local = local._replace(final_state=jnp.swapaxes(local.final_state, -1, -2))
   slice_decay = slice_resets = None
   if ins.chunk_cumdecay is not None or ins.chunk_runs is not None:  # per-token or packed
     rate, started = chunk_common.chunk_totals(ins.chunk_cumdecay, ins.chunk_runs, chunk_size=chunk_size,
@@ -449,7 +460,7 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
 
 
 def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-                slice_chunks, dots_with_dual, interpret) -> SweepResults:
+                slice_chunks, dots_with_dual, transposed_states, interpret) -> SweepResults:
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
   cfg = configs.chunk_loop
@@ -461,7 +472,8 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   if ns > 1:
     (states, tangents), (final_state, final_tangent) = slice_starts(
         ins, cfg=configs.slice_states, chunk_size=c, seq_len=seq_len, reverse=reverse, slice_chunks=slice_chunks,
-        with_final_state=with_final_state, interpret=interpret)
+        with_final_state=with_final_state, interpret=interpret,
+        transposed=transposed_states and ins.tangent_with is None and ins.y.shape[-1] == ins.z.shape[-1])
     ins = ins._replace(initial_state=states, initial_tangent=tangents)
   elif ins.initial_state is not None:
     ins = ins._replace(initial_state=ins.initial_state[:, :, None])
@@ -495,8 +507,8 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
 
 
 def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-              slice_chunks, dots_with_dual, interpret) -> SweepResults:
-  del slice_chunks  # every chunk runs in parallel already
+              slice_chunks, dots_with_dual, transposed_states, interpret) -> SweepResults:
+  del slice_chunks, transposed_states  # every chunk runs in parallel already: no split
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
   exact = ins.x.dtype == _F32
@@ -578,7 +590,7 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
 
 
 def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtype, opts: PallasOptions,
-          dots_with_dual: bool = False) -> SweepResults:
+          dots_with_dual: bool = False, transposed_states: bool = False) -> SweepResults:
   """One sweep of `opts.variant` ("chunk_loop" or "parallel") on unpadded operands.
 
   Pads T to a multiple of the chunk size and the feature dims to powers of two
@@ -595,6 +607,10 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
     out_dtype: dtype of `out` and `dual`.
     dots_with_dual: row dots of out with `dual_with` (u . out, from what the
       kernels load for the dual output); `ins.dot_with` is then None.
+    transposed_states: the sweep carries the transpose of another sweep's
+      state over the same operands (y and z swapped): a sequence split takes
+      that sweep's first pass, transposed (`slice_starts`), where the states
+      are square and no tangent is carried.
 
   Returns:
     `SweepResults` with out, and dual, final_state, row_dots, final_tangent
@@ -604,7 +620,8 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
   padded, configs, _, slice_chunks = _prepare(ins, reverse=reverse, opts=opts)
   res = LAUNCHERS[opts.variant](padded, scale=opts.scale, seq_len=t, reverse=reverse,
                                 with_final_state=with_final_state, configs=configs, out_dtype=out_dtype,
-                                slice_chunks=slice_chunks, dots_with_dual=dots_with_dual, interpret=opts.interpret)
+                                slice_chunks=slice_chunks, dots_with_dual=dots_with_dual,
+                                transposed_states=transposed_states, interpret=opts.interpret)
 
   def unpad_state(s):
     return None if s is None else s[:, :, :dim_k, :dim_v]

@@ -36,7 +36,11 @@ as flash-linear-attention's simple GLA does. k_t . dk_t equals v_t . dv_t
 sweep reduces from the v it already loads; otherwise the dk sweep reduces
 k_t . dk_t, and the dq sweep q_t . dq_t, each loading one more [C, block]
 tile. Residuals are the inputs (and the final state, for that last term):
-nothing of size O(T D E) is kept. Cotangents nobody asked for
+nothing of size O(T D E) is kept. Where a sequence split runs the sweeps
+(few batch-head pairs), the dq sweep's first pass over the states of (v, k)
+is the forward's over (k, v) transposed, and the dk sweep's the dv sweep's:
+each is issued as that same kernel call (`transposed_states`), so that in a
+program holding both (a training step) XLA computes it once. Cotangents nobody asked for
 (`symbolic_zeros`) are not computed: a decay that is not differentiated costs
 no tangent, unused q or k, v gradients no sweep.
 """
@@ -159,7 +163,8 @@ def _backward(opts, residuals, cotangents):
     # for per-token rates reduces q_t . dq_t.
     res = sweep(SweepOperands(**gates, x=do, y=v, z=k, initial_state=transpose(initial_state),
                               tangent_with=q if with_tangent else None, dot_with=q if token_grad else None),
-                reverse=False, with_final_state=with_tangent and d_final is not None, out_dtype=q.dtype)
+                reverse=False, with_final_state=with_tangent and d_final is not None, out_dtype=q.dtype,
+                transposed_states=True)
     dq = res.out
     if token_grad:
       q_dq = res.row_dots
@@ -184,7 +189,7 @@ def _backward(opts, residuals, cotangents):
   if (needs.dk and not fuse) or (token_grad and k_dk is None):
     res = sweep(SweepOperands(**gates, x=v, y=do, z=q, initial_state=transpose(d_final_scaled),
                               dot_with=k if token_grad else None),
-                reverse=True, with_final_state=False, out_dtype=k.dtype)
+                reverse=True, with_final_state=False, out_dtype=k.dtype, transposed_states=True)
     dk, k_dk = res.out, res.row_dots
   if token_grad:
     d_decay = _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state)
