@@ -413,11 +413,11 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
 
   Pass 1 of the split: the states kernel writes each slice's own state (the
   last slice's only for the final state), and `combine_slice_states` adds the
-  slices before it. With `transposed` (square states and blocks, no tangent) the kernel
-  runs over (z, y) and its states are transposed: the very pass of the sweep
-  that carries the transposed state over the same operands (the forward's for
-  the dq sweep, the dv sweep's for the dk sweep), which XLA then runs once
-  where both sweeps are in one program.
+  slices before it. With `transposed` (square states and blocks, no tangent)
+  the kernel runs over (z, y) and its states are transposed: the very pass of
+  the sweep that carries the transposed state over the same operands (the
+  forward's for the dq sweep, the dv sweep's for the dk sweep), which XLA then
+  runs once where both sweeps are in one program.
 
   Returns:
     (states, tangents): [B, H, S, K, V] float32 (tangents None without
