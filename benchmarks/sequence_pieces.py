@@ -82,14 +82,13 @@ def programs(decay, states_blocks):
 
   found = {}
   for b in states_blocks:
-    prefixed = dict(initial_state=None, return_final_state=True)
     found.update({
         f"fwd[{b}]": lambda q, k, v, do, prefix, d_final, b=b: op(q, k, v, b),
         f"fwdbwd[{b}]": lambda q, k, v, do, prefix, d_final, b=b: fwdbwd(q, k, v, do, b),
         f"prefix_fwd[{b}]": lambda q, k, v, do, prefix, d_final, b=b: op(
-            q, k, v, b, **dict(prefixed, initial_state=prefix)),
+            q, k, v, b, initial_state=prefix, return_final_state=True),
         f"prefix_fwdbwd[{b}]": lambda q, k, v, do, prefix, d_final, b=b: fwdbwd(
-            q, k, v, (do, d_final), b, **dict(prefixed, initial_state=prefix)),
+            q, k, v, (do, d_final), b, initial_state=prefix, return_final_state=True),
         f"states[{b}]": lambda q, k, v, do, prefix, d_final, b=b: states(k, v, b, False),
         f"states_reverse[{b}]": lambda q, k, v, do, prefix, d_final, b=b: states(q, do, b, True),
     })
