@@ -178,6 +178,18 @@ def rel_err(x, y):
   return np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)
 
 
+def pallas_calls(jaxpr):
+  """Every pallas_call equation of a jaxpr, nested jaxprs included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from pallas_calls(inner)
+
+
 def check_against_oracle(case: Case, seed: int, *, argnums=None, **kwargs):
   """Outputs, final state and the gradients wrt `argnums` (default: every argument the case has)."""
   q, k, v, decay, s0, do, d_final = make_inputs(case, seed)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (BF16, DECAY_TOL, F16, F32, GPU_ONLY, TOL, Case, check_against_oracle, loss_fn,
-                     make_inputs, oracle_outputs_and_grads, ours, rel_err)
+                     make_inputs, oracle_outputs_and_grads, ours, pallas_calls, rel_err)
 
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import config as config_lib
@@ -182,18 +182,6 @@ def test_gradient_through_one_output(used, variant, kernel_mode):
                                                                                         rel_err(g, grads_ref[name]))
 
 
-def _pallas_calls(jaxpr):
-  """Every pallas_call equation of a jaxpr, nested jaxprs included."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      yield eqn
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else (param,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          yield from _pallas_calls(inner)
-
-
 @pytest.mark.parametrize("dim", [16, 128])
 @pytest.mark.parametrize("wrt", [("q", "k", "v"), ("q",), ("k",), ("v",), ("decay",), ("q", "k", "v", "decay")],
                          ids="+".join)
@@ -205,7 +193,7 @@ def test_backward_runs_only_the_sweeps_it_needs(wrt, dim):
   argnums = tuple(("q", "k", "v", "decay").index(n) for n in wrt)
   grad = jax.grad(loss_fn(ours(case, impl="pallas", variant="chunk_loop", interpret=True), case, do, d_final),
                   argnums)
-  calls = list(_pallas_calls(jax.make_jaxpr(grad)(q, k, v, decay, s0).jaxpr))
+  calls = list(pallas_calls(jax.make_jaxpr(grad)(q, k, v, decay, s0).jaxpr))
   dq_sweep = bool({"q", "decay"} & set(wrt))
   dk_dv_sweeps = (("k" in wrt) + ("v" in wrt)) if dim > 64 else int(bool({"k", "v"} & set(wrt)))
   assert len(calls) == 1 + dq_sweep + dk_dv_sweeps
@@ -230,7 +218,7 @@ def test_final_states_written_only_when_read(return_final_state, initial_state, 
   argnums = tuple(("q", "k", "v", "decay", "initial_state").index(n) for n in wrt)
   grad = jax.grad(loss_fn(ours(case, impl="pallas", variant=variant, interpret=True), case, do, d_final),
                   argnums)
-  outputs = [var.aval for eqn in _pallas_calls(jax.make_jaxpr(grad)(q, k, v, decay, s0).jaxpr)
+  outputs = [var.aval for eqn in pallas_calls(jax.make_jaxpr(grad)(q, k, v, decay, s0).jaxpr)
              for var in eqn.outvars]
   state_shapes = ((1, 2, 16, 32), (1, 2, 32, 16), (1, 2, 1, 16, 32), (1, 2, 1, 32, 16))
   state_avals = [a for a in outputs if a.dtype == F32 and a.shape in state_shapes]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import GPU_ONLY, collectives, cpu_mesh, elements, explicit_mesh, rel_err
+from helpers import GPU_ONLY, collectives, cpu_mesh, elements, explicit_mesh, pallas_calls, rel_err
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -130,17 +130,8 @@ def test_sequence_parallel_differentiates_any_subset(argnums, impl, loss):
 
 def _pallas_calls(fn, *args):
   """The pallas_calls in fn's jaxpr, nested ones included: (name, operand shapes, result shapes) each."""
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        yield (str(eqn.params["name"]), tuple(x.aval.shape for x in eqn.invars),
-               tuple(x.aval.shape for x in eqn.outvars))
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          sub = getattr(sub, "jaxpr", sub)
-          if hasattr(sub, "eqns"):
-            yield from walk(sub)
-  return sorted(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+  return sorted((str(eqn.params["name"]), tuple(x.aval.shape for x in eqn.invars),
+                 tuple(x.aval.shape for x in eqn.outvars)) for eqn in pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr))
 
 
 def test_sequence_parallel_runs_the_local_ops_kernels_and_two_states_passes():

@@ -413,11 +413,12 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
 
   Pass 1 of the split: the states kernel writes each slice's own state (the
   last slice's only for the final state), and `combine_slice_states` adds the
-  slices before it. With `transposed` (square states and blocks, no tangent)
-  the kernel runs over (z, y) and its states are transposed: the very pass of
-  the sweep that carries the transposed state over the same operands (the
-  forward's for the dq sweep, the dv sweep's for the dk sweep), which XLA then
-  runs once where both sweeps are in one program.
+  slices before it. With `transposed`, where the states and the kernel's
+  blocks are square and no tangent is carried, the kernel runs over (z, y) and
+  its states are transposed: the very pass of the sweep that carries the
+  transposed state over the same operands (the forward's for the dq sweep, the
+  dv sweep's for the dk sweep), which XLA then runs once where both sweeps are
+  in one program.
 
   Returns:
     (states, tangents): [B, H, S, K, V] float32 (tangents None without
@@ -432,9 +433,9 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   local_slices = num_slices if with_final_state else num_slices - 1
   with_tangent = ins.tangent_with is not None
   own = ins._replace(initial_state=None)
+  transposed = (transposed and not with_tangent and ins.y.shape[-1] == ins.z.shape[-1]
+                and cfg.block_d == cfg.block_e)
   if transposed:
-    if with_tangent or ins.y.shape[-1] != ins.z.shape[-1] or cfg.block_d != cfg.block_e:
-      raise ValueError("transposed slice states need square states and blocks, and no decay tangent")
     own = own._replace(y=ins.z, z=ins.y)
   local = _states_pass(own, cfg=cfg, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse,
                        slice_chunks=slice_chunks, num_slices=local_slices, with_chunk_states=False,
@@ -472,9 +473,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   if ns > 1:
     (states, tangents), (final_state, final_tangent) = slice_starts(
         ins, cfg=configs.slice_states, chunk_size=c, seq_len=seq_len, reverse=reverse, slice_chunks=slice_chunks,
-        with_final_state=with_final_state, interpret=interpret,
-        transposed=(transposed_states and ins.tangent_with is None and ins.y.shape[-1] == ins.z.shape[-1]
-                    and configs.slice_states.block_d == configs.slice_states.block_e))
+        with_final_state=with_final_state, interpret=interpret, transposed=transposed_states)
     ins = ins._replace(initial_state=states, initial_tangent=tangents)
   elif ins.initial_state is not None:
     ins = ins._replace(initial_state=ins.initial_state[:, :, None])

@@ -40,9 +40,9 @@ nothing of size O(T D E) is kept. Where a sequence split runs the sweeps
 (few batch-head pairs), the dq sweep's first pass over the states of (v, k)
 is the forward's over (k, v) transposed, and the dk sweep's the dv sweep's:
 each is issued as that same kernel call (`transposed_states`), so that in a
-program holding both (a training step) XLA computes it once. Cotangents nobody asked for
-(`symbolic_zeros`) are not computed: a decay that is not differentiated costs
-no tangent, unused q or k, v gradients no sweep.
+program holding both (a training step) XLA computes it once. Cotangents
+nobody asked for (`symbolic_zeros`) are not computed: a decay that is not
+differentiated costs no tangent, unused q or k, v gradients no sweep.
 """
 
 from __future__ import annotations
