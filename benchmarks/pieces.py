@@ -66,10 +66,11 @@ def _pieces(kind, variant):
   return {wrt: _vjp_fn(kind, wrt, variant) if wrt else forward for wrt in PIECES[kind]}
 
 
-def _time(fn, arg_sets):
+def time_ms(fn, arg_sets, max_seconds=0.4):
+  """fn's median ms, compiled for arg_sets[0] and called over the rotated sets (`lightning_jax.tune.timing`)."""
   compiled = jax.jit(fn).lower(*arg_sets[0]).compile()
   result = timing.measure(lambda i: compiled(*arg_sets[i]), jax.block_until_ready, n_sets=len(arg_sets), warmup=2,
-                          max_iters=15, max_seconds=0.4, min_sample_seconds=timing.GPU_SAMPLE_SECONDS)
+                          max_iters=15, max_seconds=max_seconds, min_sample_seconds=timing.GPU_SAMPLE_SECONDS)
   return result["time_ms"]
 
 
@@ -101,7 +102,7 @@ def main(argv=None):
     for kind in kinds:
       arg_sets = [_inputs(_parse(shape), kind, seed) for seed in range(2)]
       for name, fn in _pieces(kind, args.variant).items():
-        ms = _time(fn, arg_sets)
+        ms = time_ms(fn, arg_sets)
         rows.append((shape, kind, name, ms))
         print(f"{shape:18s} {kind:12s} vjp {name or '(fwd)':6s} {ms:8.3f} ms", flush=True)
   print("\nmedian ms; columns: the VJP with respect to these inputs (fwd: the forward alone)")

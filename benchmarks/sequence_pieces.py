@@ -40,12 +40,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import pieces
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import api
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention.config import ChunkStatesConfig
 from lightning_jax.ops.lightning_attention.config import LightningConfig
-from lightning_jax.tune import timing
 
 
 def _inputs(shape, seed):
@@ -155,9 +155,7 @@ def main(argv=None):
   arg_sets = [_inputs(shape, seed) for seed in range(2)]
   times = {}
   for name, fn in programs(decay, args.states_blocks.split(",")).items():
-    compiled = jax.jit(fn).lower(*arg_sets[0]).compile()
-    times[name] = timing.measure(lambda i, c=compiled: c(*arg_sets[i]), jax.block_until_ready, n_sets=2, warmup=2,
-                                 max_iters=15, max_seconds=0.5, min_sample_seconds=timing.GPU_SAMPLE_SECONDS)["time_ms"]
+    times[name] = pieces.time_ms(fn, arg_sets, max_seconds=0.5)
     print(f"{args.shape} {name:32s} {times[name]:8.3f} ms", flush=True)
   for b in args.states_blocks.split(","):
     fwd = times[f"states[{b}]"] + times[f"prefix_fwd[{b}]"]
