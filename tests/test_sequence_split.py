@@ -13,11 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import BF16, F16, F32, WS_MODES, Case, check_against_oracle, rel_err
+from helpers import BF16, F16, F32, WS_MODES, Case, check_against_oracle, gpu_available, rel_err
 
 import lightning_jax as lj
+from benchmarks import shared_memory
 from lightning_jax.ops.lightning_attention import chunk_common
+from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention import vjp
 
 pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
 
@@ -193,6 +196,28 @@ def test_split_backward_takes_the_forward_and_dv_passes():
   hlo = jax.jit(fwdbwd).lower(q, k, v, do).compile().as_text()
   loops = re.findall(r" while\([^\n]*op_name=\"[^\"]*?(lightning_\w+)\)*/while\"", hlo)
   assert sorted(loops) == ["lightning_chunk_loop"] * 4 + ["lightning_chunk_states"] * 2, loops
+
+
+def test_split_passes_lower_for_cuda_as_one_call_each():
+  """For a GPU, the forward's split pass and the dq sweep's lower to one custom call, the same IR (source
+  locations included), and so do the dv and dk sweeps': XLA's CSE then merges each pair as it does on the CPU
+  (above). The backward is traced under the primal call's traceback; without `one_source_location` the forward's
+  pass lowered with other locations and a GPU ran three passes (H100, jax 0.11.2)."""
+  if heuristics.jax_version() >= (0, 12) and not gpu_available():
+    pytest.skip("from jax 0.12 Pallas lowers Triton kernels for CUDA only where it sees a GPU")
+  q = jax.ShapeDtypeStruct((1, 256, 1, 128), BF16)
+  opts = config_lib.PallasOptions(scale=0.1, return_final_state=False, variant="chunk_loop",
+                                  config=lj.LightningConfig(slice_size=64), compute_capability=(9, 0), num_sms=132,
+                                  interpret=False)
+
+  def fwdbwd(q, k, v, do):  # the plain custom_vjp: the one-device path, with no partitioning around the kernels
+    o, grads = jax.vjp(lambda q, k, v: vjp.lightning_attention_pallas(q, k, v, jnp.array([0.1]), None, None, opts),
+                       q, k, v)
+    return o, grads(do)
+
+  lowered = jax.jit(fwdbwd).trace(q, q, q, q).lower(lowering_platforms=("cuda",))
+  calls = [c for c in shared_memory.custom_call_configs(lowered) if c["name"].value == "lightning_chunk_states"]
+  assert len(calls) == 4 and len({str(c["ir"]) for c in calls}) == 2
 
 
 def test_split_with_small_blocks_matches_oracle():

@@ -394,17 +394,19 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   kernel = functools.partial(_chunk_states_kernel, chunk_size=chunk_size, seq_len=seq_len,
                              num_chunks=-(-seq_len // chunk_size), slice_chunks=slice_chunks, num_slices=ns,
                              reverse=reverse, exact=ins.y.dtype == _F32)
-  return _call(
-      kernel, (b * h * ns, dim_k // bd, dim_v // be), state_ins,
-      _present(state_ins, decay=pl.BlockSpec((None,), lambda i, d, e: (i // ns % h,)),
-               chunk_cumdecay=pl.BlockSpec((None, None, tp), lambda i, d, e: (i // ns // h, i // ns % h, 0)),
-               chunk_runs=pl.BlockSpec((None, tp), lambda i, d, e: (i // ns // h, 0)),
-               y=pl.BlockSpec((None, tp, None, bd), lambda i, d, e: (i // ns // h, 0, i // ns % h, d)),
-               z=pl.BlockSpec((None, tp, None, be), lambda i, d, e: (i // ns // h, 0, i // ns % h, e)),
-               initial_state=block_state),
-      results, _present(results, chunk_states=block_states, chunk_tangents=block_states, final_state=block_slice,
-                        final_tangent=block_slice),
-      cfg, "lightning_chunk_states", interpret)
+  specs = _present(state_ins, decay=pl.BlockSpec((None,), lambda i, d, e: (i // ns % h,)),
+                   chunk_cumdecay=pl.BlockSpec((None, None, tp), lambda i, d, e: (i // ns // h, i // ns % h, 0)),
+                   chunk_runs=pl.BlockSpec((None, tp), lambda i, d, e: (i // ns // h, 0)),
+                   y=pl.BlockSpec((None, tp, None, bd), lambda i, d, e: (i // ns // h, 0, i // ns % h, d)),
+                   z=pl.BlockSpec((None, tp, None, be), lambda i, d, e: (i // ns // h, 0, i // ns % h, e)),
+                   initial_state=block_state)
+  out_specs = _present(results, chunk_states=block_states, chunk_tangents=block_states, final_state=block_slice,
+                       final_tangent=block_slice)
+  # One IR wherever traced, so that a forward's pass and its transposed twin in the backward (`slice_starts`)
+  # are one call for XLA.
+  with triton_lowering.one_source_location():
+    return _call(kernel, (b * h * ns, dim_k // bd, dim_v // be), state_ins, specs, results, out_specs, cfg,
+                 "lightning_chunk_states", interpret)
 
 
 def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice_chunks, with_final_state,
