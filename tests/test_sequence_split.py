@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import BF16, F16, F32, WS_MODES, Case, check_against_oracle, gpu_available, rel_err
+from helpers import BF16, F16, F32, WS_MODES, Case, check_against_oracle, gpu_available, needs_ws_jax, rel_err
 
 import lightning_jax as lj
 from benchmarks import shared_memory
@@ -218,6 +218,24 @@ def test_split_passes_lower_for_cuda_as_one_call_each():
   lowered = jax.jit(fwdbwd).trace(q, q, q, q).lower(lowering_platforms=("cuda",))
   calls = [c for c in shared_memory.custom_call_configs(lowered) if c["name"].value == "lightning_chunk_states"]
   assert len(calls) == 4 and len({str(c["ir"]) for c in calls}) == 2
+
+
+@needs_ws_jax
+def test_split_warp_specialized_forward_shares_its_pass_with_the_dq_sweep():
+  """Packed rows with a per-head rate: the warp-specialised forward runs per-token factors, but its split pass
+  takes the rate as the chunk loop does, so the dq sweep's first pass is the same call (one states loop)."""
+  q, k, v, do = (jax.random.normal(key, (1, 256, 1, 64), BF16) for key in jax.random.split(jax.random.key(3), 4))
+  segment_ids = jnp.asarray([[0] * 100 + [1] * 156], jnp.int32)
+
+  def fwd_dq(q, do):
+    o, vjp = jax.vjp(lambda q: lj.lightning_attention(q, k, v, jnp.array([0.1]), segment_ids=segment_ids,
+                                                      impl="pallas", variant="warp_specialized", interpret=True,
+                                                      config=lj.LightningConfig(slice_size=64)), q)
+    return o, vjp(do)
+
+  hlo = jax.jit(fwd_dq).lower(q, do).compile().as_text()
+  loops = re.findall(r" while\([^\n]*op_name=\"[^\"]*?(lightning_chunk_\w+)\)*/while\"", hlo)
+  assert sorted(loops) == ["lightning_chunk_loop", "lightning_chunk_states"], loops
 
 
 def test_split_with_small_blocks_matches_oracle():

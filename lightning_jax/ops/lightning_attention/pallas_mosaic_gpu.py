@@ -443,13 +443,16 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
   q, k, v = pad_rows(q, dim=kp), pad_rows(k, dim=kp), pad_rows(v, dim=vp)
   initial_state = chunk_common.pad_state(initial_state, kp, vp)
+  # The states pass takes the gates as the chunk loop's sweeps do (a per-head rate stays one, masked by the
+  # segments), so that it is the very call of the dq sweep's first pass (`pallas_triton.slice_starts`).
   gates, chunk_gates = dict(decay=decay), None
   if chunk_common.per_token(decay) or segment_starts is not None:
     rates = decay if decay is None or chunk_common.per_token(decay) else jnp.broadcast_to(decay, (b, t, h))
     cumdecay, runs = chunk_common.token_chunk_gates(rates, segment_starts, chunk_size=c, num_tokens=tp,
                                                     reverse=False)
     runs = None if segment_starts is None else runs
-    gates = dict(chunk_cumdecay=cumdecay, chunk_runs=runs)
+    gates = (dict(chunk_cumdecay=cumdecay, chunk_runs=runs) if decay is None or chunk_common.per_token(decay)
+             else dict(decay=decay, chunk_runs=runs))
     chunk_gates = (cumdecay, runs)
   final_state = None
   if num_slices > 1:
@@ -464,9 +467,8 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   # The kernel carries the state transposed, S^T [V, K].
   if initial_state is not None:
     initial_state = jnp.swapaxes(initial_state, -1, -2)
-  result = forward_padded(q, k, v, gates.get("decay"), initial_state, chunk_gates=chunk_gates, scale=opts.scale,
-                          seq_len=t,
-                          return_final_state=opts.return_final_state and num_slices == 1,
+  result = forward_padded(q, k, v, decay if chunk_gates is None else None, initial_state, chunk_gates=chunk_gates,
+                          scale=opts.scale, seq_len=t, return_final_state=opts.return_final_state and num_slices == 1,
                           num_stages=cfg.num_stages, num_slices=num_slices, interpret=opts.interpret)
   o, kernel_final = result if opts.return_final_state and num_slices == 1 else (result, None)
   if kernel_final is not None:
