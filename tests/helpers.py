@@ -9,6 +9,8 @@ process, whatever the seed, variant or gradient subset that asks for it.
 
 import dataclasses
 import functools
+import os
+import pathlib
 import re
 
 import chex
@@ -17,10 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import reference
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # Relative error norm against a float32 oracle on the same (rounded) inputs. Low
@@ -190,13 +195,21 @@ def pallas_calls(jaxpr):
           yield from pallas_calls(inner)
 
 
-def check_against_oracle(case: Case, seed: int, *, argnums=None, **kwargs):
-  """Outputs, final state and the gradients wrt `argnums` (default: every argument the case has)."""
+def check_against_oracle(case: Case, seed: int, *, argnums=None, one_device=False, **kwargs):
+  """Outputs, final state and the gradients wrt `argnums` (default: every argument the case has).
+
+  one_device: run the op inside shard_map over one device, the path of a
+  single GPU (with the host's 8 CPU devices the Pallas kernels are otherwise
+  partitioned over them, `auto_sharding`).
+  """
   q, k, v, decay, s0, do, d_final = make_inputs(case, seed)
   args = (q, k, v, decay, s0)
   argnums = tuple(i for i, a in enumerate(args) if a is not None and (argnums is None or i in argnums))
 
-  out, grads = outputs_and_grads(ours(case, **kwargs), case, argnums)(*args, do, d_final)
+  fn = ours(case, **kwargs)
+  if one_device:
+    fn = jax.shard_map(fn, mesh=cpu_mesh((1,), ("one",)), in_specs=P(), out_specs=P(), check_vma=False)
+  out, grads = outputs_and_grads(fn, case, argnums)(*args, do, d_final)
   want, grads_ref = oracle_outputs_and_grads(case)(*args, do, d_final)
   o, final = out if case.final_state else (out, None)
   o_ref, final_ref = want if case.final_state else (want, None)
@@ -219,6 +232,15 @@ def check_against_oracle(case: Case, seed: int, *, argnums=None, **kwargs):
 
 
 # --- several devices (the CPU's host devices: conftest asks XLA for 8) ---
+
+
+def end_to_end_env(**extra) -> dict:
+  """The environment of an end-to-end run in a subprocess (the benchmark CLI, a notebook): the repository on
+  PYTHONPATH and, unless the caller set it, XLA's optimisations off (JAX_DISABLE_MOST_OPTIMIZATIONS=1). These runs
+  check that every step completes and what it writes, not timings, and most of their time is XLA compiling."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+  env.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+  return {**env, **extra}
 
 
 def cpu_mesh(shape, names):

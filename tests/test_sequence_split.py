@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import BF16, F16, F32, WS_MODES, Case, check_against_oracle, gpu_available, needs_ws_jax, rel_err
+from helpers import BF16, F16, F32, WS_MODES, Case, check_against_oracle, needs_ws_jax, pallas_calls, rel_err
 
 import lightning_jax as lj
-from benchmarks import shared_memory
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import heuristics
@@ -182,9 +181,10 @@ def test_split_backward_with_fixed_rates_matches_oracle(case):
 
 
 def test_split_backward_takes_the_forward_and_dv_passes():
-  """With fixed rates and square states, a jitted forward+backward runs two split passes, not four: the dq
-  sweep's is the forward's transposed and the dk sweep's the dv sweep's, the same kernel call on the same
-  operands, which XLA's common-subexpression pass merges (counted here in the optimised CPU program)."""
+  """With the kernels partitioned over the 8 host devices (where the forward keeps no `SliceStarts`), a jitted
+  forward+backward still runs two split passes, not four: the dq sweep issues the forward's transposed, the same
+  kernel call on the same operands, which XLA's common-subexpression pass merges (counted in the optimised CPU
+  program), and the dk sweep takes the dv sweep's."""
   q, k, v, do = (jax.random.normal(key, (1, 256, 1, 80)) for key in jax.random.split(jax.random.key(2), 4))
   config = lj.LightningConfig(slice_size=64)
 
@@ -198,32 +198,46 @@ def test_split_backward_takes_the_forward_and_dv_passes():
   assert sorted(loops) == ["lightning_chunk_loop"] * 4 + ["lightning_chunk_states"] * 2, loops
 
 
-def test_split_passes_lower_for_cuda_as_one_call_each():
-  """For a GPU, the forward's split pass and the dq sweep's lower to one custom call, the same IR (source
-  locations included), and so do the dv and dk sweeps': XLA's CSE then merges each pair as it does on the CPU
-  (above). The backward is traced under the primal call's traceback; without `one_source_location` the forward's
-  pass lowered with other locations and a GPU ran three passes (H100, jax 0.11.2)."""
-  if heuristics.jax_version() >= (0, 12) and not gpu_available():
-    pytest.skip("from jax 0.12 Pallas lowers Triton kernels for CUDA only where it sees a GPU")
-  q = jax.ShapeDtypeStruct((1, 256, 1, 128), BF16)
-  opts = config_lib.PallasOptions(scale=0.1, return_final_state=False, variant="chunk_loop",
-                                  config=lj.LightningConfig(slice_size=64), compute_capability=(9, 0), num_sms=132,
-                                  interpret=False)
+@pytest.mark.parametrize("variant", ["chunk_loop", pytest.param("warp_specialized", marks=needs_ws_jax)])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("wrt", ["qkv", "q"])
+def test_split_backward_takes_the_forwards_pass(variant, packed, wrt):
+  """The custom VJP keeps the forward's split pass for the dq sweep and hands the dv sweep's to the dk sweep: a
+  forward+backward traces 2 states passes (1 for dq alone), whatever XLA's CSE would merge (on the GPU it did
+  not always: the Triton IR carries source locations, which differ between a forward and a backward)."""
+  q = jax.ShapeDtypeStruct((1, 256, 1, 80), BF16)
+  starts = jnp.zeros((1, 256), bool).at[0, 100].set(True) if packed else None
+  opts = config_lib.PallasOptions(scale=0.1, return_final_state=False, variant=variant,
+                                  config=lj.LightningConfig(slice_size=64), compute_capability=None, num_sms=132,
+                                  interpret=True)
 
-  def fwdbwd(q, k, v, do):  # the plain custom_vjp: the one-device path, with no partitioning around the kernels
-    o, grads = jax.vjp(lambda q, k, v: vjp.lightning_attention_pallas(q, k, v, jnp.array([0.1]), None, None, opts),
-                       q, k, v)
+  def fwdbwd(q, k, v, do):  # the plain custom_vjp (one device, or inside shard_map)
+    args = dict(q=q, k=k, v=v)
+    o, grads = jax.vjp(lambda *x: vjp.lightning_attention_pallas(*(dict(args, **dict(zip(wrt, x)))[n] for n in "qkv"),
+                                                                 jnp.array([0.1]), starts, None, opts),
+                       *(args[n] for n in wrt))
     return o, grads(do)
 
-  lowered = jax.jit(fwdbwd).trace(q, q, q, q).lower(lowering_platforms=("cuda",))
-  calls = [c for c in shared_memory.custom_call_configs(lowered) if c["name"].value == "lightning_chunk_states"]
-  assert len(calls) == 4 and len({str(c["ir"]) for c in calls}) == 2
+  names = [str(eqn.params["name"]) for eqn in pallas_calls(jax.make_jaxpr(fwdbwd)(q, q, q, q).jaxpr)]
+  assert names.count("lightning_chunk_states") == (2 if wrt == "qkv" else 1), names
+
+
+@pytest.mark.parametrize("variant,case", [
+    ("chunk_loop", Case(1, 200, 2, 72, 40, F32)),
+    pytest.param("warp_specialized", Case(1, 256, 2, 64, 96, BF16), marks=needs_ws_jax)], ids=str)
+def test_split_backward_from_handed_over_passes_matches_oracle(variant, case):
+  """On one device, where the forward hands its split pass to the dq sweep and the dv sweep its own to the dk
+  sweep (`pallas_triton.SliceStarts`): outputs and the q, k, v, initial-state gradients against the oracle."""
+  check_against_oracle(case, seed=zlib.crc32(f"{case}handed".encode()), argnums=(0, 1, 2, 4), one_device=True,
+                       impl="pallas", variant=variant, config=lj.LightningConfig(slice_size=64), interpret=True)
 
 
 @needs_ws_jax
 def test_split_warp_specialized_forward_shares_its_pass_with_the_dq_sweep():
-  """Packed rows with a per-head rate: the warp-specialised forward runs per-token factors, but its split pass
-  takes the rate as the chunk loop does, so the dq sweep's first pass is the same call (one states loop)."""
+  """Packed rows with a per-head rate, the kernels partitioned over the 8 host devices (so the forward keeps no
+  `SliceStarts`): the warp-specialised forward runs per-token factors, but its split pass takes the rate as the
+  chunk loop does, so the dq sweep's first pass, issued as the forward's transposed, is the same call, which XLA
+  merges (one states loop)."""
   q, k, v, do = (jax.random.normal(key, (1, 256, 1, 64), BF16) for key in jax.random.split(jax.random.key(3), 4))
   segment_ids = jnp.asarray([[0] * 100 + [1] * 156], jnp.int32)
 

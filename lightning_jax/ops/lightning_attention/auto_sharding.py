@@ -95,7 +95,7 @@ def blockwise(fn, ins, out_labels):
   gets None where the array is None. out_labels: the labels of fn's results.
   Inside shard_map, or with one device, fn runs as it is.
   """
-  if inside_shard_map() or jax.device_count() == 1:
+  if unpartitioned():
     return tuple(fn(*(x for x, _ in ins)))
   given = [i for i, (x, _) in enumerate(ins) if x is not None]
 
@@ -152,6 +152,11 @@ def inside_shard_map():
   return bool(jax.sharding.get_abstract_mesh().manual_axes)
 
 
+def unpartitioned():
+  """Whether `blockwise` runs its function as it is: inside shard_map, or with one device."""
+  return inside_shard_map() or jax.device_count() == 1
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _lightning_attention_pallas(q, k, v, decay, segment_starts, initial_state, opts: PallasOptions):
   return _forward(q, k, v, decay, segment_starts, initial_state, opts)
@@ -169,14 +174,19 @@ def _fwd(q, k, v, decay, segment_starts, initial_state, opts):
   needs = vjp.Needs(*map(perturbed, (q, k, v, decay, initial_state)))
   q, k, v, decay, segment_starts, initial_state = (
       None if x is None else x.value for x in (q, k, v, decay, segment_starts, initial_state))
-  out = _forward(q, k, v, decay, segment_starts, initial_state, opts)
+  slice_starts = None
+  if unpartitioned():  # the kernels run as they are: the forward keeps its split's first pass for the dq sweep
+    out, slice_starts = vjp.forward(q, k, v, decay, segment_starts, initial_state, opts)
+  else:
+    out = _forward(q, k, v, decay, segment_starts, initial_state, opts)
   # The per-token decay gradient's last term reads the final state (as in `vjp`).
   final_state = out[1] if opts.return_final_state and needs.d_decay and chunk_common.per_token(decay) else None
-  return out, (q, k, v, decay, segment_starts, initial_state, final_state, needs)
+  return out, (q, k, v, decay, segment_starts, initial_state, final_state, slice_starts if needs.dq else None,
+               needs)
 
 
 def _bwd(opts, residuals, cotangents):
-  q, k, v, decay, starts, initial_state, final_state, needs = residuals
+  q, k, v, decay, starts, initial_state, final_state, slice_starts, needs = residuals
   do, d_final = cotangents if opts.return_final_state else (cotangents, None)
   if isinstance(d_final, SymbolicZero):
     d_final = None
@@ -189,7 +199,9 @@ def _bwd(opts, residuals, cotangents):
        (False, None), (needs.d_initial and initial_state is not None, STATE))) if need]
 
   def local(q, k, v, decay, starts, initial_state, final_state, do, d_final):
-    grads = vjp._backward(opts, (q, k, v, _decay_local(decay), starts, initial_state, final_state, needs),
+    # slice_starts is None unless blockwise runs this as it is (as the forward did).
+    grads = vjp._backward(opts, (q, k, v, _decay_local(decay), starts, initial_state, final_state, slice_starts,
+                                 needs),
                           (do, d_final) if opts.return_final_state else do)
     if grads[3] is not None and decay.ndim == 2:  # per-head: the block's sum, as its first row
       grads = grads[:3] + (jnp.zeros_like(decay).at[0].set(grads[3]),) + grads[4:]

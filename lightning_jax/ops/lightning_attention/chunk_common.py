@@ -74,8 +74,8 @@ def pad_tokens_and_features(x, num_tokens, dim):
 
 
 def pad_state(state, dim_k, dim_v):
-  """[B, H, K, V] zero-padded to [B, H, dim_k, dim_v] (None stays None)."""
-  return _pad_axis(_pad_axis(state, 2, dim_k), 3, dim_v)
+  """[B, H, K, V] (or [B, H, S, K, V], a state per slice) zero-padded to [..., dim_k, dim_v]; None stays None."""
+  return _pad_axis(_pad_axis(state, -2, dim_k), -1, dim_v)
 
 
 def valid_rows(chunk_idx, *, chunk_size, seq_len):

@@ -414,7 +414,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, scal
 
 
 def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=None):
-  """The forward pass on unpadded inputs: (o [B, T, H, E], the final state [B, H, D, E] float32 or None).
+  """The forward pass on unpadded inputs: (o [B, T, H, E], the final state [B, H, D, E] float32 or None,
+  the sequence split's `pallas_triton.SliceStarts` or None).
 
   q, k: [B, T, H, D]; v: [B, T, H, E]; decay: [H] or (per-token) [B, T, H]
   float32 or None; initial_state: [B, H, D, E] float32 or None;
@@ -444,7 +445,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   q, k, v = pad_rows(q, dim=kp), pad_rows(k, dim=kp), pad_rows(v, dim=vp)
   initial_state = chunk_common.pad_state(initial_state, kp, vp)
   # The states pass takes the gates as the chunk loop's sweeps do (a per-head rate stays one, masked by the
-  # segments), so that it is the very call of the dq sweep's first pass (`pallas_triton.slice_starts`).
+  # segments): the per-head kernels, which the dq sweep would run for the same states.
   gates, chunk_gates = dict(decay=decay), None
   if chunk_common.per_token(decay) or segment_starts is not None:
     rates = decay if decay is None or chunk_common.per_token(decay) else jnp.broadcast_to(decay, (b, t, h))
@@ -454,7 +455,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
     gates = (dict(chunk_cumdecay=cumdecay, chunk_runs=runs) if decay is None or chunk_common.per_token(decay)
              else dict(decay=decay, chunk_runs=runs))
     chunk_gates = (cumdecay, runs)
-  final_state = None
+  final_state = starts = None
   if num_slices > 1:
     configs = heuristics.resolve(opts.config, dim_k=kp, dim_v=vp, itemsize=q.dtype.itemsize,
                                  compute_capability=opts.compute_capability, split_chunk_size=c)
@@ -462,6 +463,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
         pallas_triton.SweepOperands(**gates, y=k, z=v, initial_state=initial_state), cfg=configs.slice_states,
         chunk_size=c, seq_len=t, reverse=False, slice_chunks=slice_chunks,
         with_final_state=opts.return_final_state, interpret=opts.interpret)
+    starts = pallas_triton.SliceStarts(initial_state[..., :dim_k, :dim_v], chunk_size=c, slice_chunks=slice_chunks)
   elif initial_state is not None:
     initial_state = initial_state[:, :, None]
   # The kernel carries the state transposed, S^T [V, K].
@@ -475,4 +477,4 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
     final_state = jnp.swapaxes(kernel_final, -1, -2)
   if final_state is not None:
     final_state = final_state[:, :, :dim_k, :dim_v]
-  return o[:, :t, :, :dim_v], final_state
+  return o[:, :t, :, :dim_v], final_state, starts

@@ -115,6 +115,7 @@ class SweepResults(NamedTuple):
     row_dots: [B, H, T] float32 row dots of the decay tangent (with
       `tangent_with`) or of out (with `dot_with`).
     final_tangent: [B, H, K, V] float32 (with `tangent_with` and `with_final_state`).
+    slice_starts: the sequence split's `SliceStarts` (in what `sweep` returns), or None.
   """
   out: jax.Array | None = None
   dual: jax.Array | None = None
@@ -123,6 +124,26 @@ class SweepResults(NamedTuple):
   final_state: jax.Array | None = None
   row_dots: jax.Array | None = None
   final_tangent: jax.Array | None = None
+  slice_starts: SliceStarts | None = None
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["states"], meta_fields=["chunk_size", "slice_chunks"])
+@dataclasses.dataclass(frozen=True)
+class SliceStarts:
+  """A sequence split's first pass: the state before each slice of `slice_chunks` chunks of `chunk_size` tokens.
+
+  states: [B, H, S, K, V] float32 (unpadded K, V), from the sweep's initial
+  state. The sweep that carries the transposed state over the same operands
+  (the dq sweep beside the forward, the dk sweep beside the dv sweep) takes
+  `transposed()` (`sweep(..., given_starts=)`) instead of running the pass
+  again. A pytree with static sizes, so a custom_vjp keeps it as a residual.
+  """
+  states: jax.Array
+  chunk_size: int
+  slice_chunks: int
+
+  def transposed(self) -> SliceStarts:
+    return dataclasses.replace(self, states=jnp.swapaxes(self.states, -1, -2))
 
 
 def _present(values: NamedTuple, **specs) -> NamedTuple:
@@ -402,11 +423,8 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
                    initial_state=block_state)
   out_specs = _present(results, chunk_states=block_states, chunk_tangents=block_states, final_state=block_slice,
                        final_tangent=block_slice)
-  # One IR wherever traced, so that a forward's pass and its transposed twin in the backward (`slice_starts`)
-  # are one call for XLA.
-  with triton_lowering.one_source_location():
-    return _call(kernel, (b * h * ns, dim_k // bd, dim_v // be), state_ins, specs, results, out_specs, cfg,
-                 "lightning_chunk_states", interpret)
+  return _call(kernel, (b * h * ns, dim_k // bd, dim_v // be), state_ins, specs, results, out_specs, cfg,
+               "lightning_chunk_states", interpret)
 
 
 def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice_chunks, with_final_state,
@@ -418,9 +436,8 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   slices before it. With `transposed`, where the states and the kernel's
   blocks are square and no tangent is carried, the kernel runs over (z, y) and
   its states are transposed: the very pass of the sweep that carries the
-  transposed state over the same operands (the forward's for the dq sweep, the
-  dv sweep's for the dk sweep), which XLA then runs once where both sweeps are
-  in one program.
+  transposed state over the same operands, which XLA's CSE may then merge
+  with it (where no `SliceStarts` could be handed over, see `sweep`).
 
   Returns:
     (states, tangents): [B, H, S, K, V] float32 (tangents None without
@@ -463,7 +480,7 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
 
 
 def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-                slice_chunks, dots_with_dual, transposed_states, interpret) -> SweepResults:
+                slice_chunks, dots_with_dual, given_starts, transposed_states, interpret) -> SweepResults:
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
   cfg = configs.chunk_loop
@@ -472,7 +489,9 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   num_chunks = tp // c
   ns = -(-num_chunks // slice_chunks)
   final_state = final_tangent = None
-  if ns > 1:
+  if given_starts is not None:  # another sweep's first pass (see `sweep`), padded to this one's dims
+    ins = ins._replace(initial_state=chunk_common.pad_state(given_starts.states, dim_k, dim_v))
+  elif ns > 1:
     (states, tangents), (final_state, final_tangent) = slice_starts(
         ins, cfg=configs.slice_states, chunk_size=c, seq_len=seq_len, reverse=reverse, slice_chunks=slice_chunks,
         with_final_state=with_final_state, interpret=interpret, transposed=transposed_states)
@@ -504,13 +523,14 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
                              dots_with_dual=dots_with_dual)
   outs = _call(kernel, (b * h * ns, n_e), ins, in_specs, results, out_specs, cfg, "lightning_chunk_loop", interpret)
   if ns > 1:
-    outs = outs._replace(final_state=final_state, final_tangent=final_tangent)
+    outs = outs._replace(final_state=final_state, final_tangent=final_tangent,
+                         slice_starts=SliceStarts(ins.initial_state, chunk_size=c, slice_chunks=slice_chunks))
   return outs
 
 
 def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-              slice_chunks, dots_with_dual, transposed_states, interpret) -> SweepResults:
-  del slice_chunks, transposed_states  # every chunk runs in parallel already: no split
+              slice_chunks, dots_with_dual, given_starts, transposed_states, interpret) -> SweepResults:
+  del slice_chunks, given_starts, transposed_states  # every chunk runs in parallel already: no split
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
   exact = ins.x.dtype == _F32
@@ -592,7 +612,8 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
 
 
 def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtype, opts: PallasOptions,
-          dots_with_dual: bool = False, transposed_states: bool = False) -> SweepResults:
+          dots_with_dual: bool = False, given_starts: SliceStarts | None = None,
+          transposed_states: bool = False) -> SweepResults:
   """One sweep of `opts.variant` ("chunk_loop" or "parallel") on unpadded operands.
 
   Pads T to a multiple of the chunk size and the feature dims to powers of two
@@ -609,20 +630,31 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
     out_dtype: dtype of `out` and `dual`.
     dots_with_dual: row dots of out with `dual_with` (u . out, from what the
       kernels load for the dual output); `ins.dot_with` is then None.
+    given_starts: a sequence split's first pass over this sweep's y and z
+      (another sweep's `SliceStarts`, transposed): the split takes its
+      slices instead of running the pass. Used where the chunk loop runs
+      chunks of its size and a split, without a tangent or the final state
+      (which the pass gives); else ignored.
     transposed_states: the sweep carries the transpose of another sweep's
-      state over the same operands (y and z swapped): a sequence split takes
-      that sweep's first pass, transposed (`slice_starts`), where the states
-      and the states kernel's blocks are square and no tangent is carried.
+      state over the same operands (y and z swapped), whose first pass was
+      not handed over: a split runs that sweep's pass, transposed
+      (`slice_starts`), which XLA's CSE may merge with it.
 
   Returns:
     `SweepResults` with out, and dual, final_state, row_dots, final_tangent
-    where asked for (see `SweepOperands`), unpadded.
+    where asked for (see `SweepOperands`), unpadded, and the split's
+    `slice_starts` where the sequence was split.
   """
   t, dim_k, dim_v = ins.x.shape[1], ins.x.shape[-1], ins.z.shape[-1]
-  padded, configs, _, slice_chunks = _prepare(ins, reverse=reverse, opts=opts)
+  padded, configs, chunk, slice_chunks = _prepare(ins, reverse=reverse, opts=opts)
+  if given_starts is not None and (opts.variant != "chunk_loop" or given_starts.chunk_size != chunk
+                                   or given_starts.slice_chunks >= padded.x.shape[1] // chunk
+                                   or with_final_state or ins.tangent_with is not None):
+    given_starts = None
   res = LAUNCHERS[opts.variant](padded, scale=opts.scale, seq_len=t, reverse=reverse,
                                 with_final_state=with_final_state, configs=configs, out_dtype=out_dtype,
-                                slice_chunks=slice_chunks, dots_with_dual=dots_with_dual,
+                                slice_chunks=slice_chunks if given_starts is None else given_starts.slice_chunks,
+                                dots_with_dual=dots_with_dual, given_starts=given_starts,
                                 transposed_states=transposed_states, interpret=opts.interpret)
 
   def unpad_state(s):
@@ -631,9 +663,12 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
   dual = res.dual
   if dual is not None:  # the value blocks' partial sums
     dual = (dual[0] if dual.shape[0] == 1 else dual.sum(axis=0).astype(out_dtype))[:, :t, :, :dim_k]
+  starts = res.slice_starts
+  if starts is not None:
+    starts = dataclasses.replace(starts, states=starts.states[..., :dim_k, :dim_v])
   return SweepResults(out=res.out[:, :t, :, :dim_v], dual=dual, final_state=unpad_state(res.final_state),
                       row_dots=None if res.row_dots is None else res.row_dots.sum(axis=2)[:, :, :t],
-                      final_tangent=unpad_state(res.final_tangent))
+                      final_tangent=unpad_state(res.final_tangent), slice_starts=starts)
 
 
 def sweep_final_state(ins: SweepOperands, *, reverse: bool, opts: PallasOptions) -> jax.Array:

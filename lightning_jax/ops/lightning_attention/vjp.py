@@ -36,11 +36,13 @@ as flash-linear-attention's simple GLA does. k_t . dk_t equals v_t . dv_t
 sweep reduces from the v it already loads; otherwise the dk sweep reduces
 k_t . dk_t, and the dq sweep q_t . dq_t, each loading one more [C, block]
 tile. Residuals are the inputs (and the final state, for that last term):
-nothing of size O(T D E) is kept. Where a sequence split runs the sweeps
-(few batch-head pairs), the dq sweep's first pass over the states of (v, k)
-is the forward's over (k, v) transposed, and the dk sweep's the dv sweep's:
-each is issued as that same kernel call (`transposed_states`), so that in a
-program holding both (a training step) XLA computes it once. Cotangents
+nothing of size O(T D E) is kept, but where a sequence split runs the sweeps
+(few batch-head pairs): the dq sweep's first pass over the states of (v, k)
+is the forward's over (k, v) transposed, which the forward keeps for it
+([B, H, slices, D, E] float32), and the dk sweep's is the dv sweep's. (Where
+the kernels are partitioned over devices, `auto_sharding`, the forward keeps
+nothing and the dq sweep issues the forward's pass again, which XLA's CSE may
+merge.) Cotangents
 nobody asked for (`symbolic_zeros`) are not computed: a decay that is not
 differentiated costs no tangent, unused q or k, v gradients no sweep.
 """
@@ -81,15 +83,21 @@ def sweep_gates(decay, segment_starts):
   return dict(decay=decay, segment_starts=segment_starts)
 
 
-def _primal(q, k, v, decay, segment_starts, initial_state, opts):
+def forward(q, k, v, decay, segment_starts, initial_state, opts):
+  """(the op's outputs, the forward's `pallas_triton.SliceStarts` or None): the second is the dq sweep's first
+  pass, transposed, where the sequence was split."""
   if opts.variant == "warp_specialized":
-    o, final_state = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts, segment_starts)
+    o, final_state, starts = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts, segment_starts)
   else:
     res = pallas_triton.sweep(SweepOperands(**sweep_gates(decay, segment_starts), x=q, y=k, z=v,
                                             initial_state=initial_state),
                               reverse=False, with_final_state=opts.return_final_state, out_dtype=q.dtype, opts=opts)
-    o, final_state = res.out, res.final_state
-  return (o, final_state) if opts.return_final_state else o
+    o, final_state, starts = res.out, res.final_state, res.slice_starts
+  return ((o, final_state) if opts.return_final_state else o), starts
+
+
+def _primal(q, k, v, decay, segment_starts, initial_state, opts):
+  return forward(q, k, v, decay, segment_starts, initial_state, opts)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -108,10 +116,10 @@ def _forward(q, k, v, decay, segment_starts, initial_state, opts):
                 d_initial=perturbed(initial_state))
   q, k, v, decay, segment_starts, initial_state = (
       None if x is None else x.value for x in (q, k, v, decay, segment_starts, initial_state))
-  out = _primal(q, k, v, decay, segment_starts, initial_state, opts)
+  out, slice_starts = forward(q, k, v, decay, segment_starts, initial_state, opts)
   # The per-token decay gradient's last term reads the final state.
   final_state = out[1] if opts.return_final_state and needs.d_decay and chunk_common.per_token(decay) else None
-  return out, (q, k, v, decay, segment_starts, initial_state, final_state, needs)
+  return out, (q, k, v, decay, segment_starts, initial_state, final_state, slice_starts if needs.dq else None, needs)
 
 
 def initial_state_factor(decay):
@@ -139,7 +147,7 @@ def _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state):
 
 
 def _backward(opts, residuals, cotangents):
-  q, k, v, decay, segment_starts, initial_state, final_state, needs = residuals
+  q, k, v, decay, segment_starts, initial_state, final_state, slice_starts, needs = residuals
   gates = sweep_gates(decay, segment_starts)
   per_token = chunk_common.per_token(decay)
   if opts.variant == "warp_specialized":  # a forward kernel only: the backward sweeps are chunk_loop's
@@ -164,7 +172,7 @@ def _backward(opts, residuals, cotangents):
     res = sweep(SweepOperands(**gates, x=do, y=v, z=k, initial_state=transpose(initial_state),
                               tangent_with=q if with_tangent else None, dot_with=q if token_grad else None),
                 reverse=False, with_final_state=with_tangent and d_final is not None, out_dtype=q.dtype,
-                transposed_states=True)
+                given_starts=None if slice_starts is None else slice_starts.transposed(), transposed_states=True)
     dq = res.out
     if token_grad:
       q_dq = res.row_dots
@@ -176,6 +184,7 @@ def _backward(opts, residuals, cotangents):
   # dk = v G^T + ..., the dv sweep's dual output or a sweep of its own (see
   # `heuristics.fuse_dk_dv`). The state the dv sweep ends with gives d initial_state.
   # With per-token rates, the fused sweep's float32 row dots v . dv give k . dk.
+  dv_starts = None
   fuse = needs.dk and heuristics.fuse_dk_dv(dim_k=config_lib.padded_dim(q.shape[-1]),
                                             dim_v=config_lib.padded_dim(v.shape[-1]))
   with_initial = needs.d_initial and initial_state is not None
@@ -184,12 +193,14 @@ def _backward(opts, residuals, cotangents):
                               dual_with=v if fuse else None),
                 reverse=True, with_final_state=with_initial, out_dtype=v.dtype, dots_with_dual=fuse and token_grad)
     dv, dk, k_dk = res.out, res.dual, res.row_dots  # row dots only with per-token rates: v . dv = k . dk
+    dv_starts = res.slice_starts
     if with_initial:
       d_initial = scale * initial_state_factor(decay) * res.final_state
   if (needs.dk and not fuse) or (token_grad and k_dk is None):
     res = sweep(SweepOperands(**gates, x=v, y=do, z=q, initial_state=transpose(d_final_scaled),
                               dot_with=k if token_grad else None),
-                reverse=True, with_final_state=False, out_dtype=k.dtype, transposed_states=True)
+                reverse=True, with_final_state=False, out_dtype=k.dtype,
+                given_starts=None if dv_starts is None else dv_starts.transposed())
     dk, k_dk = res.out, res.row_dots
   if token_grad:
     d_decay = _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state)
