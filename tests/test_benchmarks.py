@@ -14,6 +14,7 @@ import time
 import pytest
 
 from benchmarks import cases, metrics, report, run, worker
+from helpers import end_to_end_env
 import lightning_jax as lj
 from lightning_jax.tune import timing
 
@@ -33,9 +34,9 @@ def _run_cli(tmp_path_factory, name: str, *args: str):
   with open(root / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not log.exists():
-      env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
       proc = subprocess.run([sys.executable, "-m", "benchmarks.run", *args, "--save", "--plot", "--report",
-                             "--out-dir", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                             "--out-dir", str(out)], cwd=ROOT, env=end_to_end_env(), capture_output=True, text=True,
+                            timeout=600)
       assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
       log.write_text(proc.stdout)
   (path,) = out.glob("*.json")

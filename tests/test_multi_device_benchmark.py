@@ -7,15 +7,16 @@ import subprocess
 import sys
 
 import pytest
+from helpers import end_to_end_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
   """`python -m benchmarks.multi_device *args` on the CPU with 8 host devices."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip(),
-         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+  env = end_to_end_env(
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip())
   return subprocess.run([sys.executable, "-m", "benchmarks.multi_device", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
 

@@ -1,11 +1,11 @@
 """Every notebook in notebooks/ runs on the CPU without raising (small sizes: LIGHTNING_JAX_SMOKE=1)."""
 
-import os
 import pathlib
 
 import nbclient
 import nbformat
 import pytest
+from helpers import end_to_end_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -18,9 +18,8 @@ def test_notebooks_are_found():
 @pytest.mark.slow  # each in a kernel of its own
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
-  monkeypatch.setenv("LIGHTNING_JAX_SMOKE", "1")
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-  monkeypatch.setenv("MPLBACKEND", "Agg")
+  for name, value in end_to_end_env(LIGHTNING_JAX_SMOKE="1", MPLBACKEND="Agg").items():
+    monkeypatch.setenv(name, value)
   notebook = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
                                    resources={"metadata": {"path": str(path.parent)}})
