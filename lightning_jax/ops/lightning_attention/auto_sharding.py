@@ -181,8 +181,8 @@ def _fwd(q, k, v, decay, segment_starts, initial_state, opts):
     out = _forward(q, k, v, decay, segment_starts, initial_state, opts)
   # The per-token decay gradient's last term reads the final state (as in `vjp`).
   final_state = out[1] if opts.return_final_state and needs.d_decay and chunk_common.per_token(decay) else None
-  return out, (q, k, v, decay, segment_starts, initial_state, final_state, slice_starts if needs.dq else None,
-               needs)
+  return out, (q, k, v, decay, segment_starts, initial_state, final_state,
+               vjp.dq_sweep_starts(slice_starts, decay, needs), needs)
 
 
 def _bwd(opts, residuals, cotangents):

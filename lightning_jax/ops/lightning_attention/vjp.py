@@ -119,7 +119,14 @@ def _forward(q, k, v, decay, segment_starts, initial_state, opts):
   out, slice_starts = forward(q, k, v, decay, segment_starts, initial_state, opts)
   # The per-token decay gradient's last term reads the final state.
   final_state = out[1] if opts.return_final_state and needs.d_decay and chunk_common.per_token(decay) else None
-  return out, (q, k, v, decay, segment_starts, initial_state, final_state, slice_starts if needs.dq else None, needs)
+  return out, (q, k, v, decay, segment_starts, initial_state, final_state, dq_sweep_starts(slice_starts, decay, needs),
+               needs)
+
+
+def dq_sweep_starts(slice_starts, decay, needs):
+  """The forward's `SliceStarts` where the dq sweep will take them (it runs, and carries no decay tangent)."""
+  with_tangent = needs.d_decay and decay is not None and not chunk_common.per_token(decay)
+  return slice_starts if needs.dq and not with_tangent else None
 
 
 def initial_state_factor(decay):
