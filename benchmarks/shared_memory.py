@@ -94,16 +94,11 @@ def _custom_calls(op, found):
   return found
 
 
-def custom_call_configs(lowered) -> list:
-  """The backend configs (name, IR, launch parameters) of the Triton custom calls of a `jax.stages.Lowered`."""
-  return _custom_calls(lowered.compiler_ir("stablehlo").operation, [])
-
-
 def lowered_kernels(fn, *args) -> list[dict]:
   """Every Triton kernel of `fn(*args)` lowered for CUDA: its name, Triton IR, num_warps and num_stages."""
   with captured_triton_ir() as found:
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-  configs = custom_call_configs(lowered)
+  configs = _custom_calls(lowered.compiler_ir("stablehlo").operation, [])
   if [c["name"].value for c in configs] != [name for name, _ in found]:
     raise RuntimeError("the lowered custom calls do not match the captured kernels (another jax version?)")
   return [dict(name=name, ir=text, num_warps=c["num_warps"].value, num_stages=c["num_stages"].value)

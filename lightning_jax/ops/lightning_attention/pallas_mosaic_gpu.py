@@ -448,12 +448,12 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   # segments): the per-head kernels, which the dq sweep would run for the same states.
   gates, chunk_gates = dict(decay=decay), None
   if chunk_common.per_token(decay) or segment_starts is not None:
-    rates = decay if decay is None or chunk_common.per_token(decay) else jnp.broadcast_to(decay, (b, t, h))
+    per_head = decay is not None and not chunk_common.per_token(decay)
+    rates = jnp.broadcast_to(decay, (b, t, h)) if per_head else decay
     cumdecay, runs = chunk_common.token_chunk_gates(rates, segment_starts, chunk_size=c, num_tokens=tp,
                                                     reverse=False)
     runs = None if segment_starts is None else runs
-    gates = (dict(chunk_cumdecay=cumdecay, chunk_runs=runs) if decay is None or chunk_common.per_token(decay)
-             else dict(decay=decay, chunk_runs=runs))
+    gates = dict(decay=decay, chunk_runs=runs) if per_head else dict(chunk_cumdecay=cumdecay, chunk_runs=runs)
     chunk_gates = (cumdecay, runs)
   final_state = starts = None
   if num_slices > 1:
