@@ -140,19 +140,22 @@ def test_chunked_matches_oracle(case):
 def test_chunk_sizes(chunk_size):
   case = Case(t=50, decay="channel", segments=True)
   q, k, v, beta, decay, s0, ids = make_inputs(case, seed=3)
-  got = xla.delta_attention_chunked(q, k, v, beta, decay, scale=0.3, initial_state=s0, segment_ids=ids,
-                                    chunk_size=chunk_size)
-  want = reference.delta_attention_recurrent(q, k, v, beta, decay, scale=0.3, initial_state=s0, segment_ids=ids)
+  # Jitted: one program each (eager, every op compiled on its own).
+  got = jax.jit(lambda *a: xla.delta_attention_chunked(*a, scale=0.3, initial_state=s0, segment_ids=ids,
+                                                       chunk_size=chunk_size))(q, k, v, beta, decay)
+  want = jax.jit(lambda *a: reference.delta_attention_recurrent(*a, scale=0.3, initial_state=s0,
+                                                                segment_ids=ids))(q, k, v, beta, decay)
   assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
 
 
 def test_bfloat16_inputs_float32_state():
   case = Case(t=40, d=16, e=16, decay="channel")
   q, k, v, beta, decay, s0, _ = make_inputs(case, seed=4)
-  o, final = lj.delta_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), beta, decay, initial_state=s0,
-                                return_final_state=True, impl="xla")
-  o_ref, final_ref = lj.delta_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), beta, decay,
-                                        initial_state=s0, return_final_state=True, impl="reference")
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  run = lambda impl: jax.jit(lambda: lj.delta_attention(q, k, v, beta, decay, initial_state=s0,  # noqa: E731
+                                                        return_final_state=True, impl=impl))()
+  o, final = run("xla")
+  o_ref, final_ref = run("reference")
   assert o.dtype == jnp.bfloat16 and final.dtype == jnp.float32
   assert rel_err(o, o_ref) < 1e-2 and rel_err(final, final_ref) < 1e-4
 
@@ -163,16 +166,18 @@ def test_cu_seqlens_equals_sequences_alone():
   case = Case(b=1, t=sum(lengths), decay="channel", initial_state=False)
   q, k, v, beta, decay, _, _ = make_inputs(case, seed=5)
   s0 = jax.random.normal(jax.random.key(6), (len(lengths), case.h, case.d, case.e))
-  o = lj.delta_attention(q, k, v, beta, decay, cu_seqlens=cu, impl="xla")
-  o_ref, finals = lj.delta_attention(q, k, v, beta, decay, cu_seqlens=cu, initial_state=s0, return_final_state=True,
-                                     impl="reference")
+  # Each call jitted: one program per call and shape (eager, every op compiled on its own).
+  call = jax.jit(lj.delta_attention, static_argnames=("return_final_state", "impl"))
+  o = call(q, k, v, beta, decay, cu_seqlens=cu, impl="xla")
+  o_ref, finals = call(q, k, v, beta, decay, cu_seqlens=cu, initial_state=s0, return_final_state=True,
+                       impl="reference")
   for n, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
     alone = lambda x: x[:, lo:hi]  # noqa: E731
     if hi > lo:
-      want = lj.delta_attention(*map(alone, (q, k, v, beta, decay)), impl="reference")
+      want = call(*map(alone, (q, k, v, beta, decay)), impl="reference")
       assert rel_err(o[:, lo:hi], want) < 1e-5
-      want, want_final = lj.delta_attention(*map(alone, (q, k, v, beta, decay)), initial_state=s0[n:n + 1],
-                                            return_final_state=True, impl="reference")
+      want, want_final = call(*map(alone, (q, k, v, beta, decay)), initial_state=s0[n:n + 1],
+                              return_final_state=True, impl="reference")
       assert rel_err(o_ref[:, lo:hi], want) < 1e-6 and rel_err(finals[n], want_final[0]) < 1e-6
     else:
       np.testing.assert_array_equal(finals[n], s0[n])
@@ -235,9 +240,10 @@ def test_normalize_qk_is_the_models_l2_norm():
   q, k, v, beta, decay, s0, _ = make_inputs(case, seed=7)
   q, k = 3.0 * q, 0.5 * jax.random.normal(jax.random.key(8), k.shape)
   norm = lambda x: x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)  # noqa: E731
-  got = lj.delta_attention(q, k, v, beta, decay, normalize_qk=True, impl="xla")
-  assert rel_err(got, lj.delta_attention(norm(q), norm(k), v, beta, decay, impl="reference")) < 1e-5
-  grad = lambda f: jax.grad(lambda q, k: jnp.sum(f(q, k) * v))(q, k)  # noqa: E731
+  got = jax.jit(lambda q, k: lj.delta_attention(q, k, v, beta, decay, normalize_qk=True, impl="xla"))(q, k)
+  want = jax.jit(lambda q, k: lj.delta_attention(norm(q), norm(k), v, beta, decay, impl="reference"))(q, k)
+  assert rel_err(got, want) < 1e-5
+  grad = lambda f: jax.jit(jax.grad(lambda q, k: jnp.sum(f(q, k) * v)))(q, k)  # noqa: E731
   g1 = grad(lambda q, k: lj.delta_attention(q, k, v, beta, decay, normalize_qk=True, impl="xla"))
   g2 = grad(lambda q, k: lj.delta_attention(norm(q), norm(k), v, beta, decay, impl="reference"))
   assert rel_err(g1, g2) < 1e-4
@@ -253,8 +259,9 @@ def test_numerical_gradients():
                                   return_final_state=True, impl="xla")
     return jnp.sum(jnp.sin(o)) + jnp.sum(final ** 2)
 
-  # float32 central differences: eps and tolerances sized to its rounding.
-  jax.test_util.check_grads(f, (q, k, v, beta, decay, s0), order=1, modes=("rev",), eps=3e-3, atol=2e-2, rtol=2e-2)
+  # float32 central differences: eps and tolerances sized to its rounding. Jitted: one program for the many
+  # evaluations (eager, every op compiled on its own).
+  jax.test_util.check_grads(jax.jit(f), (q, k, v, beta, decay, s0), order=1, modes=("rev",), eps=3e-3, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

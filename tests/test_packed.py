@@ -246,6 +246,13 @@ def test_reference_matches_a_float64_loop():
       assert rel_err(o[0, sl, hh], o_want) < 1e-5 and rel_err(finals[n, hh], final_want) < 1e-5
 
 
+# Jitted: one compile per (shape, direction), shared by the start rates (eager, each of the scan's many ops
+# compiled on its own took most of this test's time).
+_segmented_cumsum = jax.jit(lambda x, starts, *, reverse: chunk_common.segmented_cumsum(x, starts, axis=1,
+                                                                                        reverse=reverse),
+                            static_argnames="reverse")
+
+
 @pytest.mark.parametrize("length", [1, 64, 65, 4100])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_segmented_cumsum_matches_a_float64_loop(length, reverse):
@@ -255,8 +262,7 @@ def test_segmented_cumsum_matches_a_float64_loop(length, reverse):
     # Magnitudes over 14 orders: a large segment must not leak rounding into a small neighbour.
     x = rng.normal(size=(2, length, 3)) * np.exp(rng.uniform(-16, 16, (2, length, 3)))
     starts = rng.random((2, length)) < start_rate
-    got = np.asarray(chunk_common.segmented_cumsum(jnp.asarray(x, F32), jnp.asarray(starts), axis=1,
-                                                   reverse=reverse), np.float64)
+    got = np.asarray(_segmented_cumsum(jnp.asarray(x, F32), jnp.asarray(starts), reverse=reverse), np.float64)
     want, bound = np.zeros_like(x), np.zeros_like(x)
     acc, acc_abs = np.zeros((2, 3)), np.zeros((2, 3))
     for t in (range(length - 1, -1, -1) if reverse else range(length)):
