@@ -163,10 +163,12 @@ def test_sequence_axis_of_one_device_is_the_plain_op():
   """One device along the axis: the plain op, its final state typed as replicated (out_specs P()) as with several."""
   mesh = cpu_mesh((1,), ("sp",))
   q, k, v, decay, s0, _, _, _ = make_inputs(40, "head", segments=False, seed=3)
-  fn = jax.shard_map(lambda q: lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True,
-                                                      sequence_axis="sp", impl="xla"),
-                     mesh=mesh, in_specs=P(None, "sp"), out_specs=(P(None, "sp"), P()))
-  want = lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True, impl="xla")
+  # Both sides jitted: one program each (eager, every op compiled on its own).
+  fn = jax.jit(jax.shard_map(lambda q: lj.lightning_attention(q, k, v, decay, initial_state=s0,
+                                                              return_final_state=True, sequence_axis="sp", impl="xla"),
+                             mesh=mesh, in_specs=P(None, "sp"), out_specs=(P(None, "sp"), P())))
+  want = jax.jit(lambda q: lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True,
+                                                  impl="xla"))(q)
   for got, ref in zip(fn(q), want):
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
 
@@ -180,8 +182,9 @@ def test_plain_op_inside_shard_map_with_check_vma(impl):
   def op(q, k, v, decay, ids):
     return lj.lightning_attention(q, k, v, decay, segment_ids=ids, return_final_state=True, impl=impl)
 
-  fn = jax.shard_map(op, mesh=mesh, in_specs=(P("data"),) * 5, out_specs=(P("data"), P("data")))
-  for got, ref in zip(fn(q, k, v, decay, ids), op(q, k, v, decay, ids)):
+  # Both sides jitted: one program each (eager, every op compiled on its own).
+  fn = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(P("data"),) * 5, out_specs=(P("data"), P("data"))))
+  for got, ref in zip(fn(q, k, v, decay, ids), jax.jit(op)(q, k, v, decay, ids)):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
