@@ -300,7 +300,7 @@ def test_pallas_matches_oracle(case, kernel_mode):
   run = lambda impl, **kw: lj.delta_attention(q, k, v, beta, decay, initial_state=s0, segment_ids=ids,  # noqa: E731
                                               return_final_state=True, impl=impl, **kw)
   o, final = jax.jit(lambda: run("pallas", interpret=kernel_mode))()
-  o_ref, final_ref = run("reference")
+  o_ref, final_ref = jax.jit(lambda: run("reference"))()
   assert rel_err(o, o_ref) < 1e-4 and rel_err(final, final_ref) < 1e-4
 
 
@@ -376,8 +376,8 @@ def test_pallas_low_precision(dtype, decay, kernel_mode):
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   o, final = jax.jit(lambda: lj.delta_attention(q, k, v, beta, rates, initial_state=s0, segment_ids=ids,
                                                  return_final_state=True, impl="pallas", interpret=kernel_mode))()
-  o_ref, final_ref = lj.delta_attention(q, k, v, beta, rates, initial_state=s0, segment_ids=ids,
-                                        return_final_state=True, impl="reference")
+  o_ref, final_ref = jax.jit(lambda: lj.delta_attention(q, k, v, beta, rates, initial_state=s0, segment_ids=ids,
+                                                         return_final_state=True, impl="reference"))()
   assert o.dtype == dtype and final.dtype == jnp.float32
   assert rel_err(o, o_ref) < 2e-2 and rel_err(final, final_ref) < 2e-2
 
