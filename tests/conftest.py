@@ -50,3 +50,113 @@ KERNEL_MODES = [pytest.param("interpret", id="interpret"), pytest.param("gpu", i
 def kernel_mode(request):
   """Returns the `interpret=` argument of the mode."""
   return request.param == "interpret"
+
+
+# --- the compatibility tier (`-m compat`) ---------------------------------------------
+#
+# .ci/run's run on the newest JAX (Python 3.12, jax 0.12.x): after the full suite
+# has passed on the oldest supported JAX, it checks that every public entry point
+# and every kernel path still traces, lowers (interpret mode) and computes the
+# right thing on the newest one; the full matrix of shapes and dtypes ran on the
+# oldest (and test_warp_specialized.py runs whole on jax 0.11 after it). At least
+# one test, forward and backward, of: lightning_attention's Pallas variants
+# (chunk_loop, parallel, the sequence split, warp_specialized) and impl="xla",
+# per-head, per-token and no decay, packed rows (segment_ids, cu_seqlens);
+# delta_attention (DeltaNet, Gated DeltaNet, KDA; xla and Pallas); the Flax
+# layers (NNX, Linen, the delta layers, attention_fn, interop's numpy paths);
+# sharding (sequence parallelism, the sharded wrapper, Auto and Explicit
+# meshes); configs, tuning cache, tune, structure. Each entry is a node id
+# prefix; one that matches none of its file's collected tests fails the run.
+COMPAT = [
+    # lightning_attention: both Pallas variants and xla, forward and every gradient, per-head decay, odd dims
+    "tests/test_ops.py::test_pallas_matches_oracle[interpret-B2T17H3D48E80-",
+    "tests/test_ops.py::test_pallas_matches_oracle[interpret-B3T64H1D80E48-",  # no decay, float16
+    "tests/test_ops.py::test_xla_matches_oracle[B2T17H3D48E80-",
+    "tests/test_ops.py::test_gradient_subsets[interpret-decay-",
+    "tests/test_ops.py::test_backward_runs_only_the_sweeps_it_needs",
+    "tests/test_ops.py::test_final_states_written_only_when_read",
+    "tests/test_ops.py::test_reference_by_hand",
+    # packed rows and per-token decay: every Pallas variant, xla, the oracle
+    "tests/test_packed.py::test_pallas_packed_matches_sequences_alone[interpret-seg[[64, 1, 50, 35], [20, 44, 86]]",
+    "tests/test_packed.py::test_pallas_packed_matches_sequences_alone[interpret-cu[[0, 30, 99, 0]]H1D40E8-float32-decay_None-s0_1-chunk_loop]",
+    "tests/test_packed.py::test_xla_packed_matches_sequences_alone[cu[[1, 0, 63, 64, 0, 17, 1]]",
+    "tests/test_packed.py::test_reference_packed_matches_sequences_alone[seg[[100, 48]]",
+    "tests/test_packed.py::test_bad_packing_input_is_rejected",
+    "tests/test_packed.py::test_segment_ids_from_cu_seqlens",
+    # the sequence split (Triton states pass), its handed-over backward passes, warp-specialised included
+    "tests/test_sequence_split.py::test_split_chunk_loop_matches_oracle[interpret-B1T300H2D16E16-",
+    "tests/test_sequence_split.py::test_split_backward_takes_the_forwards_pass",
+    "tests/test_sequence_split.py::test_split_backward_from_handed_over_passes_matches_oracle",
+    "tests/test_sequence_split.py::test_split_warp_specialized_matches_oracle[B2T129H1D40E72-",
+    "tests/test_sequence_split.py::test_auto_splits_few_long_sequences_only",
+    # warp_specialized: the kernel in the Mosaic GPU interpreter, packed and per-token, its CUDA lowering
+    "tests/test_warp_specialized.py::test_warp_specialized_matches_oracle[B1T77H3D64E64-",
+    "tests/test_warp_specialized.py::test_warp_specialized_matches_oracle[B2T128H2D40E72-",
+    "tests/test_warp_specialized.py::test_warp_specialized_packed_matches_sequences_alone[seg[[64, 1, 50, 35]",
+    "tests/test_warp_specialized.py::test_warp_specialized_lowers_for_cuda",
+    "tests/test_warp_specialized.py::test_warp_specialized_rejects_what_it_cannot_run",
+    "tests/test_warp_specialized.py::test_warp_specialized_config_is_validated_and_budgeted",
+    "tests/test_warp_specialized.py::test_auto_picks_warp_specialized_where_it_was_measured_faster",
+    # delta_attention: the three forms, xla and Pallas, forward and backward
+    "tests/test_delta_ops.py::test_oracle_matches_float64_loop",
+    "tests/test_delta_ops.py::test_chunked_matches_oracle[B2T45H2D9E7-",
+    "tests/test_delta_ops.py::test_chunked_matches_oracle[B2T77H2D16E24-",
+    "tests/test_delta_ops.py::test_pallas_matches_oracle[interpret-B2T77H2D9E20-",
+    "tests/test_delta_ops.py::test_pallas_matches_oracle[interpret-B2T130H2D16E24-",
+    "tests/test_delta_ops.py::test_pallas_gradients[",
+    "tests/test_delta_ops.py::test_cu_seqlens_states_chunked_matches_oracle[channel]",
+    "tests/test_delta_ops.py::test_bad_input_errors",
+    # composition with transforms, configs, inputs
+    "tests/test_api.py",
+    "tests/test_slopes.py",
+    "tests/test_structure.py",
+    "tests/test_tuning_cache.py",
+    "tests/test_tune.py::test_tune_smoke",
+    # layers
+    "tests/test_layers.py::test_layer_matches_reference",
+    "tests/test_layers.py::test_pallas_passthrough",
+    "tests/test_layers.py::test_gradients_reach_every_parameter[nnx-learnable]",
+    "tests/test_layers.py::test_nnx_decode_matches_full_forward[alibi-bfloat16]",
+    "tests/test_layers.py::test_linen_decode_matches_full_forward[minimax]",
+    "tests/test_layers.py::test_nnx_jit_train_step_reduces_loss",
+    "tests/test_layers_packed.py::test_packed_equals_segments_alone[nnx]",
+    "tests/test_layers_packed.py::test_decode_after_packed_prefill[linen]",
+    "tests/test_delta_layers.py::test_layer_matches_reference",
+    "tests/test_delta_layers.py::test_gradients_reach_every_parameter[nnx-kda-float32]",
+    "tests/test_delta_layers.py::test_nnx_decode_matches_full_forward[kda-",
+    "tests/test_delta_layers.py::test_packed_equals_segments_alone[linen-scalar]",
+    "tests/test_attention_fn.py::test_nnx_multihead_attention",
+    "tests/test_attention_fn.py::test_linen_multihead_dot_product_attention",
+    "tests/test_attention_fn.py::test_pallas_passthrough",
+    "tests/test_attention_fn.py::test_jit_and_grad_through_nnx_mha",
+    "tests/test_interop.py::test_round_trip_of_numpy_state_dicts",
+    "tests/test_interop.py::test_kimi_checkpoint_names_load_the_same_layer",
+    # several devices
+    "tests/test_sharding.py::test_sequence_parallel_equals_one_device[4-21-token-True-pallas-False]",
+    "tests/test_sharding.py::test_sequence_parallel_equals_one_device[2-21-head-False-xla-True]",
+    "tests/test_sharding.py::test_sequence_parallel_differentiates_any_subset[argnums7-xla-final]",
+    "tests/test_sharding.py::test_sequence_parallel_runs_the_local_ops_kernels_and_two_states_passes",
+    "tests/test_sharding.py::test_sharded_wrapper_equals_one_device[token]",
+    "tests/test_sharding.py::test_explicitly_sharded_inputs_split_the_plain_op[batch-heads]",
+    "tests/test_sharding.py::test_auto_mesh_sharded_inputs_split_the_plain_op[pallas-head]",
+    "tests/test_sharding.py::test_layers_on_a_mesh_equal_one_device[nnx_mesh]",
+    "tests/test_sharding.py::test_errors_name_the_argument",
+    "tests/test_delta_sharding.py::test_auto_mesh_inputs_stay_on_their_devices[pallas-kda]",
+    "tests/test_delta_sharding.py::test_explicit_mesh_splits_the_op[batch-heads]",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks the COMPAT tests `compat`; an entry that matches none of its file's collected tests is an error."""
+  files = {item.nodeid.split("::")[0] for item in items}
+  matched = set()
+  for item in items:
+    for prefix in COMPAT:
+      if item.nodeid.startswith(prefix):
+        item.add_marker(pytest.mark.compat)
+        matched.add(prefix)
+  # Only where the whole file was collected (a -k or a node id narrows it).
+  if not config.option.keyword and not any("::" in str(arg) for arg in config.args):
+    stale = [p for p in COMPAT if p.split("::")[0] in files and p not in matched]
+    if stale:
+      raise pytest.UsageError(f"tests/conftest.py COMPAT entries that match no test: {stale}")
