@@ -60,7 +60,8 @@ def test_combine_matches_the_serial_recurrence(lengths, with_decay):
   s0 = rng.normal(size=(b, h, dk, dv))
   want = serial_slice_states(keys, values, decay, lengths, s0)
   local = local_states(keys, values, decay, lengths)
-  states, tangents = chunk_common.combine_slice_states(
+  # Jitted: one program (eager, every op of the combine compiled on its own).
+  states, tangents = jax.jit(chunk_common.combine_slice_states, static_argnums=1)(
       jnp.asarray(local, F32), lengths, jnp.asarray(decay, F32) if with_decay else None, jnp.asarray(s0, F32))
   assert tangents is None
   assert states.shape == (b, h, len(lengths) + 1, dk, dv) and states.dtype == F32
@@ -91,9 +92,11 @@ def test_combine_tangent_is_the_derivative_wrt_the_decay():
     return jnp.stack([serial(rates, zeros, e - n, e) for e, n in zip(ends, lengths)], axis=2)
 
   ones = jnp.ones_like(decay)
-  want_states, d_states = jax.jvp(prefixes, (decay,), (ones,))
-  local, d_local = jax.jvp(locals_, (decay,), (ones,))
-  states, tangents = chunk_common.combine_slice_states(local, lengths, decay, s0, -d_local)
+  # Jitted: one program each (eager, every op of the serial scans compiled on its own).
+  want_states, d_states = jax.jit(lambda d: jax.jvp(prefixes, (d,), (ones,)))(decay)
+  local, d_local = jax.jit(lambda d: jax.jvp(locals_, (d,), (ones,)))(decay)
+  states, tangents = jax.jit(lambda *a: chunk_common.combine_slice_states(a[0], lengths, *a[1:]))(
+      local, decay, s0, -d_local)
   assert rel_err(states, want_states) < 1e-5
   assert rel_err(tangents, -d_states) < 1e-5
 
