@@ -25,11 +25,14 @@ Triton program (one instruction stream) cannot do (benchmarks/PERFORMANCE.md,
 scale folded into the row and intra factors) come in one of two forms:
 
   per head  (a per-head rate or none) computed outside and loaded once;
-  per chunk (per-token rates or packed sequences) the row, key and state
-            factors computed outside for every chunk (`chunk_factors`) and
-            loaded with its q, k, v; the output warpgroup builds the [C, C]
-            intra factors from the chunk's cumulative rates (and segment
-            counts), so that no [C, C] array per chunk crosses HBM.
+  per chunk (per-token rates or packed sequences) each chunk's cumulative
+            rates (and segment counts, `chunk_factors`) loaded with its q, k,
+            v; each warpgroup builds the factors it needs from them, so that
+            no factor per chunk crosses HBM. Where a chunk's rates sum to at
+            most `_FACTORIZED_MAX_EXPONENT`, the output warpgroup factorises
+            the intra factors, 2^(c_j - c_i) = 2^(c_j - m) 2^(m - c_i), from
+            2C exp2 instead of C^2 (PERFORMANCE.md, "Per-token decay and
+            packed sequences").
 
 Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 """
@@ -77,33 +80,32 @@ def decay_factors(decay, heads: int, *, scale: float, last_rows: int = CHUNK_SIZ
 
 # Rows of the per-head factors (`decay_factors`) and of a chunk's (`chunk_factors`).
 _ROW, _KEY, _STATE, _LAST_KEY, _LAST_STATE = range(5)
-_CUM, _RUNS = 0, 3
+_CUM, _RUNS = 0, 1
 # Subtracted per segment start in an exponent (log2 units): 2^-1e4 is 0 in float32.
 _SEGMENT_EXPONENT = 1.0e4
+# A chunk whose rates sum to at most this (log2 units; 83 in natural units) takes
+# the factorised intra factors: each factor then lies in [2^-60, 2^60], so the
+# scaled scores overflow only past 2^68, far beyond any q . k of 16-bit inputs.
+_FACTORIZED_MAX_EXPONENT = 120.0
 
 
 def chunk_factors(cumdecay, runs):
   """Per-chunk factors of per-token rates and segment starts, [B, H, N, F, C] float32.
 
-  Rows: the cumulative rates (`_CUM`, log2 units), the key factors, the state
-  factor repeated along C and, with segments (F = 4), the segment-start
-  counts (`_RUNS`); in the definitions of `chunk_common.token_decay_factors`,
-  whose row and intra factors the kernel computes from the first and last rows.
+  Rows: the cumulative rates (`_CUM`, log2 units) and, with segments (F = 2),
+  the segment-start counts (`_RUNS`): the inputs of
+  `chunk_common.token_decay_factors`, which the kernel computes from them.
 
   Args:
     cumdecay: [B, H, Tp] float32 (`chunk_common.token_chunk_gates`, forward).
     runs: [B, Tp] int32 segment-start counts, or None (no segments).
   """
   b, h, tp = cumdecay.shape
-  c = CHUNK_SIZE
-  cum = cumdecay.reshape(b, h, tp // c, c)
-  run_counts = jnp.zeros((b, tp // c, c), jnp.int32) if runs is None else runs.reshape(b, tp // c, c)
-  factors = jax.vmap(jax.vmap(jax.vmap(functools.partial(chunk_common.token_decay_factors, reverse=False)),
-                              in_axes=(0, None)))(cum, run_counts)
-  rows = [cum, factors.key, jnp.broadcast_to(factors.state[..., None], cum.shape)]
-  if runs is not None:
-    rows.append(jnp.broadcast_to(run_counts[:, None].astype(_F32), cum.shape))
-  return jnp.stack(rows, axis=3)
+  cum = cumdecay.reshape(b, h, tp // CHUNK_SIZE, 1, CHUNK_SIZE)
+  if runs is None:
+    return cum
+  run_counts = jnp.broadcast_to(runs.reshape(b, 1, tp // CHUNK_SIZE, 1, CHUNK_SIZE).astype(_F32), cum.shape)
+  return jnp.concatenate([cum, run_counts], axis=3)
 
 
 def _smem(shape, dtype):
@@ -223,8 +225,15 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         update = _matmul(v_smem.at[slot].transpose((1, 0)), k_smem.at[slot], state_t.shape)
       else:
         if per_chunk:
+          # key_j = 2^(c_j - c_end), state = 2^-c_end, both zero across a segment start.
           rows = chunk_factor_rows(n)
-          key, state_decay = rows[_KEY], rows[_STATE]
+          cum_end = vectors_smem[slot, _CUM, c - 1]
+          key_exponent, state_exponent = jnp.minimum(rows[_CUM] - cum_end, 0.0), -cum_end
+          if has_segments:
+            runs_end = vectors_smem[slot, _RUNS, c - 1]
+            key_exponent = key_exponent - _SEGMENT_EXPONENT * (runs_end - rows[_RUNS])
+            state_exponent = state_exponent - _SEGMENT_EXPONENT * runs_end
+          key, state_decay = jnp.exp2(key_exponent), jnp.exp2(state_exponent)
         else:
           key, state_decay = head_factors
         # key * v, staged so that wgmma reads its transpose from shared memory.
@@ -234,7 +243,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.barrier_arrive(released.at[slot])
       if not has_decay:
         return state_t + update
-      return state_t * state_decay[:, None] + update
+      return state_t * (state_decay if per_chunk else state_decay[:, None]) + update
 
     if has_initial:
       plgpu.barrier_wait(initial_loaded.at[0])
@@ -277,27 +286,48 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     @pl.loop(0, num_chunks)
     def _chunk(n):
       slot, buf = slot_of(n), lax.rem(n, 2)
-      chunk_intra, chunk_row = intra, row
+      chunk_row = row
       if per_chunk:
-        rows = chunk_factor_rows(n)
         # row_i = scale 2^-c_i before the chunk's first segment start, intra_ij =
-        # scale 2^(c_j - c_i) on j <= i within a segment; exponents are clamped
-        # at 0 so that no entry outside the causal mask overflows (it zeroes them).
-        # Each row is read along the rows and, from its second copy, along the
-        # columns of the scores (one load cannot take both layouts).
-        by_row = lambda i: lax.broadcast_in_dim(rows[i], (c, c), (0,))  # noqa: E731
-        by_column = lambda i: lax.broadcast_in_dim(factors_by_column[slot_of(n), i], (c, c), (1,))  # noqa: E731
-        gap = by_column(_CUM) - by_row(_CUM)
+        # scale 2^(c_j - c_i) on j <= i within a segment. Each row is read along
+        # the rows and, from its second copy, along the columns of the scores
+        # (one load cannot take both layouts).
+        rows, columns = chunk_factor_rows(n), factors_by_column.at[slot]
+        by_row = lambda x: lax.broadcast_in_dim(x, (c, c), (0,))  # noqa: E731
+        by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
+        cum_end = vectors_smem[slot, _CUM, c - 1]
         row_exponent = -rows[_CUM]
         if has_segments:
-          gap = gap - _SEGMENT_EXPONENT * (by_row(_RUNS) - by_column(_RUNS))
           row_exponent = row_exponent - _SEGMENT_EXPONENT * rows[_RUNS]
-        chunk_intra = intra * jnp.exp2(jnp.minimum(gap, 0.0))
         chunk_row = scale * jnp.exp2(row_exponent)
       plgpu.barrier_wait(q_loaded.at[slot])
       plgpu.barrier_wait(k_loaded.at[slot])
       scores = _matmul(q_smem.at[slot], k_smem.at[slot].transpose((1, 0)), (c, c))
-      scores_smem[...] = (scores * chunk_intra).astype(scores_smem.dtype)
+      if not per_chunk:
+        scores_smem[...] = (scores * intra).astype(scores_smem.dtype)
+      else:
+        factorized = cum_end <= _FACTORIZED_MAX_EXPONENT
+
+        @pl.when(factorized)
+        def _():
+          # 2^(c_j - c_i) = 2^(m - c_i) 2^(c_j - m), m = c_end / 2: each factor in
+          # [2^-60, 2^60], applied after the mask, so that no entry overflows.
+          mid = 0.5 * cum_end
+          mask = intra
+          if has_segments:
+            mask = jnp.where(by_row(rows[_RUNS]) == by_column(columns[_RUNS]), intra, 0.0)
+          scaled = scores * mask * by_row(jnp.exp2(mid - rows[_CUM])) * by_column(jnp.exp2(columns[_CUM] - mid))
+          scores_smem[...] = scaled.astype(scores_smem.dtype)
+
+        @pl.when(jnp.logical_not(factorized))
+        def _():
+          # Exponents clamped at 0, so that no entry outside the causal mask
+          # overflows (the mask zeroes them); a segment start drives them to -inf.
+          gap = by_column(columns[_CUM]) - by_row(rows[_CUM])
+          if has_segments:
+            gap = gap - _SEGMENT_EXPONENT * (by_row(rows[_RUNS]) - by_column(columns[_RUNS]))
+          scores_smem[...] = (scores * (intra * jnp.exp2(jnp.minimum(gap, 0.0)))).astype(scores_smem.dtype)
+
       plgpu.commit_smem()
       plgpu.barrier_wait(v_loaded.at[slot])
       plgpu.barrier_wait(state_ready.at[buf])
