@@ -191,6 +191,18 @@ def test_warp_specialized_config_is_validated_and_budgeted():
     (dict(), "warp_specialized"),
     (dict(d=64), "chunk_loop"),  # measured slower than Triton at D = 64 with a per-head rate
     (dict(d=64, per_token=True), "warp_specialized"),  # and faster with per-chunk factors
+    # On an H200, one CTA per SM (B4 H32 on 132 SMs) with a per-head rate: WS.
+    (dict(d=64, e=64, per_head_decay=True, batch_heads=128, num_sms=132, device_kind="NVIDIA H200"),
+     "warp_specialized"),
+    (dict(d=64, e=64, per_head_decay=True, batch_heads=128, num_sms=132, device_kind="NVIDIA H100 80GB HBM3"),
+     "chunk_loop"),
+    (dict(d=64, e=64, per_head_decay=False, batch_heads=128, num_sms=132, device_kind="NVIDIA H200"), "chunk_loop"),
+    # Two waves, or a split sequence (half the SMs or fewer): chunk_loop.
+    (dict(d=64, e=64, per_head_decay=True, batch_heads=256, num_sms=132, device_kind="NVIDIA H200"), "chunk_loop"),
+    (dict(d=64, e=64, per_head_decay=True, batch_heads=64, num_sms=132, device_kind="NVIDIA H200"), "chunk_loop"),
+    # The CTAs count value blocks: B2 H32 with E = 128 is one wave too.
+    (dict(d=64, e=128, per_head_decay=True, batch_heads=64, num_sms=132, device_kind="NVIDIA H200"),
+     "warp_specialized"),
     (dict(dtype=F32), "chunk_loop"),
     (dict(compute_capability=(8, 0)), "chunk_loop"),
     (dict(compute_capability=(10, 0)), "chunk_loop"),

@@ -347,10 +347,13 @@ def explicit_layout(q):
   return mesh, tuple(spec[:3]) + (None,) * (3 - len(spec[:3]))
 
 
-def _pallas_options(q, v, *, scale, per_token, return_final_state, variant, config, interpret, device):
+def _pallas_options(q, v, *, scale, per_token, return_final_state, variant, config, interpret, device,
+                    per_head_decay=False):
   cc = heuristics.compute_capability(device)
   variant = heuristics.pallas_variant(variant, d=q.shape[-1], e=v.shape[-1], dtype=q.dtype, compute_capability=cc,
-                                      interpret=interpret, per_token=per_token)
+                                      interpret=interpret, per_token=per_token, per_head_decay=per_head_decay,
+                                      batch_heads=q.shape[0] * q.shape[2], num_sms=heuristics.num_sms(device),
+                                      device_kind=getattr(device, "device_kind", ""))
   return config_lib.PallasOptions(scale=scale, return_final_state=return_final_state, variant=variant,
                                   config=config, compute_capability=cc, num_sms=heuristics.num_sms(device),
                                   interpret=interpret)
@@ -376,7 +379,8 @@ def _run(q, k, v, decay, initial_state, segment_ids, *, return_final_state, cu_s
   if impl == "pallas":
     per_token = segment_ids is not None or chunk_common.per_token(decay)
     opts = _pallas_options(q, v, scale=scale, per_token=per_token, return_final_state=kernel_final_state,
-                           variant=variant, config=config, interpret=interpret, device=device)
+                           variant=variant, config=config, interpret=interpret, device=device,
+                           per_head_decay=decay is not None and not per_token)
     starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
     out = auto_sharding.lightning_attention_pallas(q, k, v, decay, starts, initial_state, opts)
     o, final_state = out if kernel_final_state else (out, None)

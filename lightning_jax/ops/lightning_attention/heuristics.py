@@ -235,7 +235,17 @@ def fuse_dk_dv(*, dim_k: int, dim_v: int) -> bool:
   return dim_k <= 64 and dim_v <= 64
 
 
-def prefer_warp_specialized(*, dim_k: int, per_token: bool = False) -> bool:
+# Devices on which a per-head rate at D <= 64 leaves chunk_loop's one program per
+# SM latency-bound where the warp-specialised forward overlaps it: on an H200
+# (bf16, 2026-11-26, `benchmarks/results/nvidia-h200-d64-variants`) WS took 11%
+# less time at B4 H32 T 8K and 32K D64 with decay (128 CTAs on 132 SMs), and was
+# within 1% (B8 H32, two waves) to 7% slower (split sequences) elsewhere; on an
+# H100 it was 2-11% slower at B4 H32 and B2 H32.
+WS_ONE_WAVE_DEVICE_KINDS = ("H200",)
+
+
+def prefer_warp_specialized(*, dim_k: int, per_token: bool = False, per_head_decay: bool = False, programs: int = 0,
+                            num_sms: int = DEFAULT_NUM_SMS, device_kind: str = "") -> bool:
   """Whether `variant="auto"` takes the warp-specialised forward over chunk_loop (where both can run).
 
   On an H100 (bf16, B2 H32 D128 and B4 H32 D64, T 8K and 32K; PERFORMANCE.md,
@@ -244,9 +254,15 @@ def prefer_warp_specialized(*, dim_k: int, per_token: bool = False) -> bool:
   with a per-head rate. With per-token rates or packed sequences (`per_token`)
   chunk_loop computes every chunk's factors in its one instruction stream, and
   the warp-specialised forward wins at D = 64 too (PERFORMANCE.md, "Per-token
-  decay and packed sequences").
+  decay and packed sequences"). At D = 64 with a per-head rate it also wins on
+  the devices of `WS_ONE_WAVE_DEVICE_KINDS` where its `programs` (batch * heads
+  * 64-column value blocks) fill between half and all of the `num_sms` SMs: one
+  program per SM, no sequence split.
   """
-  return per_token or dim_k > 64
+  if per_token or dim_k > 64:
+    return True
+  one_wave = num_sms // 2 < programs <= num_sms
+  return per_head_decay and one_wave and any(kind in device_kind for kind in WS_ONE_WAVE_DEVICE_KINDS)
 
 
 def jax_version() -> tuple[int, int]:
@@ -287,8 +303,13 @@ def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, item
 
 
 def pallas_variant(variant: str, *, d: int, e: int, dtype, compute_capability: tuple[int, int] | None,
-                   interpret: bool, per_token: bool = False) -> str:
-  """The Pallas variant that runs: `variant`, checked, or the one "auto" picks for this call."""
+                   interpret: bool, per_token: bool = False, per_head_decay: bool = False, batch_heads: int = 0,
+                   num_sms: int = DEFAULT_NUM_SMS, device_kind: str = "") -> str:
+  """The Pallas variant that runs: `variant`, checked, or the one "auto" picks for this call.
+
+  `batch_heads` (B * H), `num_sms` and `device_kind` are the call's and its
+  device's, for `prefer_warp_specialized`.
+  """
   ws_unsupported = warp_specialized_unsupported(dim_k=d, dim_v=e, dtype=dtype, compute_capability=compute_capability,
                                                 interpret=interpret)
   if variant == "warp_specialized" and ws_unsupported:
@@ -296,7 +317,10 @@ def pallas_variant(variant: str, *, d: int, e: int, dtype, compute_capability: t
   if variant != "auto":
     return variant
   # Compiled only (its interpreter is for tests), and where it was measured faster.
-  if not interpret and not ws_unsupported and prefer_warp_specialized(dim_k=d, per_token=per_token):
+  programs = batch_heads * -(-e // WarpSpecializedConfig.BLOCK_E)
+  if not interpret and not ws_unsupported and prefer_warp_specialized(
+      dim_k=d, per_token=per_token, per_head_decay=per_head_decay, programs=programs, num_sms=num_sms,
+      device_kind=device_kind):
     return "warp_specialized"
   # With the sequence split filling the GPU where few (batch, head) programs
   # would not, chunk_loop beat parallel at every shape measured (PERFORMANCE.md,
