@@ -214,16 +214,23 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.barrier_wait(k_loaded.at[slot])
       plgpu.barrier_wait(v_loaded.at[slot])
 
-      @pl.when(n >= 2)
-      def _():
-        plgpu.barrier_wait(state_read.at[buf])  # the output warpgroup is done with S_{n-2}
+      def publish():
+        @pl.when(n >= 2)
+        def _():
+          plgpu.barrier_wait(state_read.at[buf])  # the output warpgroup is done with S_{n-2}
 
-      state_smem[buf] = state_t.astype(state_smem.dtype)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(state_ready.at[buf])
-      if not has_decay:
-        update = _matmul(v_smem.at[slot].transpose((1, 0)), k_smem.at[slot], state_t.shape)
-      else:
+        state_smem[buf] = state_t.astype(state_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(state_ready.at[buf])
+
+      # Per-head factors are at hand: S_n goes out first. Per-chunk factors take
+      # their exp2 and staging first; S_n then goes out while the update's product
+      # runs (H200, B2 H32 T32K D128 per-token rates: 4-5% less time; with a
+      # per-head rate or none that order was 2-4% slower).
+      if not per_chunk:
+        publish()
+      values, state_decay = v_smem.at[slot], None
+      if has_decay:
         if per_chunk:
           # key_j = 2^(c_j - c_end), state = 2^-c_end, both zero across a segment start.
           rows = chunk_factor_rows(n)
@@ -236,14 +243,21 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
           key, state_decay = jnp.exp2(key_exponent), jnp.exp2(state_exponent)
         else:
           key, state_decay = head_factors
+          state_decay = state_decay[:, None]
         # key * v, staged so that wgmma reads its transpose from shared memory.
         vk_smem[...] = (v_smem[slot].astype(_F32) * key[:, None]).astype(vk_smem.dtype)
         plgpu.commit_smem()
-        update = _matmul(vk_smem.transpose((1, 0)), k_smem.at[slot], state_t.shape)
+        values = vk_smem
+
+      def update_product(acc):
+        plgpu.wgmma(acc, values.transpose((1, 0)), k_smem.at[slot])
+        if per_chunk:
+          publish()
+        return acc[...]
+
+      update = pl.run_scoped(update_product, plgpu.ACC(state_t.shape, _F32))
       plgpu.barrier_arrive(released.at[slot])
-      if not has_decay:
-        return state_t + update
-      return state_t * (state_decay if per_chunk else state_decay[:, None]) + update
+      return state_t + update if state_decay is None else state_t * state_decay + update
 
     if has_initial:
       plgpu.barrier_wait(initial_loaded.at[0])
