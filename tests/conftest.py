@@ -14,32 +14,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_exces
 # instead of each reserving 75% of it up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import atexit  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from helpers import GPU_ONLY, gpu_available  # noqa: E402
-
-# One compilation cache per test session, shared by its pytest-xdist workers:
-# many tests build the same program (an oracle, the same kernel on the same
-# shapes, a gradient) in separate jit objects or on the other worker, and each
-# compiled it again. The first process to import this file (the xdist
-# controller, which starts the workers after it) makes an empty folder and
-# removes it at exit, so nothing outlives the session; entries are keyed by the
-# program (its metadata included, so that a test reading the compiled HLO's
-# op names reads its own), the compile options and the jaxlib, so a hit is the
-# same executable. LIGHTNING_JAX_TEST_COMPILE_CACHE=0 turns it off.
-_CACHE_ENV = "LIGHTNING_JAX_TEST_COMPILE_CACHE"
-if os.environ.get(_CACHE_ENV) != "0":
-  if not os.environ.get(_CACHE_ENV):
-    os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="lightning_jax_compile_cache_")
-    atexit.register(shutil.rmtree, os.environ[_CACHE_ENV], ignore_errors=True)
-  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
 
 
 @pytest.fixture(scope="module")
