@@ -349,14 +349,13 @@ def explicit_layout(q):
 
 def _pallas_options(q, v, *, scale, per_token, return_final_state, variant, config, interpret, device,
                     per_head_decay=False):
-  cc = heuristics.compute_capability(device)
+  cc, num_sms = heuristics.compute_capability(device), heuristics.num_sms(device)
   variant = heuristics.pallas_variant(variant, d=q.shape[-1], e=v.shape[-1], dtype=q.dtype, compute_capability=cc,
                                       interpret=interpret, per_token=per_token, per_head_decay=per_head_decay,
-                                      batch_heads=q.shape[0] * q.shape[2], num_sms=heuristics.num_sms(device),
+                                      batch_heads=q.shape[0] * q.shape[2], num_sms=num_sms,
                                       device_kind=getattr(device, "device_kind", ""))
   return config_lib.PallasOptions(scale=scale, return_final_state=return_final_state, variant=variant,
-                                  config=config, compute_capability=cc, num_sms=heuristics.num_sms(device),
-                                  interpret=interpret)
+                                  config=config, compute_capability=cc, num_sms=num_sms, interpret=interpret)
 
 
 def _run(q, k, v, decay, initial_state, segment_ids, *, return_final_state, cu_seqlens, scale, impl, variant,
