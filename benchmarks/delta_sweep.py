@@ -4,9 +4,9 @@
 
 For each shape (bf16), form (DeltaNet, Gated DeltaNet, KDA) and config, it
 compiles and times each Pallas kernel of `pallas_triton` on its own (prepare,
-the forward sweep, the backward's state sweep, state_cotangents,
-chunk_gradients; each row also runs what feeds that kernel: the gates' jnp and,
-for the sweeps, prepare) and the op through `delta_attention` (forward, and
+the forward sweep, the backward's state sweep, state_cotangents, and
+chunk_gradients: the per-chunk gradient kernels, split or not; each row also
+runs what feeds that kernel: the gates' jnp and, for the sweeps, prepare) and the op through `delta_attention` (forward, and
 forward plus backward of every input), and prints one JSON row per timing. Configs are
 `name=field:value,...` over `DeltaConfig`'s fields, ';'-separated; `default`
 is `default_config`'s. PERFORMANCE.md ("Delta attention") cites its runs.
@@ -61,29 +61,36 @@ def _kernel_fns(config, scale, dp):
 
   def prepare(q, k, v, beta, decay, do, states):
     qp, kp, vp, br, gates = operands(q, k, v, beta, decay, config.chunk_size)
-    return pt.prepare(qp, kp, vp, br, gates, **kw)
+    return pt.prepare(qp, kp, vp, br, gates, **kw)[:3]
 
   def sweep(q, k, v, beta, decay, do, states):
     qp, kp, vp, br, gates = operands(q, k, v, beta, decay, config.chunk_size)
-    w, u, p = pt.prepare(qp, kp, vp, br, gates, **kw)
+    w, u, p, _ = pt.prepare(qp, kp, vp, br, gates, **kw)
     return pt.sweep(qp, kp, w, u, p, gates, None, with_final_state=False, **kw)
 
   def state_sweep(q, k, v, beta, decay, do, states):
     qp, kp, vp, br, gates = operands(q, k, v, beta, decay, config.backward_chunk_size)
-    w, u, p = pt.prepare(qp, kp, vp, br, gates, **bwd)
+    w, u, p, _ = pt.prepare(qp, kp, vp, br, gates, **bwd)
     return pt.sweep(qp, kp, w, u, p, gates, None, with_outputs=False, with_final_state=False, with_states=True,
                     **bwd)
 
   def state_cotangents(q, k, v, beta, decay, do, states):
     qp, kp, vp, br, gates = operands(q, k, v, beta, decay, config.backward_chunk_size)
-    w, u, p = pt.prepare(qp, kp, vp, br, gates, **bwd)
+    w, u, p, _ = pt.prepare(qp, kp, vp, br, gates, **bwd)
     dop = chunk_common.pad_tokens_and_features(do, num_tokens=qp.shape[1], dim=vp.shape[-1])
     return pt.state_cotangents(qp, kp, w, p, gates, dop, None, **bwd)
 
   def chunk_gradients(q, k, v, beta, decay, do, states):
     qp, kp, vp, br, gates = operands(q, k, v, beta, decay, config.backward_chunk_size)
     dop = chunk_common.pad_tokens_and_features(do, num_tokens=qp.shape[1], dim=vp.shape[-1])
-    return pt.chunk_gradients(qp, kp, vp, br, gates, states, states, dop, **bwd)
+    if not config.splits_backward(per_channel_gate=decay is not None and decay.ndim == 4):
+      return pt.chunk_gradients(qp, kp, vp, br, gates, states, states, dop, **bwd)
+    # The split kernels, on stand-ins of the same shapes for T, W, U_v, U and dU.
+    dq, dk, dw, _ = pt.qk_gradients(qp, kp, gates, states, states, vp, dop, dop, **bwd)
+    b, tp, h, _ = qp.shape
+    tri = jnp.zeros((b, h, tp, config.backward_chunk_size), jnp.float32)
+    return dq, pt.wy_gradients(kp, vp, br, gates, tri, kp, vp, dw, dop, dk, config=bwd["config"],
+                               interpret=bwd["interpret"])
 
   def op_fwd(q, k, v, beta, decay, do, states):
     return lj.delta_attention(q, k, v, beta, decay, impl="pallas", config=config)
@@ -109,7 +116,8 @@ def _parse_configs(text):
   configs = []
   for item in text.split(";"):
     name, _, fields = item.partition("=")
-    configs.append((name, {f: int(x) for f, x in (kv.split(":") for kv in fields.split(",") if kv)}))
+    configs.append((name, {f: x == "true" if x in ("true", "false") else int(x)
+                           for f, x in (kv.split(":") for kv in fields.split(",") if kv)}))
   return configs
 
 

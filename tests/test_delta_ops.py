@@ -276,6 +276,8 @@ def test_numerical_gradients():
     (dict(q=jnp.zeros((2, 9, 2, 5), jnp.int32)), TypeError, "q must be float32"),
     (dict(normalize_qk=1), TypeError, "normalize_qk must be a bool"),
     (dict(impl="cuda"), ValueError, "impl must be one of"),
+    (dict(decay=jnp.zeros((2, 9, 2, 5)), config=lj.DeltaConfig(split_backward=True)), ValueError,
+     r"split_backward=True\) takes a scalar decay per token or none"),
 ])
 def test_bad_input_errors(kwargs, error, match):
   args = dict(q=jnp.zeros((2, 9, 2, 5)), k=jnp.zeros((2, 9, 2, 5)), v=jnp.zeros((2, 9, 2, 4)),
@@ -325,12 +327,15 @@ def test_pallas_gradients(case, kernel_mode):
     (Case(b=1, t=100, d=8, e=40, decay="channel", segments=True, rates="extreme", beta="edges"),
      dict(chunk_size=16, backward_chunk_size=64, block_e=16)),
     (Case(b=1, t=70, d=5, e=3, decay="token", segments=True, rates="extreme", beta="edges"),
-     dict(chunk_size=64, backward_chunk_size=16)),
+     dict(chunk_size=64, backward_chunk_size=16, split_backward=False)),
+    (Case(b=1, t=77, d=40, e=24, decay="token", segments=True, rates="extreme", beta="edges"),
+     dict(backward_chunk_size=32, block_d=16, block_e=16)),
     (Case(b=1, t=90, d=12, e=70, decay=None, segments=True), dict(backward_chunk_size=64, block_e=16)),
     (Case(b=1, t=80, d=24, e=16, decay="channel", rates="steep"), dict(chunk_size=64, backward_chunk_size=32)),
 ], ids=str)
 def test_pallas_gradients_any_blocks(case, config, kernel_mode):
-  """The backward's own chunking (several 16-row blocks, one), several E steps, extreme rates, beta at 0 and 2."""
+  """The backward's own chunking (several 16-row blocks, one), several D and E steps, the split gradient kernels
+  and the one per chunk with a scalar gate, extreme rates, beta at 0 and 2."""
   q, k, v, beta, decay, s0, ids = make_inputs(case, seed=17)
   cot = jax.random.split(jax.random.key(18), 2)
   args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape), jax.random.normal(cot[1], s0.shape))
@@ -366,6 +371,8 @@ def test_default_config_fits_every_device():
   for bad in (24, 48, 8):
     with pytest.raises(ValueError, match="backward_chunk_size must be a power of two"):
       lj.DeltaConfig(backward_chunk_size=bad)
+  with pytest.raises(TypeError, match="split_backward must be None or a bool"):
+    lj.DeltaConfig(split_backward=1)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -54,6 +54,8 @@ def _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, se
       raise TypeError(f"{name} must be a bool, got {flag!r}")
   if config is not None and not isinstance(config, pallas_triton.DeltaConfig):
     raise TypeError(f"config must be a DeltaConfig or None, got {type(config).__name__}")
+  if config is not None:
+    config.splits_backward(per_channel_gate=decay is not None and decay.ndim == 4)
   if interpret is not None and not isinstance(interpret, bool):
     raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
 

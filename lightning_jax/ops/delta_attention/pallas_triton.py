@@ -62,12 +62,24 @@ class DeltaConfig:
     backward_chunk_size: tokens per chunk of the backward, which recomputes
       everything and so may chunk differently (a power of two >= 16).
     block_e: value columns per sweep program and per step of the gradient
-      kernel's loop over E (a power of two >= 16; clipped to E).
+      kernels' loops over E (a power of two >= 16; clipped to E).
+    block_d: key columns per program and per loop step of the split
+      backward's gradient kernels (a power of two >= 16; clipped to D).
+    split_backward: the backward's per-chunk gradients in two kernels tiled
+      over D and E (`_qk_gradients_kernel`, `_wy_gradients_kernel`; a scalar
+      gate or none), or in one kernel per chunk (`_chunk_gradients_kernel`,
+      which KDA's per-key-channel gates need: their pair products go by
+      16-row blocks). None: split unless the gates are per key channel. The
+      one kernel holds a chunk's whole [C, D] cotangents and spills past
+      16-token chunks, where the states it reads are 4x a chunk's inputs at
+      D = E = 128; the split kernels take 64-token chunks.
     num_warps, num_stages: Triton's, for every kernel.
   """
   chunk_size: int = 32
-  backward_chunk_size: int = 32
+  backward_chunk_size: int = 64
   block_e: int = 64
+  block_d: int = 64
+  split_backward: bool | None = None
   num_warps: int = 4
   num_stages: int = 2
 
@@ -76,8 +88,19 @@ class DeltaConfig:
       size = getattr(self, name)
       if size < BLOCK or size & (size - 1):
         raise ValueError(f"{name} must be a power of two >= {BLOCK}, got {size}")
-    if self.block_e < lightning_config.MIN_BLOCK or self.block_e & (self.block_e - 1):
-      raise ValueError(f"block_e must be a power of two >= {lightning_config.MIN_BLOCK}, got {self.block_e}")
+    for name in ("block_e", "block_d"):
+      size = getattr(self, name)
+      if size < lightning_config.MIN_BLOCK or size & (size - 1):
+        raise ValueError(f"{name} must be a power of two >= {lightning_config.MIN_BLOCK}, got {size}")
+    if self.split_backward is not None and not isinstance(self.split_backward, bool):
+      raise TypeError(f"split_backward must be None or a bool, got {self.split_backward!r}")
+
+  def splits_backward(self, *, per_channel_gate: bool) -> bool:
+    """Whether the backward takes the split gradient kernels for these gates (see `split_backward`)."""
+    if self.split_backward and per_channel_gate:
+      raise ValueError("DeltaConfig(split_backward=True) takes a scalar decay per token or none; per-key-channel "
+                       "decay [B, T, H, D] (KDA) needs split_backward=False or None")
+    return not per_channel_gate if self.split_backward is None else self.split_backward
 
 
 # float32 operands on devices with less shared memory per block than sm90's 227 KiB: what shrinks, by
@@ -116,7 +139,7 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   dp = lightning_config.padded_dim(dim_k)
   itemsize = jnp.dtype(dtype).itemsize
   budget = lightning_config.shared_memory_budget(compute_capability)
-  config = DeltaConfig(chunk_size=16 if per_channel_gate else 32, backward_chunk_size=16,
+  config = DeltaConfig(chunk_size=16 if per_channel_gate else 32, backward_chunk_size=16 if per_channel_gate else 64,
                        block_e=32 if itemsize * dp > 512 else 64,
                        num_stages=3 if itemsize == 2 and budget >= _DEEP_PIPELINE_BUDGET else 2)
   for (min_dim, max_budget), step in _FLOAT32_STEPS:
@@ -394,7 +417,7 @@ def _lower_product(tri, x, *, dtype, exact, transpose=False):
   return [_lower_row(tri, x, i, dtype=dtype, exact=exact, transpose=transpose) for i in range(len(x))]
 
 
-def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref, p_ref, *, scale, exact):
+def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref, p_ref, t_ref, *, scale, exact):
   dtype = k_ref.dtype
   rows = _chunk_rows(q_ref, k_ref, beta_ref, g_ref, runs_ref)
   nb = len(rows.k)
@@ -405,12 +428,30 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
   for i in range(nb):  # block by block, writing as it goes: D = E = 256 fits in shared memory
     w_ref[_block(i), :] = _lower_row(tri, k_gated, i, dtype=dtype, exact=exact).astype(w_ref.dtype)
     u_ref[_block(i), :] = _lower_row(tri, v_beta, i, dtype=dtype, exact=exact).astype(u_ref.dtype)
+    if t_ref is not None:
+      for j in range(nb):
+        t_ref[_block(i), _block(j)] = (tri[i, j] if j <= i else jnp.zeros((BLOCK, BLOCK), _F32)).astype(t_ref.dtype)
     if p_ref is None:
       continue
     for j in range(nb):
       p_ij = (p_diagonal[i, i] if j == i else jnp.zeros((BLOCK, BLOCK), _F32) if j > i
               else _query_pairs_below(rows.q[i], k_ref, g_ref, runs_ref, i=i, j=j, exact=exact))
       p_ref[_block(i), _block(j)] = scale * p_ij
+
+
+def _pair_factors(g_ref, runs_ref, *, start, size, inclusive):
+  """[size, size] float32 e^{g_t - g_s} for the pairs (t, s) of rows [start, start + size) that interact (s <= t,
+  or s < t, in one segment), else 0: a scalar gate's (or no gate's) factors of a whole chunk's pair products."""
+  rows = _rows(start, size)
+  t = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+  s = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
+  allowed = (t >= s) if inclusive else (t > s)
+  if runs_ref is not None:
+    allowed &= runs_ref[rows][:, None] == runs_ref[rows][None, :]
+  if g_ref is None:
+    return allowed.astype(_F32)
+  g = g_ref[rows]
+  return jnp.where(allowed, jnp.exp(jnp.where(allowed, g[:, None] - g[None, :], 0.0)), 0.0)
 
 
 def _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, row_decay, *, start, chunk_size, scale, exact):
@@ -425,20 +466,14 @@ def _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, row_decay, *,
   q_gated = q.astype(_F32) * (scale * row_decay)
   if p_ref is not None:
     return q_gated, p_ref[rows, :]
-  t = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-  s = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-  allowed = t >= s
-  if runs_ref is not None:
-    allowed &= runs_ref[rows][:, None] == runs_ref[rows][None, :]
   p = scale * triton_lowering.dot(q, k_ref[rows, :], trans_b=True, exact=exact)
-  if g_ref is not None:
-    p = p * jnp.exp(jnp.where(allowed, g_ref[rows][:, None] - g_ref[rows][None, :], 0.0))
-  return q_gated, jnp.where(allowed, p, 0.0)
+  return q_gated, p * _pair_factors(g_ref, runs_ref, start=start, size=c, inclusive=True)
 
 
 def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref, s0_ref, o_ref, final_ref, states_ref,
-                  *, scale, chunk_size, num_chunks, exact):
-  """The chunks in order: writes O (o_ref), the final state and/or the state before every chunk (states_ref)."""
+                  values_ref, *, scale, chunk_size, num_chunks, exact):
+  """The chunks in order: writes O (o_ref), the final state, the state before every chunk (states_ref) and/or
+  U = U_v - W S_n (values_ref), each where given."""
   c = chunk_size
   dtype = k_ref.dtype
   dim_k = k_ref.shape[-1]
@@ -452,6 +487,8 @@ def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref,
     if states_ref is not None:
       states_ref[state_rows, :] = state_in.astype(states_ref.dtype)
     u_in = (u_ref[rows, :].astype(_F32) - triton_lowering.dot(w_ref[rows, :], state_in, exact=exact)).astype(dtype)
+    if values_ref is not None:
+      values_ref[rows, :] = u_in.astype(values_ref.dtype)
     row_decay, to_end = _decay_factors(g_ref, runs_ref, start=start, size=c, last_row=start + c - 1)
     if o_ref is not None:
       q_gated, p = _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, row_decay, start=start,
@@ -469,9 +506,9 @@ def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref,
 
 
 def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_ref, do_ref, d_final_ref, d_next_ref,
-                             d_initial_ref, *, scale, chunk_size, num_chunks, exact):
-  """Walking back: G_n = dL/dS_{n+1} (written for every chunk n), dU = P^T dO + K_C G_n,
-  dL/dS_n = Diag(e^{g_C}) G_n + Q_g^T dO - W^T dU."""
+                             d_initial_ref, du_ref, *, scale, chunk_size, num_chunks, exact):
+  """Walking back: G_n = dL/dS_{n+1} (written for every chunk n), dU = P^T dO + K_C G_n (written where du_ref is
+  given), dL/dS_n = Diag(e^{g_C}) G_n + Q_g^T dO - W^T dU."""
   c = chunk_size
   dtype = k_ref.dtype
   dim_k = k_ref.shape[-1]
@@ -490,6 +527,8 @@ def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_
     k_end = (k_ref[rows, :].astype(_F32) * to_end).astype(dtype)
     du = (triton_lowering.dot(p.astype(dtype), do, trans_a=True, exact=exact)
           + triton_lowering.dot(k_end, grad_in, exact=exact))
+    if du_ref is not None:
+      du_ref[rows, :] = du.astype(du_ref.dtype)
     grad_before = (triton_lowering.dot(q_gated.astype(dtype), do, trans_a=True, exact=exact)
                    - triton_lowering.dot(w_ref[rows, :], du.astype(dtype), trans_a=True, exact=exact))
     return grad_before + (grad if decay_ref is None else decay_ref[state_rows, :] * grad)
@@ -589,6 +628,104 @@ def _chunk_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, stat
       dg_ref[_block(i), :] = dg_i
 
 
+def _qk_gradients_kernel(q_ref, k_ref, g_ref, runs_ref, states_ref, d_next_ref, u_ref, du_ref, do_ref, dq_ref, dk_ref,
+                         dw_ref, dg_ref, *, scale, block_e, exact):
+  """One chunk's cotangents on one block of key columns (the split backward, scalar gates; `vjp` has the algebra).
+
+  q_ref, k_ref: [C, bd] (the block's columns); states_ref, d_next_ref: S_n
+  and G_n's [bd, Ep] rows; u_ref, du_ref, do_ref: U, dU and dO [C, Ep].
+  Walking the value columns: dQ_g = dO S_n^T, dK_C = U G_n^T, dW = -dU
+  S_n^T and dP = dO U^T. Writes dq (whole: q enters only Q_g and P), dk's
+  share through P and K_C (float32), dW, and dg's share of these uses of the
+  columns (q dq - k dk) and of g_C (the last row's) through K_C and through
+  the state decay a_n = e^{g_C} (da_n = sum G_n * S_n over the block's rows).
+  """
+  c, bd = k_ref.shape
+  dtype = k_ref.dtype
+  dot = functools.partial(triton_lowering.dot, exact=exact)
+  zeros = lambda *shape: jnp.zeros(shape, _F32)  # noqa: E731
+
+  def body(ei, acc):
+    d_q_gated, d_k_end, d_w, d_p, d_state_decay = acc
+    cols = pl.ds(pl.multiple_of(ei * block_e, block_e), block_e)
+    state, d_next, u, du, do = (ref[:, cols] for ref in (states_ref, d_next_ref, u_ref, du_ref, do_ref))
+    if dg_ref is not None:
+      d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * d_next.astype(_F32))
+    return (d_q_gated + dot(do, state, trans_b=True), d_k_end + dot(u, d_next, trans_b=True),
+            d_w - dot(du, state, trans_b=True), d_p + dot(do, u, trans_b=True), d_state_decay)
+
+  d_q_gated, d_k_end, d_w, d_p, d_state_decay = jax.lax.fori_loop(
+      0, u_ref.shape[-1] // block_e, body, (zeros(c, bd), zeros(c, bd), zeros(c, bd), zeros(c, c), jnp.float32(0)))
+  # The last row's e^{g_C}, 0 where a segment starts in the chunk: the state decay a_n.
+  row_decay, to_end = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
+  d_pairs = (scale * d_p * _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=True)).astype(dtype)
+  q, k = q_ref[...], k_ref[...]
+  dq = scale * row_decay * d_q_gated + dot(d_pairs, k)
+  dk = dot(d_pairs, q, trans_a=True) + to_end * d_k_end
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk
+  dw_ref[...] = d_w.astype(dw_ref.dtype)
+  if dg_ref is not None:
+    state_decay = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1, row_decay, 0.0))
+    g_end = jnp.sum(k.astype(_F32) * (to_end * d_k_end)) + state_decay * d_state_decay
+    last_row = jax.lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1
+    dg_ref[...] = jnp.sum(q.astype(_F32) * dq - k.astype(_F32) * dk, axis=1) + jnp.where(last_row, g_end, 0.0)
+
+
+def _wy_gradients_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref, w_ref, u_ref, dw_ref, du_ref, dk_in_ref,
+                         dk_ref, dv_ref, d_beta_ref, dg_ref, *, block_d, block_e, exact):
+  """One chunk's cotangents through its WY form (the split backward, scalar gates; `vjp` has the algebra).
+
+  From T [C, C] (`prepare`), W, U_v, dW, dU and dk's share so far (`_qk_gradients_kernel`):
+  dX = T^T [dW, dU], dA = -dX [W, U_v]^T on the strictly lower pairs of a
+  segment, then the pair products A = beta K_g K^T-like terms pass it to the
+  keys' rows and columns. Writes dk, dv, dbeta and dg's share (float32).
+  """
+  c, dp = k_ref.shape
+  dtype = k_ref.dtype
+  dot = functools.partial(triton_lowering.dot, exact=exact)
+  zeros = lambda *shape: jnp.zeros(shape, _F32)  # noqa: E731
+  tri = t_ref[...].astype(dtype)
+  beta = beta_ref[...][:, None]
+  row_decay, _ = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
+  key_columns = lambda di: pl.ds(pl.multiple_of(di * block_d, block_d), block_d)  # noqa: E731
+
+  def keys(di, acc):  # the key pairs, and dA and dbeta through W
+    pairs, d_a, d_beta = acc
+    cols = key_columns(di)
+    k = k_ref[:, cols]
+    d_x = dot(tri, dw_ref[:, cols], trans_a=True)
+    return (pairs + dot(k, k, trans_b=True), d_a - dot(d_x.astype(dtype), w_ref[:, cols], trans_b=True),
+            d_beta + jnp.sum(k.astype(_F32) * row_decay * d_x, axis=1))
+
+  def values(ei, acc):  # dv, and dA and dbeta through U_v
+    d_a, d_beta = acc
+    cols = pl.ds(pl.multiple_of(ei * block_e, block_e), block_e)
+    d_x = dot(tri, du_ref[:, cols], trans_a=True)
+    dv_ref[:, cols] = (beta * d_x).astype(dv_ref.dtype)
+    return (d_a - dot(d_x.astype(dtype), u_ref[:, cols], trans_b=True),
+            d_beta + jnp.sum(v_ref[:, cols].astype(_F32) * d_x, axis=1))
+
+  pairs, d_a, d_beta = jax.lax.fori_loop(0, dp // block_d, keys, (zeros(c, c), zeros(c, c), zeros(c)))
+  d_a, d_beta = jax.lax.fori_loop(0, v_ref.shape[-1] // block_e, values, (d_a, d_beta))
+  # A_ts = beta_t pairs_ts f_ts (f: the pair factors, 0 where pairs do not interact), so dA's masked part counts.
+  factors = _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=False)
+  d_beta_ref[...] = d_beta + jnp.sum(d_a * pairs * factors, axis=1)
+  d_pairs = (beta * d_a * factors).astype(dtype)
+
+  def key_gradients(di, dg):
+    cols = key_columns(di)
+    k = k_ref[:, cols]
+    through_w = beta * row_decay * dot(tri, dw_ref[:, cols], trans_a=True)
+    rows, columns = dot(d_pairs, k), dot(d_pairs, k, trans_a=True)
+    dk_ref[:, cols] = (dk_in_ref[:, cols] + through_w + rows + columns).astype(dk_ref.dtype)
+    return dg + jnp.sum(k.astype(_F32) * (through_w + rows - columns), axis=1)
+
+  dg = jax.lax.fori_loop(0, dp // block_d, key_gradients, zeros(c))
+  if dg_ref is not None:
+    dg_ref[...] = dg
+
+
 class Gates(NamedTuple):
   """The decay and segments in the kernels' form (None where absent).
 
@@ -665,11 +802,13 @@ def _gate_specs(gates_: Gates, c, dp, *, per_chunk):
   return g_spec, runs_spec
 
 
-def prepare(q, k, v, beta, gates_: Gates, *, scale, config: DeltaConfig, interpret):
-  """The prepare kernel on padded inputs ([B, Tp, H, Dp/Ep]; beta [B, H, Tp]): (W, U_v, P or None).
+def prepare(q, k, v, beta, gates_: Gates, *, scale, with_inverse=False, config: DeltaConfig, interpret):
+  """The prepare kernel on padded inputs ([B, Tp, H, Dp/Ep]; beta [B, H, Tp]): (W, U_v, P or None, T or None).
 
   P [B, H, Tp, C] float32 only with per-key-channel gates (the sweeps form a
-  scalar gate's P themselves).
+  scalar gate's P themselves); T [B, H, Tp, C], each chunk's (I + A)^{-1}
+  in the input dtype (the operand the kernels' products round it to), only
+  `with_inverse` (the split backward reads it).
   """
   b, tp, h, dp = q.shape
   ep = v.shape[-1]
@@ -680,9 +819,11 @@ def prepare(q, k, v, beta, gates_: Gates, *, scale, config: DeltaConfig, interpr
       functools.partial(_prepare_kernel, scale=scale, exact=q.dtype == _F32), grid=(b, h, tp // c),
       in_specs=[_chunk_rows_spec(c, dp), _chunk_rows_spec(c, dp), _chunk_rows_spec(c, ep), _head_rows(c),
                 *_gate_specs(gates_, c, dp, per_chunk=True)],
-      out_specs=[_chunk_rows_spec(c, dp), _chunk_rows_spec(c, ep), _head_rows(c, c) if per_channel else None],
+      out_specs=[_chunk_rows_spec(c, dp), _chunk_rows_spec(c, ep), _head_rows(c, c) if per_channel else None,
+                 _head_rows(c, c) if with_inverse else None],
       out_shape=[struct((b, tp, h, dp), q.dtype), struct((b, tp, h, ep), q.dtype),
-                 struct((b, h, tp, c), _F32) if per_channel else None],
+                 struct((b, h, tp, c), _F32) if per_channel else None,
+                 struct((b, h, tp, c), q.dtype) if with_inverse else None],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_prepare")(q, k, v, beta, gates_.g, gates_.runs)
 
@@ -694,9 +835,10 @@ def _state_specs(b, h, n, dp, be):
 
 
 def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_outputs=True, with_final_state,
-          with_states=False, config: DeltaConfig, interpret):
+          with_states=False, with_values=False, config: DeltaConfig, interpret):
   """The sweep kernel on padded inputs: (O [B, Tp, H, Ep] or None, final state [B, H, Dp, Ep] float32 or None,
-  the state before every chunk [B, H, N Dp, Ep] in the input dtype (the kernels' operand) or None)."""
+  the state before every chunk [B, H, N Dp, Ep] in the input dtype (the kernels' operand) or None,
+  U = U_v - W S_n [B, Tp, H, Ep] in the input dtype or None)."""
   b, tp, h, dp = q.shape
   ep = u.shape[-1]
   c = config.chunk_size
@@ -716,17 +858,20 @@ def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_outputs=Tr
                                                                      lambda bi, hi, ei: (bi, hi, 0, 0)),
                 None if initial_state is None else state_spec],
       out_specs=[columns if with_outputs else None, state_spec if with_final_state else None,
-                 states_spec if with_states else None],
+                 states_spec if with_states else None, columns if with_values else None],
       out_shape=[struct((b, tp, h, ep), q.dtype) if with_outputs else None,
                  struct((b, h, dp, ep), _F32) if with_final_state else None,
-                 struct((b, h, n * dp, ep), q.dtype) if with_states else None],
+                 struct((b, h, n * dp, ep), q.dtype) if with_states else None,
+                 struct((b, tp, h, ep), q.dtype) if with_values else None],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_sweep")(q, k, w, u, p, gates_.g, gates_.runs, gates_.state_decay,
                                                          initial_state)
 
 
-def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, config: DeltaConfig, interpret):
-  """(G_n = dL/dS after every chunk [B, H, N Dp, Ep] in the input dtype, dL/dS_0 [B, H, Dp, Ep] float32).
+def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, with_value_cotangents=False,
+                     config: DeltaConfig, interpret):
+  """(G_n = dL/dS after every chunk [B, H, N Dp, Ep] in the input dtype, dL/dS_0 [B, H, Dp, Ep] float32,
+  dU [B, Tp, H, Ep] in the input dtype `with_value_cotangents`, else None).
 
   Padded operands as for `sweep`; do: [B, Tp, H, Ep]; d_final: [B, H, Dp, Ep] or None.
   """
@@ -736,6 +881,7 @@ def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, config: D
   n = tp // c
   be = min(config.block_e, ep)
   whole = pl.BlockSpec((None, tp, None, dp), lambda bi, hi, ei: (bi, 0, hi, 0))
+  columns = pl.BlockSpec((None, tp, None, be), lambda bi, hi, ei: (bi, 0, hi, ei))
   state_spec, states_spec = _state_specs(b, h, n, dp, be)
   struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, do)  # noqa: E731
   return pl.pallas_call(
@@ -746,10 +892,10 @@ def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, config: D
                 *_gate_specs(gates_, c, dp, per_chunk=False),
                 None if gates_.state_decay is None else pl.BlockSpec((None, None, n * dp, 1),
                                                                      lambda bi, hi, ei: (bi, hi, 0, 0)),
-                pl.BlockSpec((None, tp, None, be), lambda bi, hi, ei: (bi, 0, hi, ei)),
-                None if d_final is None else state_spec],
-      out_specs=[states_spec, state_spec],
-      out_shape=[struct((b, h, n * dp, ep), q.dtype), struct((b, h, dp, ep), _F32)],
+                columns, None if d_final is None else state_spec],
+      out_specs=[states_spec, state_spec, columns if with_value_cotangents else None],
+      out_shape=[struct((b, h, n * dp, ep), q.dtype), struct((b, h, dp, ep), _F32),
+                 struct((b, tp, h, ep), q.dtype) if with_value_cotangents else None],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_state_cotangents")(q, k, w, p, gates_.g, gates_.runs,
                                                                      gates_.state_decay, do, d_final)
@@ -775,6 +921,60 @@ def chunk_gradients(q, k, v, beta, gates_: Gates, states, d_next, do, *, scale, 
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_chunk_gradients")(q, k, v, beta, gates_.g, gates_.runs, states,
                                                                     d_next, do)
+
+
+def qk_gradients(q, k, gates_: Gates, states, d_next, u, du, do, *, scale, config: DeltaConfig, interpret):
+  """`_qk_gradients_kernel` over the grid (B, H, N Dp / block_d) on padded operands: (dq [B, Tp, H, Dp] in the input
+  dtype, dk's share [B, Tp, H, Dp] float32, dW [B, Tp, H, Dp] in the input dtype, dg's share [Dp / block_d, B, H,
+  Tp] float32 or None)."""
+  b, tp, h, dp = q.shape
+  ep = u.shape[-1]
+  c = config.chunk_size
+  bd = min(config.block_d, dp)
+  nk = dp // bd
+  keys = pl.BlockSpec((None, c, None, bd), lambda bi, hi, i: (bi, i // nk, hi, i % nk))
+  values = pl.BlockSpec((None, c, None, ep), lambda bi, hi, i: (bi, i // nk, hi, 0))
+  state_rows = pl.BlockSpec((None, None, bd, ep), lambda bi, hi, i: (bi, hi, i, 0))  # chunk i // nk, block i % nk
+  g_spec = None if gates_.g is None else pl.BlockSpec((None, None, c), lambda bi, hi, i: (bi, hi, i // nk))
+  runs_spec = None if gates_.runs is None else pl.BlockSpec((None, c), lambda bi, hi, i: (bi, i // nk))
+  struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, u)  # noqa: E731
+  return pl.pallas_call(
+      functools.partial(_qk_gradients_kernel, scale=scale, block_e=min(config.block_e, ep), exact=q.dtype == _F32),
+      grid=(b, h, tp // c * nk),
+      in_specs=[keys, keys, g_spec, runs_spec, state_rows, state_rows, values, values, values],
+      out_specs=[keys, keys, keys,
+                 None if gates_.g is None else pl.BlockSpec((None, None, None, c),
+                                                            lambda bi, hi, i: (i % nk, bi, hi, i // nk))],
+      out_shape=[struct((b, tp, h, dp), q.dtype), struct((b, tp, h, dp), _F32), struct((b, tp, h, dp), q.dtype),
+                 None if gates_.g is None else struct((nk, b, h, tp), _F32)],
+      compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret, name="delta_attention_qk_gradients")(q, k, gates_.g, gates_.runs, states, d_next, u, du,
+                                                                 do)
+
+
+def wy_gradients(k, v, beta, gates_: Gates, tri, w, u, dw, du, dk, *, config: DeltaConfig, interpret):
+  """`_wy_gradients_kernel` over the grid (B, H, N) on padded operands: (dk [B, Tp, H, Dp], dv [B, Tp, H, Ep] in
+  the input dtype, dbeta [B, H, Tp] float32, dg's share [B, H, Tp] float32 or None).
+
+  tri: T [B, H, Tp, C] (`prepare`); w, u: W, U_v; dw, dk: `qk_gradients`'; du: dU (`state_cotangents`).
+  """
+  b, tp, h, dp = k.shape
+  ep = v.shape[-1]
+  c = config.chunk_size
+  struct = lambda shape, dtype: manual_axes.struct(shape, dtype, k, v)  # noqa: E731
+  keys, values = _chunk_rows_spec(c, dp), _chunk_rows_spec(c, ep)
+  g_spec, runs_spec = _gate_specs(gates_, c, dp, per_chunk=True)
+  return pl.pallas_call(
+      functools.partial(_wy_gradients_kernel, block_d=min(config.block_d, dp), block_e=min(config.block_e, ep),
+                        exact=k.dtype == _F32),
+      grid=(b, h, tp // c),
+      in_specs=[keys, values, _head_rows(c), g_spec, runs_spec, _head_rows(c, c), keys, values, keys, values, keys],
+      out_specs=[keys, values, _head_rows(c), g_spec],
+      out_shape=[struct((b, tp, h, dp), k.dtype), struct((b, tp, h, ep), k.dtype), struct((b, h, tp), _F32),
+                 None if gates_.g is None else struct((b, h, tp), _F32)],
+      compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret, name="delta_attention_wy_gradients")(k, v, beta, gates_.g, gates_.runs, tri, w, u, dw,
+                                                                 du, dk)
 
 
 def _padded(q, k, v, beta, segment_starts, g, *, chunk_size):
@@ -803,8 +1003,8 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(e)
   g = gate_logs(decay, seq_len=t, dim_k=dp, chunk_size=c)
   qp, kp, vp, beta_rows, gates_ = _padded(q, k, v, beta, segment_starts, g, chunk_size=c)
-  w, u, p = prepare(qp, kp, vp, beta_rows, gates_, scale=scale, config=config, interpret=interpret)
-  o, final_state, _ = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep), scale=scale,
+  w, u, p, _ = prepare(qp, kp, vp, beta_rows, gates_, scale=scale, config=config, interpret=interpret)
+  o, final_state, _, _ = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep), scale=scale,
                             with_final_state=with_final_state, config=config, interpret=interpret)
   return o[:, :t, :, :e], None if final_state is None else final_state[:, :, :d, :e]
 
@@ -816,20 +1016,31 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   do: [B, T, H, E] the output cotangent; d_final: [B, H, D, E] or None.
   """
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
+  split = config.splits_backward(per_channel_gate=decay is not None and decay.ndim == 4)
   config = dataclasses.replace(config, chunk_size=config.backward_chunk_size)
   c = config.chunk_size
   dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(e)
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
   qp, kp, vp, beta_rows, gates_ = _padded(q, k, v, beta, segment_starts, g, chunk_size=c)
   kernels = dict(scale=scale, config=config, interpret=interpret)
-  w, u, p = prepare(qp, kp, vp, beta_rows, gates_, **kernels)
-  _, _, states = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep), with_outputs=False,
-                       with_final_state=False, with_states=True, **kernels)
+  w, u, p, tri = prepare(qp, kp, vp, beta_rows, gates_, with_inverse=split, **kernels)
+  _, _, states, values = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep),
+                               with_outputs=False, with_final_state=False, with_states=True, with_values=split,
+                               **kernels)
   dop = chunk_common.pad_tokens_and_features(do.astype(q.dtype), num_tokens=qp.shape[1], dim=ep)
-  d_next, d_initial = state_cotangents(qp, kp, w, p, gates_, dop, chunk_common.pad_state(d_final, dp, ep), **kernels)
-  dq, dk, dv, d_beta, dg = chunk_gradients(qp, kp, vp, beta_rows, gates_, states, d_next, dop, **kernels)
+  d_next, d_initial, d_values = state_cotangents(qp, kp, w, p, gates_, dop, chunk_common.pad_state(d_final, dp, ep),
+                                                 with_value_cotangents=split, **kernels)
+  if split:
+    dq, dk, dw, dg_keys = qk_gradients(qp, kp, gates_, states, d_next, values, d_values, dop, **kernels)
+    dk, dv, d_beta, dg = wy_gradients(kp, vp, beta_rows, gates_, tri, w, u, dw, d_values, dk, config=config,
+                                      interpret=interpret)
+    dg = None if dg is None else dg + jnp.sum(dg_keys, axis=0)
+  else:
+    dq, dk, dv, d_beta, dg = chunk_gradients(qp, kp, vp, beta_rows, gates_, states, d_next, dop, **kernels)
   d_decay = None
-  if decay is not None:  # the state decay's share of dg, at each chunk's last row: e^{g_C} sum_e G_n S_n
+  if decay is not None and split:
+    d_decay = gate_vjp(dg)[0]
+  elif decay is not None:  # the state decay's share of dg, at each chunk's last row: e^{g_C} sum_e G_n S_n
     b, h, n, dp = *qp.shape[:1], qp.shape[2], qp.shape[1] // c, qp.shape[-1]
     d_state_decay = gates_.state_decay[..., 0] * jnp.sum(states.astype(_F32) * d_next.astype(_F32), axis=-1)
     d_state_decay = d_state_decay.reshape(b, h, n, dp)
