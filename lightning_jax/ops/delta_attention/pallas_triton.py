@@ -649,13 +649,13 @@ def _qk_gradients_kernel(q_ref, k_ref, g_ref, runs_ref, states_ref, d_next_ref, 
     d_q_gated, d_k_end, d_w, d_p, d_state_decay = acc
     cols = pl.ds(pl.multiple_of(ei * block_e, block_e), block_e)
     state, d_next, u, du, do = (ref[:, cols] for ref in (states_ref, d_next_ref, u_ref, du_ref, do_ref))
-    if dg_ref is not None:
-      d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * d_next.astype(_F32))
+    if dg_ref is not None:  # by columns: Triton's sm100 passes failed on a full reduction to a scalar here
+      d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * d_next.astype(_F32), axis=0, keepdims=True)
     return (d_q_gated + dot(do, state, trans_b=True), d_k_end + dot(u, d_next, trans_b=True),
             d_w - dot(du, state, trans_b=True), d_p + dot(do, u, trans_b=True), d_state_decay)
 
   d_q_gated, d_k_end, d_w, d_p, d_state_decay = jax.lax.fori_loop(
-      0, u_ref.shape[-1] // block_e, body, (zeros(c, bd), zeros(c, bd), zeros(c, bd), zeros(c, c), jnp.float32(0)))
+      0, u_ref.shape[-1] // block_e, body, (zeros(c, bd), zeros(c, bd), zeros(c, bd), zeros(c, c), zeros(1, block_e)))
   # The last row's e^{g_C}, 0 where a segment starts in the chunk: the state decay a_n.
   row_decay, to_end = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
   d_pairs = (scale * d_p * _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=True)).astype(dtype)
@@ -665,11 +665,14 @@ def _qk_gradients_kernel(q_ref, k_ref, g_ref, runs_ref, states_ref, d_next_ref, 
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk
   dw_ref[...] = d_w.astype(dw_ref.dtype)
-  if dg_ref is not None:
-    state_decay = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1, row_decay, 0.0))
-    g_end = jnp.sum(k.astype(_F32) * (to_end * d_k_end)) + state_decay * d_state_decay
-    last_row = jax.lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1
-    dg_ref[...] = jnp.sum(q.astype(_F32) * dq - k.astype(_F32) * dk, axis=1) + jnp.where(last_row, g_end, 0.0)
+  if dg_ref is not None:  # [1, 1] sums (see above); g_C's share goes to the last row's first column
+    last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+    state_decay = jnp.sum(jnp.where(last_row, row_decay, 0.0), axis=0, keepdims=True)
+    g_end = (jnp.sum(jnp.sum(k.astype(_F32) * (to_end * d_k_end), axis=0, keepdims=True), axis=1, keepdims=True)
+             + state_decay * jnp.sum(d_state_decay, axis=1, keepdims=True))
+    first_column = jax.lax.broadcasted_iota(jnp.int32, (c, bd), 1) == 0
+    dg_ref[...] = jnp.sum(q.astype(_F32) * dq - k.astype(_F32) * dk + jnp.where(last_row & first_column, g_end, 0.0),
+                          axis=1)
 
 
 def _wy_gradients_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref, w_ref, u_ref, dw_ref, du_ref, dk_in_ref,
