@@ -19,7 +19,11 @@ sweep again, writing the state before every chunk S_n instead of outputs;
 `chunk_gradients` kernel, grid (B, H, N), every chunk in parallel: from S_n,
 G_n and dO it recomputes the chunk's terms and takes their vjp (the module
 docstring of `vjp` has the algebra) down to dq, dk, dv, dbeta and the
-cotangent of g.
+cotangent of g. With a scalar gate or none (`DeltaConfig.split_backward`)
+that last step is split and tiled over D and E: prepare also writes T, the
+sweeps also write U and dU, `qk_gradients` (grid (B, H, N D / block_d))
+takes the products with S_n and G_n and `wy_gradients` (grid (B, H, N)) the
+rest through T.
 
 The gates arrive as chunk-local cumulative log decays g (`chunk.chunk_gates`):
 [B, H, T] for a scalar per token, [B, H, T, D] per key channel (KDA), with
@@ -125,10 +129,12 @@ _DEEP_PIPELINE_BUDGET = 227 * 1024
 def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capability=None) -> DeltaConfig:
   """The blocks for one call: the H200's (B2 H32 T8K D128, bf16), smaller where a device's shared memory needs.
 
-  The backward's gradient kernel is bound by registers: 16-token chunks made
-  it 1.5-1.8x faster for DeltaNet and Gated DeltaNet (8x at D128 on jaxlib
-  0.11.2), and KDA's 1.6-3.2x faster than 32 once its diagonal blocks ran
-  on the matrix units. KDA's prepare kernel spilled registers with two blocks
+  The backward: with a scalar gate or none the split gradient kernels at
+  64-token chunks (fwd+bwd 30-37% faster than the one kernel at 16 at D128,
+  8-27% at D64; 32-token chunks were slower at D128, level at D64). KDA's
+  one gradient kernel is bound by registers: 1.6-3.2x faster at 16-token
+  chunks than 32 once its diagonal blocks ran on the matrix units (DeltaNet's
+  was 8x faster at D128). KDA's prepare kernel spilled registers with two blocks
   per chunk: one (16-token chunks) made its forward 3.6x (D128) and 1.7x (D64)
   faster (B2 H32 / B4 H32 T8K, bf16; `benchmarks/delta_sweep.py`).
   float32 operands with D > 128 halve block_e: the reverse sweep's state tile
