@@ -10,6 +10,26 @@ import os
 # KDA layer's gradient; with only elementwise fusions on, XLA names the layout).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"
                            " --xla_force_host_platform_device_count=8 --xla_cpu_experimental_ynn_fusion_type=").strip()
+
+
+def _jaxlib_version():
+  from importlib import metadata  # noqa: PLC0415
+
+  try:
+    return tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2])
+  except (metadata.PackageNotFoundError, ValueError):
+    return None
+
+
+# XLA:CPU's older (LLVM IR) fusion emitters instead of its MLIR ones, where
+# jaxlib still has the switch (0.10; 0.11 removed it, and XLA aborts on an
+# unknown flag): they compile this suite's programs (interpret-mode kernels,
+# oracles, their gradients; each run once or twice on tiny shapes) 2-3x faster,
+# and compiling is most of the suite's time. Both emit the same HLO's
+# arithmetic in float32; the kernels themselves are compiled by Triton on a GPU.
+# XLA_FLAGS=--xla_cpu_use_fusion_emitters=true compiles as a user would.
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and (_jaxlib_version() or (0, 11)) < (0, 11):
+  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # Test processes (pytest-xdist runs several) allocate GPU memory as they go
 # instead of each reserving 75% of it up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
