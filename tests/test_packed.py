@@ -61,8 +61,10 @@ def make_inputs(p: Packing, seed):
   b, t, n = len(p.rows), p.t, len(p.rows[0])
   q, k = (jnp.asarray(rng.normal(size=(b, t, p.h, p.d)), p.dtype) for _ in range(2))
   v = jnp.asarray(rng.normal(size=(b, t, p.h, p.e)), p.dtype)
-  decay = {None: None, "head": lambda: rng.uniform(0.005, 1.0, p.h),
-           "token": lambda: rng.uniform(0.005, 1.0, (b, t, p.h))}[p.decay]
+  # Rates log-uniform in [0.005, 1]: most heads keep a state across a chunk (e^{-64 rate}), so that a segment's
+  # state leaking past its end (or a start not resetting one) shows in the outputs.
+  rates = lambda shape: np.exp(rng.uniform(np.log(0.005), 0.0, shape))  # noqa: E731
+  decay = {None: None, "head": lambda: rates(p.h), "token": lambda: rates((b, t, p.h))}[p.decay]
   decay = None if decay is None else jnp.asarray(decay(), F32)
   states = n if p.cu_seqlens else b
   s0 = jnp.asarray(rng.normal(size=(states, p.h, p.d, p.e)), F32) if p.initial_state else None

@@ -92,13 +92,17 @@ def test_warp_specialized_under_vmap_jit_and_checkpoint(mode, with_states):
       assert rel_err(final[i], want_final) < 2e-2
 
 
-# Per-token rates and packed rows run the kernel's per-chunk factors (the
-# gradients come from chunk_loop): boundaries inside chunks and on their edges,
-# per-token and per-head rates and none, cu_seqlens with empty sequences.
+# Per-token rates run the kernel's per-chunk factors, packed rows with a
+# per-head rate (or none) its per-head ones masked by each chunk's segment
+# starts (the gradients come from chunk_loop): boundaries inside chunks and on
+# their edges, per-token and per-head rates and none, cu_seqlens with empty
+# sequences.
 WS_PACKINGS = [
     Packing(((64, 1, 50, 35), (20, 44, 86)), d=64, e=48, dtype=BF16),
     Packing(((100, 48, 130),), d=128, e=64, dtype=BF16, decay="head", initial_state=False),
     Packing(((0, 30, 99, 0),), h=1, d=40, e=80, dtype=F16, decay=None, cu_seqlens=True),
+    # No decay: a state that crossed a segment start would dominate the next segment's outputs.
+    Packing(((100, 48, 130),), h=1, d=64, e=48, dtype=BF16, decay=None, initial_state=False),
 ]
 
 
@@ -131,27 +135,28 @@ def test_warp_specialized_extreme_token_rates_in_a_split_sequence(mode):
 @needs_ws_jax
 @pytest.mark.parametrize("dim_k,dim_v,gates,with_states", [
     (128, 128, "head", False), (64, 256, None, False), (128, 64, "head", True), (64, 128, None, True),
-    (64, 64, "token", True), (128, 128, "packed", False)])
+    (64, 64, "token", True), (128, 128, "packed", False), (128, 128, "head-packed", True)])
 def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states):
   """Mosaic GPU lowering (layout inference included) for an sm90 GPU, from any backend.
 
   The interpreter checks the arithmetic and the barriers but not the layouts;
   this checks that the kernel lowers as the GPU compiles it. gates: a per-head
-  rate, none, or per-chunk factors of per-token rates (with segments: "packed").
+  rate (with segments: "head-packed"), none, or per-chunk factors of per-token
+  rates (with segments: "packed").
   """
   q = jax.ShapeDtypeStruct((2, 192, 3, dim_k), BF16)
   v = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
-  decay = jax.ShapeDtypeStruct((3,), F32) if gates == "head" else None
+  decay = jax.ShapeDtypeStruct((3,), F32) if gates in ("head", "head-packed") else None
   chunk_gates = None
+  runs = jax.ShapeDtypeStruct((2, 192), jnp.int32) if gates in ("packed", "head-packed") else None
   if gates in ("token", "packed"):
-    chunk_gates = (jax.ShapeDtypeStruct((2, 3, 192), F32),
-                   jax.ShapeDtypeStruct((2, 192), jnp.int32) if gates == "packed" else None)
+    chunk_gates, runs = (jax.ShapeDtypeStruct((2, 3, 192), F32), runs), None
   s0 = jax.ShapeDtypeStruct((2, 3, 1, dim_v, dim_k), F32) if with_states else None  # one slice
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2)
-  fn = jax.jit(lambda q, k, v, decay, s0, chunk_gates: pallas_mosaic_gpu.forward_padded(
-      q, k, v, decay, s0, chunk_gates=chunk_gates, scale=0.125, seq_len=150, return_final_state=with_states,
-      num_stages=cfg.num_stages))
-  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, decay, s0, chunk_gates)
+  fn = jax.jit(lambda q, k, v, decay, s0, chunk_gates, runs: pallas_mosaic_gpu.forward_padded(
+      q, k, v, decay, s0, chunk_gates=chunk_gates, chunk_runs=runs, scale=0.125, seq_len=150,
+      return_final_state=with_states, num_stages=cfg.num_stages))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, decay, s0, chunk_gates, runs)
   assert "lightning_warp_specialized" in exported.mlir_module()
 
 

@@ -221,13 +221,15 @@ class WarpSpecializedConfig:
     The float32 initial/final state shares the published states' memory (the
     same bytes at 16 bits). The kernel's tiles are BLOCK_E values wide whatever
     `sweep.dim_v`. The factors: a [C, C] float32 tile and [5, C] float32
-    vectors, per head once or per chunk in every slot of the ring (counted
+    vectors, per head once or per chunk in every slot of the ring, and with
+    packed sequences per head, two [C] segment-start rows per slot (counted
     here, the larger).
     """
     c, be, dim_k = self.CHUNK_SIZE, self.BLOCK_E, sweep.dim_k
     ring = self.num_stages * c * (2 * dim_k + be)
     staged = 2 * be * dim_k + 2 * c * c + 2 * c * be
-    return sweep.itemsize * (ring + staged) + 4 * (c * c + self.num_stages * 5 * c)
+    factor_rows = max(5 * self.num_stages, 5 + 2 * self.num_stages)
+    return sweep.itemsize * (ring + staged) + 4 * (c * c + factor_rows * c)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

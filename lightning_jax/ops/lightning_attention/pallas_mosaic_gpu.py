@@ -25,7 +25,9 @@ Triton program (one instruction stream) cannot do (benchmarks/PERFORMANCE.md,
 scale folded into the row and intra factors) come in one of two forms:
 
   per head  (a per-head rate or none) computed outside and loaded once;
-  per chunk (per-token rates or packed sequences) each chunk's cumulative
+            with packed sequences, each chunk's segment-start counts come
+            with its q, k, v and mask them (no exp2 in the kernel);
+  per chunk (per-token rates) each chunk's cumulative
             rates (and segment counts, `chunk_factors`) loaded with its q, k,
             v; each warpgroup builds the factors it needs from them, so that
             no factor per chunk crosses HBM. Where a chunk's rates sum to at
@@ -126,15 +128,21 @@ def _matmul(a, b, shape):
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, per_chunk,
             has_decay, has_segments, has_initial, has_final, last_rows, scale):
   refs = list(refs)
+  # Per-head factors with packed sequences: each chunk's segment-start counts [B, N, 1, C].
+  head_segments = has_segments and not per_chunk
+  runs_ref = refs.pop(0) if head_segments else None
   initial_ref = refs.pop(0) if has_initial else None
   out_ref = refs.pop(0)
   final_ref = refs.pop(0) if has_final else None
   buffers, barriers = refs
   q_smem, k_smem, v_smem, state_smem, scores_smem, vk_smem, out_smem, intra_smem, vectors_smem = buffers[:9]
-  factors_by_column = buffers[9] if per_chunk else None  # a second copy of each chunk's factors
+  # Per chunk: a second copy of each chunk's factors. Per head with segments: each chunk's segment-start
+  # counts, twice (along the rows and along the columns of the scores).
+  factors_by_column = buffers[9] if per_chunk else None
+  runs_smem, runs_by_column = buffers[9:11] if head_segments else (None, None)
   q_loaded, k_loaded, v_loaded, released, state_ready, state_read, factors_loaded = barriers[:7]
   barriers = list(barriers[7:])
-  chunk_factors_loaded = barriers.pop(0) if per_chunk else None
+  chunk_factors_loaded = barriers.pop(0) if per_chunk or has_segments else None
   if has_initial or has_final:
     # The float32 initial/final state shares memory with the published states:
     # it is read before the first one is published and written after the last is read.
@@ -177,6 +185,10 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         for factors_smem in (vectors_smem, factors_by_column):
           plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, first_chunk + n], factors_smem.at[slot],
                                   chunk_factors_loaded.at[slot])
+      elif head_segments:
+        for runs_buffer in (runs_smem, runs_by_column):
+          plgpu.copy_gmem_to_smem(runs_ref.at[batch, first_chunk + n], runs_buffer.at[slot],
+                                  chunk_factors_loaded.at[slot])
 
     for n in range(min(num_stages, num_chunks)):
       load(n, n)
@@ -195,10 +207,11 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.barrier_wait(released.at[slot_of(n)])
 
   def chunk_factor_rows(n):
-    """Chunk n's factors in shared memory, [F, C], once loaded (per-chunk factors)."""
+    """Chunk n's factors in shared memory, [F, C], once loaded (per-chunk factors; per head with segments, its
+    segment-start counts [1, C])."""
     slot = slot_of(n)
     plgpu.barrier_wait(chunk_factors_loaded.at[slot])
-    return vectors_smem.at[slot]
+    return (runs_smem if head_segments else vectors_smem).at[slot]
 
   @pl.when(wg == 1)
   def _state_chain():
@@ -243,6 +256,12 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
           key, state_decay = jnp.exp2(key_exponent), jnp.exp2(state_exponent)
         else:
           key, state_decay = head_factors
+          if head_segments:  # zero for rows before the chunk's last segment; no state past a start
+            # (counts, non-decreasing along the chunk: arithmetic masks, as warpgroup lowering broadcasts no scalar)
+            runs = chunk_factor_rows(n)[0]
+            runs_end = runs_smem[slot, 0, c - 1]
+            key = key * (1.0 - jnp.minimum(runs_end - runs, 1.0))
+            state_decay = state_decay * (1.0 - jnp.minimum(runs_end, 1.0))
           state_decay = state_decay[:, None]
         # key * v, staged so that wgmma reads its transpose from shared memory.
         vk_smem[...] = (v_smem[slot].astype(_F32) * key[:, None]).astype(vk_smem.dtype)
@@ -317,7 +336,14 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.barrier_wait(q_loaded.at[slot])
       plgpu.barrier_wait(k_loaded.at[slot])
       scores = _matmul(q_smem.at[slot], k_smem.at[slot].transpose((1, 0)), (c, c))
-      if not per_chunk:
+      if head_segments:
+        # Pairs within a segment; rows past the chunk's first segment start do not see S_n.
+        runs = chunk_factor_rows(n)[0]
+        same_segment = (lax.broadcast_in_dim(runs, (c, c), (0,))
+                        == lax.broadcast_in_dim(runs_by_column[slot, 0], (c, c), (1,)))
+        scores_smem[...] = (scores * jnp.where(same_segment, intra, 0.0)).astype(scores_smem.dtype)
+        chunk_row = row * (1.0 - jnp.minimum(runs, 1.0))
+      elif not per_chunk:
         scores_smem[...] = (scores * intra).astype(scores_smem.dtype)
       else:
         factorized = cum_end <= _FACTORIZED_MAX_EXPONENT
@@ -363,8 +389,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     plgpu.wait_smem_to_gmem(0)
 
 
-def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, scale: float, seq_len: int,
-                   return_final_state: bool = False, num_stages: int, num_slices: int = 1, interpret: bool = False):
+def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None, scale: float,
+                   seq_len: int, return_final_state: bool = False, num_stages: int, num_slices: int = 1,
+                   interpret: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
 
   Args:
@@ -377,6 +404,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, scal
       `chunk_common.token_chunk_gates` gives them for a forward sweep over Tp
       tokens in chunks of CHUNK_SIZE: (cumdecay [B, H, Tp] float32 or None,
       runs [B, Tp] int32 or None), with decay None.
+    chunk_runs: None, or with a per-head rate (or none) the segment-start
+      counts of packed sequences, [B, Tp] int32 (`token_chunk_gates`' runs).
     initial_state: None, or the transposed state before each slice, [B, H,
       num_slices, V, K] float32.
     seq_len: the number of real tokens T (with one slice, Tp - CHUNK_SIZE < T <= Tp).
@@ -402,8 +431,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, scal
   if initial_state is not None and initial_state.shape != (b, h, num_slices, dim_v, dim_k):
     raise ValueError(f"initial_state must be [B, H, S, V, K] = {(b, h, num_slices, dim_v, dim_k)}, "
                      f"got {initial_state.shape}")
-  if chunk_gates is not None and decay is not None:
-    raise ValueError("give decay (per head) or chunk_gates (per token), not both")
+  if chunk_gates is not None and (decay is not None or chunk_runs is not None):
+    raise ValueError("give decay (per head) and chunk_runs, or chunk_gates (per token), not both")
   num_chunks = tp // c // num_slices
   # The last chunk's own factors serve the final state alone (one slice).
   last_rows = seq_len - (tp // c - 1) * c if num_slices == 1 else c
@@ -418,6 +447,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, scal
   else:
     intra, vectors = decay_factors(decay, h, scale=scale, last_rows=last_rows)
     factor_smem = (plgpu.SMEM(vectors.shape[1:], _F32),)
+    if chunk_runs is not None:
+      factor_smem += (plgpu.SMEM((num_stages, 1, c), _F32),) * 2
   dtype = q.dtype
   with_states = initial_state is not None or return_final_state
   state_smem = _smem((2, be, dim_k), dtype)
@@ -430,16 +461,17 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, scal
       (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
        plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
-      + ((plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),) if per_chunk else ())
+      + ((plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),) if per_chunk or chunk_runs is not None else ())
       + ((plgpu.Barrier(num_barriers=1),) if initial_state is not None else ()),
   )
-  inputs = (intra, vectors, q, k, v) + (() if initial_state is None else (initial_state,))
+  runs = () if chunk_runs is None else (chunk_runs.reshape(b, tp // c, 1, c).astype(_F32),)
+  inputs = (intra, vectors, q, k, v) + runs + (() if initial_state is None else (initial_state,))
   out_type = manual_axes.struct((b, tp, h, dim_v), dtype, *inputs)
   if return_final_state:
     out_type = (out_type, manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs))
   kernel = functools.partial(_kernel, num_chunks=num_chunks, num_slices=num_slices, num_stages=num_stages,
-                             per_chunk=per_chunk, has_decay=per_chunk or decay is not None,
-                             has_segments=per_chunk and chunk_gates[1] is not None,
+                             per_chunk=per_chunk, has_decay=per_chunk or decay is not None or chunk_runs is not None,
+                             has_segments=chunk_runs is not None or (per_chunk and chunk_gates[1] is not None),
                              has_initial=initial_state is not None, has_final=return_final_state,
                              last_rows=last_rows, scale=scale)
   return plgpu.kernel(
@@ -464,8 +496,9 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   q, k: [B, T, H, D]; v: [B, T, H, E]; decay: [H] or (per-token) [B, T, H]
   float32 or None; initial_state: [B, H, D, E] float32 or None;
   segment_starts: [B, T] bool or None (`chunk_common.segment_starts`). Per-token
-  rates or segments run the kernel's per-chunk factors (a per-head rate then
-  becomes per-token rates). Pads T and the dims, runs
+  rates run the kernel's per-chunk factors; segments with a per-head rate (or
+  none) its per-head ones, masked by each chunk's segment starts. Pads T and
+  the dims, runs
   `forward_padded` with the config of `heuristics.resolve_warp_specialized`,
   and slices the padding off.
 
@@ -490,15 +523,15 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   initial_state = chunk_common.pad_state(initial_state, kp, vp)
   # The states pass takes the gates as the chunk loop's sweeps do (a per-head rate stays one, masked by the
   # segments): the per-head kernels, which the dq sweep would run for the same states.
-  gates, chunk_gates = dict(decay=decay), None
+  gates, chunk_gates, chunk_runs = dict(decay=decay), None, None
   if chunk_common.per_token(decay) or segment_starts is not None:
-    per_head = decay is not None and not chunk_common.per_token(decay)
-    rates = jnp.broadcast_to(decay, (b, t, h)) if per_head else decay
-    cumdecay, runs = chunk_common.token_chunk_gates(rates, segment_starts, chunk_size=c, num_tokens=tp,
-                                                    reverse=False)
+    cumdecay, runs = chunk_common.token_chunk_gates(decay if chunk_common.per_token(decay) else None,
+                                                    segment_starts, chunk_size=c, num_tokens=tp, reverse=False)
     runs = None if segment_starts is None else runs
-    gates = dict(decay=decay, chunk_runs=runs) if per_head else dict(chunk_cumdecay=cumdecay, chunk_runs=runs)
-    chunk_gates = (cumdecay, runs)
+    if chunk_common.per_token(decay):
+      gates, chunk_gates = dict(chunk_cumdecay=cumdecay, chunk_runs=runs), (cumdecay, runs)
+    else:
+      gates, chunk_runs = dict(decay=decay, chunk_runs=runs), runs
   final_state = starts = None
   if num_slices > 1:
     configs = heuristics.resolve(opts.config, dim_k=kp, dim_v=vp, itemsize=q.dtype.itemsize,
@@ -514,7 +547,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   if initial_state is not None:
     initial_state = jnp.swapaxes(initial_state, -1, -2)
   result = forward_padded(q, k, v, decay if chunk_gates is None else None, initial_state, chunk_gates=chunk_gates,
-                          scale=opts.scale, seq_len=t, return_final_state=opts.return_final_state and num_slices == 1,
+                          chunk_runs=chunk_runs, scale=opts.scale, seq_len=t, return_final_state=opts.return_final_state and num_slices == 1,
                           num_stages=cfg.num_stages, num_slices=num_slices, interpret=opts.interpret)
   o, kernel_final = result if opts.return_final_state and num_slices == 1 else (result, None)
   if kernel_final is not None:
