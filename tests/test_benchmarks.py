@@ -399,6 +399,7 @@ def test_report_of_packed_and_per_token_results_beside_older_ones():
       "B1 H32 D128: T 32K; bf16; decay and per-token decay; unpacked and 8 packed sequences")
 
 
+@pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time
 def test_per_token_rates_are_differentiated():
   """fwd+bwd and bwd differentiate the first extra argument where asked (per-token rates), not the others."""
   import jax.numpy as jnp  # noqa: PLC0415
@@ -531,6 +532,7 @@ def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch,
   assert "fla-chunk 2.000 [1.000-3.000]" in loses and "| no |" in loses
 
 
+@pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time
 def test_pieces_times_every_piece_of_per_token_rates(capsys):
   """`benchmarks.pieces` on a tiny shape (interpret mode): a positive time for each piece of the per-token rows."""
   from benchmarks import pieces  # noqa: PLC0415
@@ -544,6 +546,7 @@ def test_pieces_times_every_piece_of_per_token_rates(capsys):
   assert all(float(v) > 0 for t in times.values() for v in t.values() if v != "-")
 
 
+@pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time
 def test_sequence_pieces_times_one_sequence_parallel_device():
   """`benchmarks.sequence_pieces` on a tiny shape (interpret mode): every program timed with each states config."""
   from benchmarks import sequence_pieces  # noqa: PLC0415

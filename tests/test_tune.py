@@ -66,6 +66,7 @@ def test_samples_are_sized_past_sync_latency_and_a_slow_first_call(monkeypatch):
     assert stats["time_ms"] == pytest.approx(0.1 + 1.0 / stats["calls_per_sample"])
 
 
+@pytest.mark.usefixtures("unoptimized_compiles")  # compiling the candidates is most of its time
 def test_tune_smoke(tmp_path, monkeypatch):
   """The autotuner in interpret mode: every candidate compiles, agrees with the default, and is timed."""
   out = tmp_path / "tune.json"
