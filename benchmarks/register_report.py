@@ -50,7 +50,8 @@ def main(argv=None):
   args = p.parse_args(argv)
   config = pallas_triton.default_config(per_channel_gate=args.form == "kda", dtype=jnp.bfloat16, dim_k=args.dim,
                                         compute_capability=(9, 0))
-  config = dataclasses.replace(config, **{k: int(v) for k, v in (kv.split("=") for kv in args.config.split(",") if kv)})
+  config = dataclasses.replace(config, **{k: v == "true" if v in ("true", "false") else int(v)
+                                          for k, v in (kv.split("=") for kv in args.config.split(",") if kv)})
   print(config)
   for name, kernel in shared_memory.delta_kernels(args.form, jnp.bfloat16, args.dim, config).items():
     report = ptxas_report(kernel["ir"], num_warps=kernel["num_warps"], num_stages=kernel["num_stages"])
