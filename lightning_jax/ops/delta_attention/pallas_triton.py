@@ -662,7 +662,6 @@ def _qk_gradients_kernel(q_ref, k_ref, g_ref, runs_ref, states_ref, d_next_ref, 
 
   d_q_gated, d_k_end, d_w, d_p, d_state_decay = jax.lax.fori_loop(
       0, u_ref.shape[-1] // block_e, body, (zeros(c, bd), zeros(c, bd), zeros(c, bd), zeros(c, c), zeros(1, block_e)))
-  # The last row's e^{g_C}, 0 where a segment starts in the chunk: the state decay a_n.
   row_decay, to_end = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
   d_pairs = (scale * d_p * _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=True)).astype(dtype)
   q, k = q_ref[...], k_ref[...]
@@ -673,6 +672,7 @@ def _qk_gradients_kernel(q_ref, k_ref, g_ref, runs_ref, states_ref, d_next_ref, 
   dw_ref[...] = d_w.astype(dw_ref.dtype)
   if dg_ref is not None:  # [1, 1] sums (see above); g_C's share goes to the last row's first column
     last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+    # The last row's e^{g_C}, 0 where a segment starts in the chunk: the state decay a_n.
     state_decay = jnp.sum(jnp.where(last_row, row_decay, 0.0), axis=0, keepdims=True)
     g_end = (jnp.sum(jnp.sum(k.astype(_F32) * (to_end * d_k_end), axis=0, keepdims=True), axis=1, keepdims=True)
              + state_decay * jnp.sum(d_state_decay, axis=1, keepdims=True))
@@ -687,8 +687,9 @@ def _wy_gradients_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref, w_ref, 
 
   From T [C, C] (`prepare`), W, U_v, dW, dU and dk's share so far (`_qk_gradients_kernel`):
   dX = T^T [dW, dU], dA = -dX [W, U_v]^T on the strictly lower pairs of a
-  segment, then the pair products A = beta K_g K^T-like terms pass it to the
-  keys' rows and columns. Writes dk, dv, dbeta and dg's share (float32).
+  segment, then A_ts = beta_t (k_t . k_s) f_ts (f: the gate's pair factors)
+  passes it to the keys' rows and columns. Writes dk, dv, dbeta and dg's
+  share (float32).
   """
   c, dp = k_ref.shape
   dtype = k_ref.dtype
