@@ -148,6 +148,12 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   config = DeltaConfig(chunk_size=16 if per_channel_gate else 32, backward_chunk_size=16 if per_channel_gate else 64,
                        block_e=32 if itemsize * dp > 512 else 64,
                        num_stages=3 if itemsize == 2 and budget >= _DEEP_PIPELINE_BUDGET else 2)
+  if itemsize == 4:
+    # The backward's reverse sweep holds [C, D] float32 tiles of q, k and W: at 64-token chunks they overflow
+    # D = 256 everywhere (237,568 B on sm90) and D = 128 on the 99 KiB devices (122,880 B).
+    small = budget <= 99 * 1024
+    largest = 16 if dp >= 256 and small else 32 if dp >= 256 or (dp >= 128 and small) else 64
+    config = dataclasses.replace(config, backward_chunk_size=min(config.backward_chunk_size, largest))
   for (min_dim, max_budget), step in _FLOAT32_STEPS:
     if itemsize == 4 and dp >= min_dim and budget <= max_budget:
       return dataclasses.replace(config, **step)
