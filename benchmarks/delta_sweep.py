@@ -6,8 +6,9 @@ For each shape (bf16), form (DeltaNet, Gated DeltaNet, KDA) and config, it
 compiles and times each Pallas kernel of `pallas_triton` on its own (prepare,
 the forward sweep, the backward's state sweep, state_cotangents, and
 chunk_gradients: the per-chunk gradient kernels, split or not; each row also
-runs what feeds that kernel: the gates' jnp and, for the sweeps, prepare) and the op through `delta_attention` (forward, and
-forward plus backward of every input), and prints one JSON row per timing. Configs are
+runs what feeds that kernel: the gates' jnp and, for the sweeps, prepare) and
+the op through `delta_attention` (forward, and forward plus backward of every
+input), and prints one JSON row per timing. Configs are
 `name=field:value,...` over `DeltaConfig`'s fields, ';'-separated; `default`
 is `default_config`'s. PERFORMANCE.md ("Delta attention") cites its runs.
 """

@@ -547,8 +547,9 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   if initial_state is not None:
     initial_state = jnp.swapaxes(initial_state, -1, -2)
   result = forward_padded(q, k, v, decay if chunk_gates is None else None, initial_state, chunk_gates=chunk_gates,
-                          chunk_runs=chunk_runs, scale=opts.scale, seq_len=t, return_final_state=opts.return_final_state and num_slices == 1,
-                          num_stages=cfg.num_stages, num_slices=num_slices, interpret=opts.interpret)
+                          chunk_runs=chunk_runs, scale=opts.scale, seq_len=t,
+                          return_final_state=opts.return_final_state and num_slices == 1, num_stages=cfg.num_stages,
+                          num_slices=num_slices, interpret=opts.interpret)
   o, kernel_final = result if opts.return_final_state and num_slices == 1 else (result, None)
   if kernel_final is not None:
     final_state = jnp.swapaxes(kernel_final, -1, -2)
