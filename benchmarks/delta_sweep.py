@@ -113,12 +113,16 @@ def _states(key, q, config):
   return 0.1 * jax.random.normal(key, (b, h, n * dp, dp), q.dtype)
 
 
+def config_value(text):
+  """A `DeltaConfig` field's value from the command line: true, false or an int."""
+  return text == "true" if text in ("true", "false") else int(text)
+
+
 def _parse_configs(text):
   configs = []
   for item in text.split(";"):
     name, _, fields = item.partition("=")
-    configs.append((name, {f: x == "true" if x in ("true", "false") else int(x)
-                           for f, x in (kv.split(":") for kv in fields.split(",") if kv)}))
+    configs.append((name, {f: config_value(x) for f, x in (kv.split(":") for kv in fields.split(",") if kv)}))
   return configs
 
 

@@ -20,6 +20,7 @@ import tempfile
 
 import jax.numpy as jnp
 
+from benchmarks import delta_sweep
 from benchmarks import shared_memory
 from lightning_jax.ops.delta_attention import pallas_triton
 
@@ -50,7 +51,7 @@ def main(argv=None):
   args = p.parse_args(argv)
   config = pallas_triton.default_config(per_channel_gate=args.form == "kda", dtype=jnp.bfloat16, dim_k=args.dim,
                                         compute_capability=(9, 0))
-  config = dataclasses.replace(config, **{k: v == "true" if v in ("true", "false") else int(v)
+  config = dataclasses.replace(config, **{k: delta_sweep.config_value(v)
                                           for k, v in (kv.split("=") for kv in args.config.split(",") if kv)})
   print(config)
   for name, kernel in shared_memory.delta_kernels(args.form, jnp.bfloat16, args.dim, config).items():

@@ -107,15 +107,18 @@ class DeltaConfig:
     return not per_channel_gate if self.split_backward is None else self.split_backward
 
 
-# float32 operands on devices with less shared memory per block than sm90's 227 KiB: what shrinks, by
-# (padded D at least, budget at most). Triton's allocation of every kernel, forward and backward, on sm80 to
-# sm120 (`benchmarks/shared_memory.py`, `benchmarks/tuning/delta-shared-memory.json`): 16-bit
-# operands fit every device with the H200's blocks, and float32 up to D = 64; past that the value columns, the
-# pipeline, and at D = 256 on 99 KiB devices the chunk and the warps (the gradient kernel's tiles) shrink.
+# float32 operands: what shrinks, by (padded D at least, budget at most), and the largest backward chunk there.
+# Triton's allocation of every kernel, forward and backward, on sm80 to sm120 (`benchmarks/shared_memory.py`,
+# `benchmarks/tuning/delta-shared-memory.json`): 16-bit operands fit every device with the H200's blocks, and
+# float32 up to D = 64; past that the value columns, the pipeline, and at D = 256 on 99 KiB devices the chunk
+# and the warps (the gradient kernel's tiles) shrink. The backward's reverse sweep holds [C, D] float32 tiles of
+# q, k and W: at 64-token chunks they overflow D = 256 on every device (237,568 B on sm90) and D = 128 on the
+# 99 KiB devices (122,880 B). A chunk cap never raises a form's own backward chunk (KDA's 16).
 _FLOAT32_STEPS = (
-    ((256, 99 * 1024), dict(chunk_size=16, block_e=16, num_stages=1, num_warps=2)),
-    ((256, 163 * 1024), dict(block_e=32, num_stages=1)),
-    ((128, 99 * 1024), dict(block_e=32, num_stages=1)),
+    ((256, 99 * 1024), dict(chunk_size=16, block_e=16, num_stages=1, num_warps=2), 16),
+    ((256, 163 * 1024), dict(block_e=32, num_stages=1), 32),
+    ((256, math.inf), dict(), 32),
+    ((128, 99 * 1024), dict(block_e=32, num_stages=1), 32),
 )
 
 
@@ -148,15 +151,10 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   config = DeltaConfig(chunk_size=16 if per_channel_gate else 32, backward_chunk_size=16 if per_channel_gate else 64,
                        block_e=32 if itemsize * dp > 512 else 64,
                        num_stages=3 if itemsize == 2 and budget >= _DEEP_PIPELINE_BUDGET else 2)
-  if itemsize == 4:
-    # The backward's reverse sweep holds [C, D] float32 tiles of q, k and W: at 64-token chunks they overflow
-    # D = 256 everywhere (237,568 B on sm90) and D = 128 on the 99 KiB devices (122,880 B).
-    small = budget <= 99 * 1024
-    largest = 16 if dp >= 256 and small else 32 if dp >= 256 or (dp >= 128 and small) else 64
-    config = dataclasses.replace(config, backward_chunk_size=min(config.backward_chunk_size, largest))
-  for (min_dim, max_budget), step in _FLOAT32_STEPS:
+  for (min_dim, max_budget), step, largest_backward_chunk in _FLOAT32_STEPS:
     if itemsize == 4 and dp >= min_dim and budget <= max_budget:
-      return dataclasses.replace(config, **step)
+      return dataclasses.replace(config, **step,
+                                 backward_chunk_size=min(config.backward_chunk_size, largest_backward_chunk))
   return config
 
 
@@ -732,6 +730,7 @@ def _wy_gradients_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref, w_ref, 
   def key_gradients(di, dg):
     cols = key_columns(di)
     k = k_ref[:, cols]
+    # T^T dW again, as in `keys`: one [C, C] x [C, block_d] product, where keeping it would hold [C, D] float32.
     through_w = beta * row_decay * dot(tri, dw_ref[:, cols], trans_a=True)
     rows, columns = dot(d_pairs, k), dot(d_pairs, k, trans_a=True)
     dk_ref[:, cols] = (dk_in_ref[:, cols] + through_w + rows + columns).astype(dk_ref.dtype)
