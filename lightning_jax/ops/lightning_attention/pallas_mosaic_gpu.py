@@ -524,11 +524,12 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   # The states pass takes the gates as the chunk loop's sweeps do (a per-head rate stays one, masked by the
   # segments): the per-head kernels, which the dq sweep would run for the same states.
   gates, chunk_gates, chunk_runs = dict(decay=decay), None, None
-  if chunk_common.per_token(decay) or segment_starts is not None:
-    cumdecay, runs = chunk_common.token_chunk_gates(decay if chunk_common.per_token(decay) else None,
-                                                    segment_starts, chunk_size=c, num_tokens=tp, reverse=False)
+  per_token = chunk_common.per_token(decay)
+  if per_token or segment_starts is not None:
+    cumdecay, runs = chunk_common.token_chunk_gates(decay if per_token else None, segment_starts, chunk_size=c,
+                                                    num_tokens=tp, reverse=False)
     runs = None if segment_starts is None else runs
-    if chunk_common.per_token(decay):
+    if per_token:
       gates, chunk_gates = dict(chunk_cumdecay=cumdecay, chunk_runs=runs), (cumdecay, runs)
     else:
       gates, chunk_runs = dict(decay=decay, chunk_runs=runs), runs
