@@ -136,14 +136,16 @@ def main(argv=None):
   p.add_argument("--compile-threads", type=int, default=12)
   p.add_argument("--max-seconds", type=float, default=0.3, help="per timing")
   args = p.parse_args(argv)
-  cc = heuristics.compute_capability(jax.devices()[0])
+  device = jax.devices()[0]
+  cc, num_sms = heuristics.compute_capability(device), heuristics.num_sms(device)
   rows = []
   for shape in args.shapes.split(","):
     b, t, h, d = (int(x) for x in shape.split("x"))
     dp = lightning_config.padded_dim(d)
     for form in args.forms.split(","):
       sets = [_inputs(jax.random.PRNGKey(s), b, t, h, d, form) for s in range(2)]
-      base = pt.default_config(per_channel_gate=form == "kda", dtype=jnp.bfloat16, dim_k=d, compute_capability=cc)
+      base = pt.default_config(per_channel_gate=form == "kda", dtype=jnp.bfloat16, dim_k=d, compute_capability=cc,
+                               batch_heads=b * h, num_sms=num_sms)
       jobs, states = [], {}  # states: per backward chunk size, one array per input set
       for name, fields in _parse_configs(args.configs):
         try:

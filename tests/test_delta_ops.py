@@ -377,6 +377,24 @@ def test_default_config_fits_every_device():
     lj.DeltaConfig(split_backward=1)
 
 
+def test_default_config_fills_the_sweeps_grid():
+  """Few (batch, head) pairs: the sweeps' value columns halve while twice the programs fit in the SMs, down to 16;
+  the H200 shapes keep 64; an unknown B H, or KDA, changes nothing."""
+  from lightning_jax.ops.delta_attention import pallas_triton
+
+  def block_e(batch_heads, dim, num_sms=132, dim_v=None):
+    return pallas_triton.default_config(per_channel_gate=False, dtype=jnp.bfloat16, dim_k=dim, dim_v=dim_v,
+                                        compute_capability=(9, 0), batch_heads=batch_heads, num_sms=num_sms).block_e
+
+  assert [block_e(bh, 128) for bh in (0, 1, 16, 17, 33, 34, 128)] == [64, 16, 16, 32, 32, 64, 64]
+  assert [block_e(bh, 64) for bh in (8, 32, 66, 67, 128)] == [16, 16, 32, 64, 64]
+  assert block_e(32, 128, num_sms=264) == 16 and block_e(32, 128, num_sms=78) == 64
+  assert block_e(16, 64, dim_v=256) == 32  # E, not D, sets the programs
+  assert block_e(4, 24) == 16  # E padded to 32: one halving
+  assert pallas_triton.default_config(per_channel_gate=True, dtype=jnp.bfloat16, dim_k=128, compute_capability=(9, 0),
+                                      batch_heads=16).block_e == 64  # KDA's one gradient kernel walks E in block_e
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("decay", ["token", "channel"])
 def test_pallas_low_precision(dtype, decay, kernel_mode):

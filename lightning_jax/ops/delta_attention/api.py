@@ -130,7 +130,8 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
   if normalize_qk:
     q, k = l2_normalize(q), l2_normalize(k)
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-  cc = heuristics.compute_capability(heuristics.device_of(q, k, v))
+  device = heuristics.device_of(q, k, v)
+  cc = heuristics.compute_capability(device)
   # Each sequence's own states (cu_seqlens) need the chunk-aligned layout of the jnp path.
   sequence_states = cu_seqlens is not None and (initial_state is not None or return_final_state)
   if impl == "auto":
@@ -157,7 +158,9 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       opts = vjp.PallasOptions(scale=scale, with_final_state=return_final_state,
                                config=config or pallas_triton.default_config(
                                    per_channel_gate=decay is not None and decay.ndim == 4, dtype=q.dtype,
-                                   dim_k=q.shape[-1], compute_capability=cc),
+                                   dim_k=q.shape[-1], dim_v=v.shape[-1], compute_capability=cc,
+                                   batch_heads=q.shape[0] * q.shape[2],
+                                   num_sms=heuristics.num_sms(device)),
                                interpret=lightning_api.pallas_interpret(interpret, cc, q))
       o, final_state = vjp.delta_attention_pallas(q, k, v, beta, decay, starts, initial_state, opts)
     else:

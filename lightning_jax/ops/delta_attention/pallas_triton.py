@@ -48,6 +48,7 @@ from lightning_jax.ops import triton_lowering
 from lightning_jax.ops.delta_attention import chunk
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as lightning_config
+from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import manual_axes
 
 _F32 = jnp.float32
@@ -129,8 +130,10 @@ _FLOAT32_STEPS = (
 _DEEP_PIPELINE_BUDGET = 227 * 1024
 
 
-def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capability=None) -> DeltaConfig:
-  """The blocks for one call: the H200's (B2 H32 T8K D128, bf16), smaller where a device's shared memory needs.
+def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capability=None, dim_v: int | None = None,
+                   batch_heads: int = 0, num_sms: int = heuristics.DEFAULT_NUM_SMS) -> DeltaConfig:
+  """The blocks for one call: the H200's (B2 H32 T8K D128, bf16), smaller where a device's shared memory needs
+  or where the sweeps' grid would leave the GPU half idle.
 
   The backward: with a scalar gate or none the split gradient kernels at
   64-token chunks (fwd+bwd 30-37% faster than the one kernel at 16 at D128,
@@ -144,6 +147,16 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   [D, 64] then needed 242688 bytes of shared memory, over sm90's 232448. With
   compute_capability None (no GPU, or an unknown one) the smallest budget
   applies (`lightning_config.shared_memory_budget`).
+
+  The sweeps run one program per (batch, head, block_e value columns): where
+  twice that many programs still fit in the device's `num_sms` SMs (few
+  heads, long sequences), block_e halves, down to 16. On an H200 (T 32K-64K,
+  bf16, `benchmarks/delta_sweep.py`) fwd+bwd took 15% (DeltaNet) and 10%
+  (Gated DeltaNet) less time at B1 H32 D128 with 32 columns, 21-23% less at
+  B1 H16 D128 and 10% less at B2 H8 D64 with 16; 16 at B1 H32 was slower
+  than 64. KDA keeps its columns: its one gradient kernel walks E in block_e
+  steps, and its fwd+bwd took 10-17% more time at D128 with fewer.
+  `batch_heads` = B H (0: unknown, no change); `dim_v` = E (default D).
   """
   dp = lightning_config.padded_dim(dim_k)
   itemsize = jnp.dtype(dtype).itemsize
@@ -153,9 +166,15 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
                        num_stages=3 if itemsize == 2 and budget >= _DEEP_PIPELINE_BUDGET else 2)
   for (min_dim, max_budget), step, largest_backward_chunk in _FLOAT32_STEPS:
     if itemsize == 4 and dp >= min_dim and budget <= max_budget:
-      return dataclasses.replace(config, **step,
-                                 backward_chunk_size=min(config.backward_chunk_size, largest_backward_chunk))
-  return config
+      config = dataclasses.replace(config, **step,
+                                   backward_chunk_size=min(config.backward_chunk_size, largest_backward_chunk))
+      break
+  ep = lightning_config.padded_dim(dim_k if dim_v is None else dim_v)
+  block_e = min(config.block_e, ep)
+  while (not per_channel_gate and batch_heads and block_e > lightning_config.MIN_BLOCK
+         and 2 * batch_heads * (ep // block_e) <= num_sms):
+    block_e //= 2
+  return config if block_e == min(config.block_e, ep) else dataclasses.replace(config, block_e=block_e)
 
 
 def _rows(start, size):
