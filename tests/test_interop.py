@@ -1,7 +1,7 @@
-"""lightning_jax.interop: transformers' MiniMax and Kimi Linear attention layers as ours.
+"""lightning_jax.interop: transformers' MiniMax, Kimi Linear and Qwen3-Next linear attention layers as ours.
 
 The parity tests build transformers' own modules (`MiniMaxLightningAttention`,
-`KimiLinearDeltaAttention`, on its PyTorch paths) from small random configs and
+`KimiLinearDeltaAttention`, `Qwen3NextGatedDeltaNet`, on its PyTorch paths) from small random configs and
 compare float32 outputs, forward and cached decoding, and the state dict's round
 trip; they need the `hf` extra (torch, transformers) and skip without it. The
 rest (configs as dicts, the checks of the state dict, the layers' new options,
@@ -9,7 +9,7 @@ no torch import for numpy weights) runs without.
 
 Measured on a CPU (max |ours - theirs| / max |theirs|): MiniMax <= 4.5e-7
 forward and decoding; KDA <= 1e-6 (transformers' own float32 output is 5e-7 from
-its float64 one). With gates 100x stronger than the model's initialisation both
+its float64 one); Gated DeltaNet <= 1.6e-6. With gates 100x stronger than the model's initialisation both
 are ~1e-5 from transformers' float64: the block's float32 rounding, not a
 difference of computation.
 """
@@ -29,7 +29,7 @@ import lightning_jax as lj
 from lightning_jax import interop
 from lightning_jax import linen as lj_linen
 from lightning_jax import nnx as lj_nnx
-from lightning_jax.interop import kimi_linear, minimax
+from lightning_jax.interop import kimi_linear, minimax, qwen3_next
 
 # Compiles dominate the run time; the tolerances are far above the ulps this moves.
 pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
@@ -44,6 +44,11 @@ MINIMAX_CASES = [  # (heads, head dim, layer_idx, layers); block_size 16 and T =
 KDA_CASES = [  # (heads, head dim, conv size, layer_idx); T = 70: past one 64-token chunk
     pytest.param(2, 32, 4, 0, id="h2-d32"),
     pytest.param(4, 16, 3, 2, id="h4-d16-conv3"),
+]
+
+GDN_CASES = [  # (q/k heads, value heads, D, E, conv size, layer_idx); T = 70
+    pytest.param(2, 4, 16, 8, 4, 0, id="h2-hv4-d16-e8"),
+    pytest.param(2, 2, 32, 32, 3, 2, id="h2-d32-conv3"),
 ]
 
 
@@ -65,6 +70,14 @@ def _kimi_dict(heads=2, head_dim=32, conv=4, layers=3, **extra):
                  num_key_value_heads=2), **extra}
 
 
+def _qwen_dict(heads=2, v_heads=4, head_dim=16, value_dim=8, conv=4, layers=3, **extra):
+  """A small Qwen3-Next config (as its dict), every layer a Gated DeltaNet one unless `extra` says."""
+  return {**dict(hidden_size=HIDDEN, linear_num_key_heads=heads, linear_num_value_heads=v_heads,
+                 linear_key_head_dim=head_dim, linear_value_head_dim=value_dim, linear_conv_kernel_dim=conv,
+                 num_hidden_layers=layers, layer_types=["linear_attention"] * layers, num_attention_heads=2,
+                 num_key_value_heads=2), **extra}
+
+
 def _numpy_state_dict(shapes, seed=0):
   rng = np.random.default_rng(seed)
   return {key: rng.standard_normal(shape).astype(np.float32) for key, shape in shapes.items()}
@@ -79,6 +92,10 @@ def _kimi_numpy_state_dict(**config):
   return _numpy_state_dict(kimi_linear._state_dict_shapes(kimi_linear.read_config(_kimi_dict(**config))))
 
 
+def _qwen_numpy_state_dict(**config):
+  return _numpy_state_dict(qwen3_next._state_dict_shapes(qwen3_next.read_config(_qwen_dict(**config))))
+
+
 # --- transformers' layers ------------------------------------------------------------------------
 
 
@@ -89,7 +106,9 @@ def hf():
   transformers = pytest.importorskip("transformers")
   from transformers.models.kimi_linear import modeling_kimi_linear
   from transformers.models.minimax import modeling_minimax
-  return dict(torch=torch, transformers=transformers, minimax=modeling_minimax, kimi=modeling_kimi_linear)
+  from transformers.models.qwen3_next import modeling_qwen3_next
+  return dict(torch=torch, transformers=transformers, minimax=modeling_minimax, kimi=modeling_kimi_linear,
+              qwen=modeling_qwen3_next)
 
 
 def _hf_minimax(hf, config, layer_idx, seed):
@@ -111,6 +130,16 @@ def _hf_kimi(hf, config, layer_idx, seed):
     dt = torch.empty_like(gate.dt_bias).uniform_(np.log(1e-3), np.log(1e-1)).exp()
     gate.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
     module.o_norm.weight.normal_(1.0, 0.3)
+  return module
+
+
+def _hf_qwen(hf, config, layer_idx, seed):
+  torch = hf["torch"]
+  torch.manual_seed(seed)
+  module = hf["qwen"].Qwen3NextGatedDeltaNet(config, layer_idx)
+  with torch.no_grad():  # the module leaves dt_bias and the norm's scale at ones
+    module.dt_bias.normal_(0.0, 1.0)
+    module.norm.weight.normal_(1.0, 0.3)
   return module
 
 
@@ -157,25 +186,40 @@ def test_minimax_matches_transformers(hf, heads, head_dim, layer_idx, layers):
     np.testing.assert_array_equal(fresh(x, None, None)[0].numpy(), theirs)
 
 
-@pytest.mark.parametrize("heads,head_dim,conv,layer_idx", KDA_CASES)
-def test_kda_matches_transformers(hf, heads, head_dim, conv, layer_idx):
+def _check_delta_layer(hf, config, module, convert, cache_arg, prefix):
+  """A delta layer converted from transformers' `module` (convert: state_dict -> ours) equals it, forward and
+  decoding with the model's cache (passed as `cache_arg`), and converts back to its state dict."""
   torch = hf["torch"]
-  config = hf["transformers"].KimiLinearConfig(**_kimi_dict(heads, head_dim, conv))
-  module = _hf_kimi(hf, config, layer_idx, seed=layer_idx)
   x = torch.randn(B, 70, HIDDEN)
-  layer = interop.kimi_delta_attention(config, layer_idx, module.state_dict())
+  layer = convert(module.state_dict())
   with torch.no_grad():
     theirs = module(x).numpy()
     cache = hf["transformers"].DynamicCache(config=config)
-    theirs_decoded = _hf_decode(x[:, :58], 50, lambda piece: module(piece, cache_params=cache))
+    theirs_decoded = _hf_decode(x[:, :58], 50, lambda piece: module(piece, **{cache_arg: cache}))
   xj = jnp.asarray(x.numpy())
   assert _rel_err(layer(xj), theirs) < KDA_TOL
   assert _rel_err(_our_decode(layer, xj[:, :58], 50), theirs_decoded) < KDA_TOL
 
-  state_dict = interop.to_hf_state_dict(layer, prefix="model.layers.0.self_attn.", as_torch=True)
-  assert sorted(state_dict) == sorted("model.layers.0.self_attn." + key for key in module.state_dict())
+  state_dict = interop.to_hf_state_dict(layer, prefix=prefix, as_torch=True)
+  assert sorted(state_dict) == sorted(prefix + key for key in module.state_dict())
   for key, value in module.state_dict().items():
-    assert torch.equal(state_dict["model.layers.0.self_attn." + key], value), key
+    assert torch.equal(state_dict[prefix + key], value), key
+
+
+@pytest.mark.parametrize("heads,head_dim,conv,layer_idx", KDA_CASES)
+def test_kda_matches_transformers(hf, heads, head_dim, conv, layer_idx):
+  config = hf["transformers"].KimiLinearConfig(**_kimi_dict(heads, head_dim, conv))
+  module = _hf_kimi(hf, config, layer_idx, seed=layer_idx)
+  _check_delta_layer(hf, config, module, lambda weights: interop.kimi_delta_attention(config, layer_idx, weights),
+                     "cache_params", "model.layers.0.self_attn.")
+
+
+@pytest.mark.parametrize("heads,v_heads,head_dim,value_dim,conv,layer_idx", GDN_CASES)
+def test_gated_deltanet_matches_transformers(hf, heads, v_heads, head_dim, value_dim, conv, layer_idx):
+  config = hf["transformers"].Qwen3NextConfig(**_qwen_dict(heads, v_heads, head_dim, value_dim, conv))
+  module = _hf_qwen(hf, config, layer_idx, seed=layer_idx)
+  _check_delta_layer(hf, config, module, lambda weights: interop.qwen3_next_gated_delta_net(config, layer_idx, weights),
+                     "cache", "model.layers.0.linear_attn.")
 
 
 def test_minimax_slope_rates_equal_transformers_for_every_layer(hf):
@@ -201,6 +245,10 @@ def test_configs_read_alike_as_objects_and_dicts(hf):
   assert sizes == kimi_linear.read_config(hf["transformers"].KimiLinearConfig(**checkpoint))
   assert (sizes.num_heads, sizes.head_dim, sizes.conv_size, sizes.norm_eps) == (2, 16, 3, 1e-6)
   assert sizes.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+  qwen_config = hf["transformers"].Qwen3NextConfig(**_qwen_dict(layers=6, layer_types=None))
+  assert qwen3_next.read_config(qwen_config) == qwen3_next.read_config(qwen_config.to_dict())
+  partial = dict(hidden_size=96, linear_num_key_heads=3, linear_num_value_heads=6, num_hidden_layers=6)
+  assert qwen3_next.read_config(partial) == qwen3_next.read_config(hf["transformers"].Qwen3NextConfig(**partial))
 
 
 def test_kimi_checkpoint_names_load_the_same_layer():
@@ -224,8 +272,10 @@ def test_kimi_checkpoint_names_load_the_same_layer():
 
 
 def test_round_trip_of_numpy_state_dicts():
-  for weights, make in ((_minimax_numpy_state_dict(), lambda w: interop.minimax_lightning_attention(
-      _minimax_dict(), 1, w)), (_kimi_numpy_state_dict(), lambda w: interop.kimi_delta_attention(_kimi_dict(), 0, w))):
+  for weights, make in (
+      (_minimax_numpy_state_dict(), lambda w: interop.minimax_lightning_attention(_minimax_dict(), 1, w)),
+      (_kimi_numpy_state_dict(), lambda w: interop.kimi_delta_attention(_kimi_dict(), 0, w)),
+      (_qwen_numpy_state_dict(), lambda w: interop.qwen3_next_gated_delta_net(_qwen_dict(), 0, w))):
     back = interop.to_hf_state_dict(make(weights))
     assert sorted(back) == sorted(weights)
     for key in weights:
@@ -294,8 +344,16 @@ def test_kimi_state_dict_errors_name_the_key():
      "'full_attention' layer"),
     (lambda: interop.to_hf_state_dict(lj_nnx.LightningAttention(2, 8, rngs=nnx.Rngs(0))), ValueError,
      "feature_map == value_feature_map.*scale=1.0.*use_bias=False"),
-    (lambda: interop.to_hf_state_dict(lj_nnx.DeltaAttention(2, 8, gate="scalar", rngs=nnx.Rngs(0))), ValueError,
+    (lambda: interop.to_hf_state_dict(lj_nnx.DeltaAttention(2, 8, gate=None, rngs=nnx.Rngs(0))), ValueError,
      "gate='kda'"),
+    (lambda: interop.to_hf_state_dict(lj_nnx.DeltaAttention(2, 8, gate="scalar", rngs=nnx.Rngs(0))), ValueError,
+     "Qwen3NextGatedDeltaNet.*full_rank_output_gate=True with output_gate_activation='silu'"),
+    (lambda: interop.qwen3_next_gated_delta_net(_qwen_dict(v_heads=3), 0, {}), ValueError,
+     r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads \(2\)"),
+    (lambda: interop.qwen3_next_gated_delta_net(_qwen_dict(layers=4, layer_types=None), 3, {}), ValueError,
+     "'full_attention' layer"),
+    (lambda: interop.qwen3_next_gated_delta_net(_qwen_dict(), 0, {**_qwen_numpy_state_dict(), "A_log": np.ones(
+        (1, 4), np.float32)}), ValueError, r"'A_log'\] has shape \[1, 4\], expected \[4\]"),
     (lambda: interop.to_hf_state_dict(nnx.Linear(2, 2, rngs=nnx.Rngs(0))), TypeError, "layer must be"),
 ])
 def test_bad_arguments(call, error, match):

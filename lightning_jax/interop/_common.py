@@ -35,6 +35,19 @@ class ConfigReader:
       raise ValueError(f"hf_config.{name} must be an int >= 1, got {value!r}")
     return int(value)
 
+  def positive_float(self, name: str, default: float) -> float:
+    value = self.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+      raise ValueError(f"hf_config.{name} must be a float > 0, got {value!r}")
+    return float(value)
+
+  def choice(self, name: str, default: str, allowed, why: str) -> str:
+    """The field's value, one of `allowed` (`why` says what it becomes in the layer)."""
+    value = self.get(name, default)
+    if value not in allowed:
+      raise ValueError(f"hf_config.{name} must be one of {tuple(allowed)} ({why}), got {value!r}")
+    return value
+
 
 def check_layer_idx(layer_idx, num_layers: int, layer_types: tuple[str, ...], model: str) -> None:
   """layer_idx must index a linear-attention layer of the model's num_layers."""

@@ -61,12 +61,8 @@ def read_config(hf_config) -> KimiSizes:
     if not _is_int(value, 1):
       raise ValueError(f"hf_config.{name} must be an int >= 1, got {value!r}")
     sizes[name] = int(value)
-  eps = cfg.get("rms_norm_eps", 1e-5)
-  if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-    raise ValueError(f"hf_config.rms_norm_eps must be a float > 0, got {eps!r}")
-  act = cfg.get("hidden_act", "silu")
-  if act not in ACTIVATIONS:
-    raise ValueError(f"hf_config.hidden_act must be one of {ACTIVATIONS} (the short convolutions' SiLU), got {act!r}")
+  eps = cfg.positive_float("rms_norm_eps", 1e-5)
+  cfg.choice("hidden_act", "silu", ACTIVATIONS, "the short convolutions' SiLU")
   layer_types = cfg.get("layer_types")
   if layer_types is None and "full_attn_layers" in linear and "kda_layers" in linear:
     layer_types = [None] * num_layers  # the checkpoints number their layers from 1
@@ -78,7 +74,7 @@ def read_config(hf_config) -> KimiSizes:
   if len(layer_types) != num_layers:
     raise ValueError(f"hf_config.layer_types has {len(layer_types)} entries for num_hidden_layers={num_layers}")
   return KimiSizes(hidden_size=cfg.positive_int("hidden_size", 2304), num_heads=sizes["linear_num_heads"],
-                   head_dim=sizes["linear_head_dim"], conv_size=sizes["linear_conv_kernel_dim"], norm_eps=float(eps),
+                   head_dim=sizes["linear_head_dim"], conv_size=sizes["linear_conv_kernel_dim"], norm_eps=eps,
                    num_layers=num_layers, layer_types=tuple(layer_types))
 
 

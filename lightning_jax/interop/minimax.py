@@ -55,10 +55,7 @@ def read_config(hf_config) -> MiniMaxSizes:
   head_dim = cfg.get("head_dim") or hidden // heads  # transformers' rule
   if not _is_int(head_dim, 1):
     raise ValueError(f"hf_config.head_dim must be None or an int >= 1, got {head_dim!r}")
-  act = cfg.get("hidden_act", "silu")
-  if act not in ACTIVATIONS:
-    raise ValueError(f"hf_config.hidden_act must be one of {tuple(ACTIVATIONS)} (the layer's feature maps), "
-                     f"got {act!r}")
+  act = cfg.choice("hidden_act", "silu", ACTIVATIONS, "the layer's feature maps")
   # MiniMaxConfig's default alternates full and linear attention, starting with full.
   layer_types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 2 else "linear_attention"
                                            for i in range(num_layers)]
