@@ -186,16 +186,17 @@ def test_minimax_matches_transformers(hf, heads, head_dim, layer_idx, layers):
     np.testing.assert_array_equal(fresh(x, None, None)[0].numpy(), theirs)
 
 
-def _check_delta_layer(hf, config, module, convert, cache_arg, prefix):
+def _check_delta_layer(hf, config, module, convert, prefix):
   """A delta layer converted from transformers' `module` (convert: state_dict -> ours) equals it, forward and
-  decoding with the model's cache (passed as `cache_arg`), and converts back to its state dict."""
+  decoding with the model's cache, and converts back to its state dict."""
   torch = hf["torch"]
   x = torch.randn(B, 70, HIDDEN)
   layer = convert(module.state_dict())
   with torch.no_grad():
     theirs = module(x).numpy()
     cache = hf["transformers"].DynamicCache(config=config)
-    theirs_decoded = _hf_decode(x[:, :58], 50, lambda piece: module(piece, **{cache_arg: cache}))
+    # The cache positionally: transformers 5.24 renamed the argument (cache_params -> cache).
+    theirs_decoded = _hf_decode(x[:, :58], 50, lambda piece: module(piece, cache))
   xj = jnp.asarray(x.numpy())
   assert _rel_err(layer(xj), theirs) < KDA_TOL
   assert _rel_err(_our_decode(layer, xj[:, :58], 50), theirs_decoded) < KDA_TOL
@@ -211,7 +212,7 @@ def test_kda_matches_transformers(hf, heads, head_dim, conv, layer_idx):
   config = hf["transformers"].KimiLinearConfig(**_kimi_dict(heads, head_dim, conv))
   module = _hf_kimi(hf, config, layer_idx, seed=layer_idx)
   _check_delta_layer(hf, config, module, lambda weights: interop.kimi_delta_attention(config, layer_idx, weights),
-                     "cache_params", "model.layers.0.self_attn.")
+                     "model.layers.0.self_attn.")
 
 
 @pytest.mark.parametrize("heads,v_heads,head_dim,value_dim,conv,layer_idx", GDN_CASES)
@@ -219,7 +220,7 @@ def test_gated_deltanet_matches_transformers(hf, heads, v_heads, head_dim, value
   config = hf["transformers"].Qwen3NextConfig(**_qwen_dict(heads, v_heads, head_dim, value_dim, conv))
   module = _hf_qwen(hf, config, layer_idx, seed=layer_idx)
   _check_delta_layer(hf, config, module, lambda weights: interop.qwen3_next_gated_delta_net(config, layer_idx, weights),
-                     "cache", "model.layers.0.linear_attn.")
+                     "model.layers.0.linear_attn.")
 
 
 def test_minimax_slope_rates_equal_transformers_for_every_layer(hf):

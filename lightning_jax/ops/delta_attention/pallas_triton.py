@@ -151,9 +151,9 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   The sweeps run one program per (batch, head, block_e value columns): where
   twice that many programs still fit in the device's `num_sms` SMs (few
   heads, long sequences), block_e halves, down to 16. On an H200 (T 32K-64K,
-  bf16, `benchmarks/delta_sweep.py`) fwd+bwd took 15% (DeltaNet) and 10%
-  (Gated DeltaNet) less time at B1 H32 D128 with 32 columns, 21-23% less at
-  B1 H16 D128 and 10% less at B2 H8 D64 with 16; 16 at B1 H32 was slower
+  bf16, `benchmarks/delta_sweep.py`) fwd+bwd took 14% (DeltaNet) and 10%
+  (Gated DeltaNet) less time at B1 H32 D128 with 32 columns, 22-24% less at
+  B1 H16 D128 and 10-12% less at B2 H8 D64 with 16; 16 at B1 H32 was slower
   than 64. KDA keeps its columns: its one gradient kernel walks E in block_e
   steps, and its fwd+bwd took 10-17% more time at D128 with fewer.
   `batch_heads` = B H (0: unknown, no change); `dim_v` = E (default D).
