@@ -334,6 +334,8 @@ def test_pallas_gradients(case, kernel_mode):
      dict(backward_chunk_size=32, block_d=16, block_e=16)),
     (Case(b=1, t=90, d=12, e=70, decay=None, segments=True), dict(backward_chunk_size=64, block_e=16)),
     (Case(b=1, t=80, d=24, e=16, decay="channel", rates="steep"), dict(chunk_size=64, backward_chunk_size=32)),
+    # The H200 defaults' 64 value columns in one program (small B H picks fewer, `default_config`).
+    (Case(b=1, t=70, d=33, e=50), dict(block_e=64)),
 ], ids=str)
 def test_pallas_gradients_any_blocks(case, config, kernel_mode):
   """The backward's own chunking (several 16-row blocks, one), several D and E steps, the split gradient kernels
