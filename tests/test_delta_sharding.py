@@ -87,8 +87,8 @@ def test_auto_mesh_inputs_stay_on_their_devices(impl, form):
 @pytest.mark.parametrize("spec", [P("data", None, "model"), P(None, "data", "model")],
                          ids=["batch-heads", "sequence-heads"])
 def test_explicit_mesh_splits_the_op(spec):
-  """Arrays typed as split over an explicit mesh (jax.make_mesh's default): the op splits itself over B and H;
-  a T split is gathered (no sequence parallelism for the delta rule) and o comes back split like q."""
+  """Arrays typed as split over an explicit mesh (jax.make_mesh's default): the op splits itself over B and H,
+  and runs a T split sequence parallel; o comes back split like q."""
   mesh = explicit_mesh((2, 2), ("data", "model"))
   q, k, v, beta, decay, s0, ids, do, d_final = make_inputs(2 * 23, "kda", seed=2)
   (_, want), want_grads = value_and_grads(ids, do, d_final, impl="reference")(q, k, v, beta, decay, s0)
@@ -98,8 +98,11 @@ def test_explicit_mesh_splits_the_op(spec):
   (_, got), got_grads = vg(q, k, v, beta, decay, s0)
   check_close(got, want, got_grads, want_grads)
   assert got[0].sharding.spec[:3] == tuple(spec)
+  found = collectives(vg, q, k, v, beta, decay, s0)
   if spec[1] is None:  # B and H split: q, k, v, o and their gradients never move
-    assert "all-gather" not in collectives(vg, q, k, v, beta, decay, s0)
+    assert "all-gather" not in found
+  else:  # T split: the slices' maps move, nothing of q's size
+    assert found["all-gather"] and all(elements(s) < q.size for s in found["all-gather"]), found
 
 
 def test_explicit_mesh_cu_seqlens_states_split_over_heads():
@@ -128,3 +131,52 @@ def test_interpret_mode_inside_check_vma_shard_map_is_refused():
   with pytest.raises(ValueError, match="interpret mode cannot run inside jax.shard_map with check_vma=True"):
     jax.shard_map(lambda q, beta: lj.delta_attention(q, q, q, beta, impl="pallas", interpret=True),
                   mesh=mesh, in_specs=P("data"), out_specs=P("data"))(q, beta)
+
+
+@pytest.mark.parametrize("impl,form,check_vma", [("xla", "kda", True), ("xla", "deltanet", True),
+                                                 ("pallas", "gated_deltanet", False)])
+def test_sequence_axis_runs_each_slice_from_the_state_before_it(impl, form, check_vma):
+  """T split over 4 devices inside the caller's shard_map: o, the final state and every gradient equal the
+  token-serial oracle on the whole sequence, with segments across device boundaries, one starting exactly at a
+  boundary; the forward moves only the slices' maps [B, H, D, D + E] and where their segments meet."""
+  mesh = cpu_mesh((4,), ("sp",))
+  t = 4 * 11
+  q, k, v, beta, decay, s0, _, do, d_final = make_inputs(t, form, seed=5, segments=False)
+  starts = np.zeros((B, t), bool)
+  starts[0, [5, 22, 30]] = True  # 22: the first token of device 2
+  starts[1, [11 + 3]] = True
+  ids = jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
+  (_, want), want_grads = value_and_grads(ids, do, d_final, impl="reference")(q, k, v, beta, decay, s0)
+
+  tokens, rates = P(None, "sp"), P(None, "sp") if decay is not None else P()
+  kwargs = dict(impl=impl, interpret=True) if impl == "pallas" else dict(impl=impl)
+
+  def local(q, k, v, beta, decay, s0, ids):
+    return lj.delta_attention(q, k, v, beta, decay, initial_state=s0, return_final_state=True, segment_ids=ids,
+                              sequence_axis="sp", **kwargs)
+
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, tokens, rates, P(), tokens),
+                          out_specs=(tokens, P()), check_vma=check_vma)
+
+  def loss(q, k, v, beta, decay, s0):
+    o, final = sharded(q, k, v, beta, decay, s0, ids)
+    return jnp.sum(o * do) + jnp.sum(final * d_final), (o, final)
+
+  (_, got), got_grads = jax.jit(jax.value_and_grad(loss, argnums=ARGNUMS, has_aux=True))(q, k, v, beta, decay, s0)
+  check_close(got, want, got_grads, want_grads)
+  gathered = collectives(lambda *a: sharded(*a, ids), q, k, v, beta, decay, s0)
+  assert set(gathered) == {"all-gather"}, gathered
+  # Per device: its map, and per row its first and last ids and whether a segment starts inside.
+  assert sum(elements(s) for s in gathered["all-gather"]) == 4 * (B * H * D * (D + E) + 3 * B), gathered
+
+
+def test_sequence_axis_errors():
+  mesh = cpu_mesh((2,), ("sp",))
+  q = jnp.ones((1, 8, 2, 4))
+  beta = jnp.ones((1, 8, 2))
+  run = lambda **kw: jax.shard_map(lambda q, beta: lj.delta_attention(q, q, q, beta, impl="xla", **kw),  # noqa: E731
+                                   mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, beta)
+  with pytest.raises(ValueError, match="sequence_axis='tp' is not an axis of the enclosing shard_map"):
+    run(sequence_axis="tp")
+  with pytest.raises(ValueError, match="cu_seqlens does not combine with sequence_axis"):
+    run(sequence_axis="sp", cu_seqlens=jnp.asarray([0, 4], jnp.int32))

@@ -8,11 +8,13 @@ import numpy as np
 
 from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.delta_attention import reference
+from lightning_jax.ops.delta_attention import sequence_parallel
 from lightning_jax.ops.delta_attention import vjp
 from lightning_jax.ops.delta_attention import xla
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import api as lightning_api
 from lightning_jax.ops.lightning_attention import heuristics
+from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import packing
 from lightning_jax.ops.lightning_attention import sharding
 
@@ -31,8 +33,8 @@ def _check_rates(name, x, expected):
     raise TypeError(f"{name} must be a floating array, got {x.dtype}")
 
 
-def _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, segment_ids, cu_seqlens, normalize_qk,
-              impl, config, interpret):
+def _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, segment_ids, cu_seqlens, sequence_axis,
+              normalize_qk, impl, config, interpret):
   b, t, h, d, e = lightning_api.check_qkv(q, k, v)
   _check_rates("beta", beta, {(b, t, h): "[B, T, H]"})
   if lightning_api.is_concrete(beta):
@@ -58,6 +60,8 @@ def _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, se
     config.splits_backward(per_channel_gate=decay is not None and decay.ndim == 4)
   if interpret is not None and not isinstance(interpret, bool):
     raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
+  lightning_api.check_sequence_axis(sequence_axis, cu_seqlens, op="delta_attention",
+                                    or_else="give q a NamedSharding over an explicit mesh that splits T")
 
 
 def l2_normalize(x):
@@ -67,7 +71,8 @@ def l2_normalize(x):
 
 
 def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None, return_final_state=False,
-                    segment_ids=None, cu_seqlens=None, normalize_qk=False, impl="auto", config=None, interpret=None):
+                    segment_ids=None, cu_seqlens=None, sequence_axis=None, normalize_qk=False, impl="auto",
+                    config=None, interpret=None):
   r"""Causal delta attention: DeltaNet, Gated DeltaNet and Kimi Delta Attention (KDA), in O(T).
 
   Per batch and head, with the state S [D, E] in float32 and a_t = exp(-decay_t)
@@ -100,6 +105,15 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       segment_ids. With per-sequence initial or final states it runs on
       "xla" (sequences chunk-aligned: O(T + N C) rows) or "reference";
       "pallas" raises (its kernels take one state per row).
+    sequence_axis: None, or the name of a mesh axis over which T is sharded,
+      when called inside `jax.shard_map` (sequence parallelism): q, k, v,
+      beta, decay and segment_ids are this device's slice of T (devices in
+      axis order), initial_state is the state before the whole sequence and
+      the final state the one after it, the same on every device. Each device
+      runs its slice from the state of the slices before it, which one
+      all-gather of every slice's affine map (float32 [B, H, D, D + E])
+      gives (`sequence_parallel`); the gradients flow back the same way. Not
+      with cu_seqlens.
     normalize_qk: apply the models' L2 norm to q and k (over D) inside the op.
     impl: "pallas" (Triton kernels, the chunked WY form; interpret mode
       without a supported GPU), "xla" (chunked jnp, O(T)), "reference"
@@ -113,23 +127,31 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
 
   Under `jax.jit`, inputs split over B and H by a `NamedSharding` run on each
   device's block, with no gather of q, k, v, o or their gradients: on an
-  explicit-sharding mesh the op splits itself by q's type, on any other the
-  Pallas kernels go through XLA's partitioner (`auto_sharding`). A T split is
-  gathered: the delta rule has no sequence parallelism yet.
+  explicit-sharding mesh the op splits itself by q's type (T split too: it
+  runs sequence parallel over that axis), on any other the Pallas kernels go
+  through XLA's partitioner (`auto_sharding`; a T split is gathered there).
 
   Returns:
     o: [B, T, H, E] in the input dtype; with return_final_state, (o, final state).
   """
-  _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, segment_ids, cu_seqlens, normalize_qk,
-            impl, config, interpret)
-  layout = lightning_api.explicit_layout(q)
-  if layout is not None:  # q typed as split over a mesh: run on each device's block of B and H
+  _validate(q, k, v, beta, decay, scale, initial_state, return_final_state, segment_ids, cu_seqlens, sequence_axis,
+            normalize_qk, impl, config, interpret)
+  layout = lightning_api.explicit_layout(q) if sequence_axis is None else None
+  if layout is not None:  # q typed as split over a mesh: run on each device's block
     return _explicit_split(q, k, v, beta, decay, layout, scale=scale, initial_state=initial_state,
                            return_final_state=return_final_state, segment_ids=segment_ids, cu_seqlens=cu_seqlens,
                            normalize_qk=normalize_qk, impl=impl, config=config, interpret=interpret)
   if normalize_qk:
     q, k = l2_normalize(q), l2_normalize(k)
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+  if sequence_axis is not None and jax.lax.axis_size(sequence_axis) > 1:
+    def run(q, k, v, beta, decay, initial_state, segment_ids):  # one device's slice
+      return delta_attention(q, k, v, beta, decay, scale=scale, initial_state=initial_state, return_final_state=True,
+                             segment_ids=segment_ids, impl=impl, config=config, interpret=interpret)
+
+    o, final_state = sequence_parallel.sequence_parallel(run, q, k, v, beta, decay, initial_state, segment_ids,
+                                                         axis=sequence_axis)
+    return (o, final_state) if return_final_state else o
   device = heuristics.device_of(q, k, v)
   cc = heuristics.compute_capability(device)
   # Each sequence's own states (cu_seqlens) need the chunk-aligned layout of the jnp path.
@@ -167,25 +189,30 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       o, final_state = xla.chunked(q, k, v, beta, decay, starts, initial_state, scale=scale,
                                    chunk_size=XLA_CHUNK_SIZE)
   o = o.astype(q.dtype)
+  if final_state is not None and sequence_axis is not None and sequence_axis in manual_axes.varying_axes(final_state):
+    # One device along the axis: the final state is typed as the same on every
+    # device of the axis, as with several (a sum over one device).
+    final_state = jax.lax.psum(final_state, sequence_axis)
   return (o, final_state) if return_final_state else o
 
 
 def _explicit_split(q, k, v, beta, decay, layout, *, initial_state, return_final_state, segment_ids, cu_seqlens,
                     **options):
-  """`delta_attention` under shard_map over the explicit mesh that q's type names, B and H split as in q.
+  """`delta_attention` under shard_map over the explicit mesh that q's type names, B, H and T split as in q.
 
-  A T split is gathered (the delta rule has no sequence parallelism yet) and
-  o split again like q; with cu_seqlens (B = 1) the sequences' states
-  [N, H, D, E] split over H.
+  A T split runs sequence parallel (`sequence_parallel`), except with
+  cu_seqlens (B = 1), where T is gathered, o split again like q and the
+  sequences' states [N, H, D, E] split over H.
   """
   mesh, spec = layout
   batch_axes, sequence_axes, head_axis = spec
+  gathered_t = sequence_axes is not None and cu_seqlens is not None
 
   def op(given, sequence_axis):
-    del sequence_axis  # never split
     out = delta_attention(given["q"], given["k"], given["v"], given["beta"], given.get("decay"),
                           initial_state=given.get("initial_state"), return_final_state=return_final_state,
-                          segment_ids=given.get("segment_ids"), cu_seqlens=given.get("cu_seqlens"), **options)
+                          segment_ids=given.get("segment_ids"), cu_seqlens=given.get("cu_seqlens"),
+                          sequence_axis=sequence_axis, **options)
     return out if return_final_state else (out,)
 
   state = "bhde" if cu_seqlens is None else "nhde"  # n: the sequences, never split
@@ -193,9 +220,8 @@ def _explicit_split(q, k, v, beta, decay, layout, *, initial_state, return_final
       op, dict(q=(q, "bthd"), k=(k, "bthd"), v=(v, "bthe"), beta=(beta, "bth"),
                decay=(decay, "bthd" if decay is not None and decay.ndim == 4 else "bth"),
                initial_state=(initial_state, state), segment_ids=(segment_ids, "bt"), cu_seqlens=(cu_seqlens, "n")),
-      mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=None,
+      mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=None if gathered_t else sequence_axes,
       out_labels=("bthe", state) if return_final_state else ("bthe",))
-  if sequence_axes is not None:  # back to q's layout: each device keeps its slice of T (no communication)
+  if gathered_t:  # back to q's layout: each device keeps its slice of T (no communication)
     out = (jax.reshard(out[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))), *out[1:])
   return out if return_final_state else out[0]
-

@@ -148,16 +148,21 @@ def _validate(q, k, v, decay, scale, initial_state, impl, variant, config, inter
     raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
   if not isinstance(return_final_state, bool):
     raise TypeError(f"return_final_state must be a bool, got {return_final_state!r}")
-  if sequence_axis is not None:
-    if cu_seqlens is not None:
-      raise ValueError("cu_seqlens does not combine with sequence_axis: give segment_ids sharded like q "
-                       "(segment_ids_from_cu_seqlens converts)")
-    try:
-      jax.lax.axis_size(sequence_axis)
-    except NameError:
-      raise ValueError(f"sequence_axis={sequence_axis!r} is not an axis of the enclosing shard_map (call "
-                       "lightning_attention inside jax.shard_map over a mesh with that axis, or use "
-                       "sharded_lightning_attention)") from None
+  check_sequence_axis(sequence_axis, cu_seqlens, op="lightning_attention", or_else="use sharded_lightning_attention")
+
+
+def check_sequence_axis(sequence_axis, cu_seqlens, *, op: str, or_else: str):
+  """sequence_axis must be None or an axis of the enclosing shard_map, and not come with cu_seqlens."""
+  if sequence_axis is None:
+    return
+  if cu_seqlens is not None:
+    raise ValueError("cu_seqlens does not combine with sequence_axis: give segment_ids sharded like q "
+                     "(segment_ids_from_cu_seqlens converts)")
+  try:
+    jax.lax.axis_size(sequence_axis)
+  except NameError:
+    raise ValueError(f"sequence_axis={sequence_axis!r} is not an axis of the enclosing shard_map (call {op} "
+                     f"inside jax.shard_map over a mesh with that axis, or {or_else})") from None
 
 
 def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, return_final_state=False,

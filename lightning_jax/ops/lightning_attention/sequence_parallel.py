@@ -103,15 +103,15 @@ def _gather(axis, *parts):
   return out
 
 
-class _Links(NamedTuple):
+class Links(NamedTuple):
   """How the slices connect (gathered, the same on every device)."""
   log_decay: jax.Array | None  # [B, H, P] summed rates of each slice
   resets: jax.Array | None  # [B, P] bool: a segment starts in the slice (nothing before it passes)
   continues: jax.Array | None  # [B, P] bool: the slice's first token continues the previous slice's segment
 
 
-def _links(axis, log_decay, segment_ids, starts, states):
-  """All-gathers this device's `states` with what connects the slices; returns (gathered states, _Links)."""
+def links(axis, log_decay, segment_ids, starts, states):
+  """All-gathers this device's `states` with what connects the slices; returns (gathered states, Links)."""
   parts = [states]
   if log_decay is not None:
     parts.append(log_decay)
@@ -126,10 +126,10 @@ def _links(axis, log_decay, segment_ids, starts, states):
     first, last, inner = (x.T for x in rest)  # [B, P]
     continues = jnp.pad(first[:, 1:] == last[:, :-1], ((0, 0), (1, 0)), constant_values=True)
     resets = (inner > 0) | ~continues
-  return gathered_states, _Links(log_decay_p, resets, continues)
+  return gathered_states, Links(log_decay_p, resets, continues)
 
 
-def _combine(local_states, links, initial_state, *, reverse):
+def _combine(local_states, slice_links, initial_state, *, reverse):
   """combine_slice_states over the devices' slices ([P, B, H, D, E] local states), in or against device order.
 
   Returns [B, H, P + 1, D, E]: forward, the state before each slice and after
@@ -138,7 +138,7 @@ def _combine(local_states, links, initial_state, *, reverse):
   """
   num_devices = local_states.shape[0]
   local = jnp.moveaxis(local_states, 0, 2)
-  log_decay, resets = links.log_decay, links.resets
+  log_decay, resets = slice_links.log_decay, slice_links.resets
   flip = (lambda x: None if x is None else jnp.flip(x, axis=-1)) if reverse else (lambda x: x)  # noqa: E731
   if reverse:
     local = jnp.flip(local, axis=2)
@@ -157,12 +157,12 @@ def _forward_parts(local: Local, q, k, v, decay, initial_state, segment_ids):
   starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
   own = local.slice_state(k, v, decay, starts, False)
   log_decay = slice_log_decay(decay, t, b)
-  gathered, links = _links(local.axis, log_decay, segment_ids, starts, own)
-  states = _combine(gathered, links, initial_state, reverse=False)
+  gathered, slice_links = links(local.axis, log_decay, segment_ids, starts, own)
+  states = _combine(gathered, slice_links, initial_state, reverse=False)
   prefix = _mine(states, p, axis=2)
-  if links.continues is not None:
-    prefix = jnp.where(_mine(links.continues, p, axis=1)[:, None, None, None], prefix, 0.0)
-  return prefix, states[:, :, -1], links, p, starts
+  if slice_links.continues is not None:
+    prefix = jnp.where(_mine(slice_links.continues, p, axis=1)[:, None, None, None], prefix, 0.0)
+  return prefix, states[:, :, -1], slice_links, p, starts
 
 
 def _primal(local: Local, q, k, v, decay, initial_state, segment_ids):
@@ -212,7 +212,7 @@ def _fwd(local: Local, q, k, v, decay, initial_state, segment_ids):
   needs = _Needs(*(perturbed(x) for x in (q, k, v, decay, initial_state)))
   q, k, v, decay, initial_state, segment_ids = (
       None if x is None else x.value for x in (q, k, v, decay, initial_state, segment_ids))
-  prefix, final_state, links, p, starts = _forward_parts(local, q, k, v, decay, initial_state, segment_ids)
+  prefix, final_state, slice_links, p, starts = _forward_parts(local, q, k, v, decay, initial_state, segment_ids)
   primals = dict(q=q, k=k, v=v, decay=decay)
 
   def op(*args):
@@ -223,11 +223,11 @@ def _fwd(local: Local, q, k, v, decay, initial_state, segment_ids):
   out = (o[0], final_state) if local.with_final_state else o[0]
   # Without state cotangents the local op's final state gets a zero one, typed like it.
   zero_final = None if needs.state_grads else manual_axes.zeros_of(jax.typeof(o[1]))
-  return out, (op_vjp, needs, links, p, q, decay, initial_state, starts, zero_final)
+  return out, (op_vjp, needs, slice_links, p, q, decay, initial_state, starts, zero_final)
 
 
 def _bwd(local: Local, residuals, cotangents):
-  op_vjp, needs, links, p, q, decay, initial_state, starts, after_mine = residuals
+  op_vjp, needs, slice_links, p, q, decay, initial_state, starts, after_mine = residuals
   do, d_final = cotangents if local.with_final_state else (cotangents, None)
   if isinstance(do, SymbolicZero):
     do = manual_axes.zeros_of(do.aval)  # only the final state is used downstream
@@ -241,10 +241,10 @@ def _bwd(local: Local, residuals, cotangents):
   state_grads = None
   if needs.state_grads:
     own = local.scale * local.slice_state(q, do, decay, starts, True)
-    if links.continues is not None:
-      own = jnp.where(_mine(links.continues, p, axis=1)[:, None, None, None], own, 0.0)
+    if slice_links.continues is not None:
+      own = jnp.where(_mine(slice_links.continues, p, axis=1)[:, None, None, None], own, 0.0)
     (gathered,) = _gather(axis, own)
-    state_grads = _combine(gathered, links, d_final, reverse=True)
+    state_grads = _combine(gathered, slice_links, d_final, reverse=True)
     after_mine = _mine(state_grads, p + 1, axis=2)
   # dq does not depend on the state cotangents: without them the local op's
   # backward runs the dq sweep alone.

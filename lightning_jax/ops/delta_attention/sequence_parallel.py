@@ -1,0 +1,77 @@
+"""Sequence parallelism for the delta rule: T split over a mesh axis inside `jax.shard_map`.
+
+The delta rule is affine in its state: a slice of tokens takes the state S
+before it to M S + L, with M [D, D] the product of the slice's transitions
+(I - beta_t k_t k_t^T) Diag(a_t) (0 once a segment starts inside the slice) and
+L [D, E] the slice's state from zeros. Device p of the P devices along the axis
+
+  1. runs the op over its slice with the values [0 | v] ([.., D + E]) from the
+     state [I | 0]: its final state is [M_p | L_p] (the first D columns carry I
+     through the transitions and receive no update, the others are v's state);
+  2. all-gathers every device's [M | L] (float32 [B, H, D, D + E]) with each
+     slice's first and last segment ids;
+  3. composes P_0 = S_0, P_{p+1} = M_p P_p + L_p over the slices, locally (the
+     same on every device), with P_p = 0 where slice p's first token starts a
+     segment of its own;
+  4. runs the op over its slice from P_p; P_P is the final state.
+
+Only the maps cross devices, never q, k, v or o. The backward pass is JAX's:
+the op's own VJP for steps 1 and 4, the all-gather's transpose (a
+reduce-scatter of the maps' cotangents) and the composition's. Step 1 costs
+about one more forward and backward of the op with D more value columns: the
+price of exactness without a reverse pass of maps of our own (the lightning
+op's `sequence_parallel` has one: its maps are scalars).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lightning_jax.ops.lightning_attention import chunk_common
+from lightning_jax.ops.lightning_attention import sequence_parallel as lightning_sequence_parallel
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _prefix_states(maps, continues, initial_state, dim_k):
+  """(the state before each slice [P, B, H, D, E], the state after the last [B, H, D, E]), float32.
+
+  maps: [P, B, H, D, D + E], each slice's [M | L]; continues: [B, P] bool,
+  whether slice p's first token continues the segment before it (else its
+  state before is zeros); initial_state: [B, H, D, E] float32 or None.
+  """
+  m, local = maps[..., :dim_k], maps[..., dim_k:]
+  state = jnp.zeros(local.shape[1:], jnp.float32) if initial_state is None else initial_state
+
+  def step(state, slice_):
+    m_p, local_p, continues_p = slice_
+    before = jnp.where(continues_p[:, None, None, None], state, 0.0)
+    return jnp.einsum("bhij,bhje->bhie", m_p, before, precision=_HI) + local_p, before
+
+  final, before = jax.lax.scan(step, state, (m, local, continues.T))
+  return before, final
+
+
+def sequence_parallel(run, q, k, v, beta, decay, initial_state, segment_ids, *, axis):
+  """The delta op over this device's slice of T, from the state of the slices before it (module docstring).
+
+  run(q, k, v, beta, decay, initial_state, segment_ids) -> (o, final state):
+  the op on one device's slice (inside `jax.shard_map`). q, k: [B, T_p, H, D],
+  v: [B, T_p, H, E], beta, decay, segment_ids: this device's slice;
+  initial_state: the state before the whole sequence ([B, H, D, E] float32) or
+  None. Returns (o [B, T_p, H, E], the final state after the whole sequence
+  [B, H, D, E] float32, the same on every device of `axis`).
+  """
+  b, _, h, d = q.shape
+  e = v.shape[-1]
+  augmented = jnp.concatenate([jnp.zeros((*v.shape[:-1], d), v.dtype), v], axis=-1)
+  identity = jnp.broadcast_to(jnp.concatenate([jnp.eye(d, dtype=jnp.float32), jnp.zeros((d, e), jnp.float32)], -1),
+                              (b, h, d, d + e))
+  _, maps = run(q, k, augmented, beta, decay, identity, segment_ids)
+  starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
+  maps, links = lightning_sequence_parallel.links(axis, None, segment_ids, starts, maps)
+  continues = jnp.ones((b, maps.shape[0]), bool) if links.continues is None else links.continues
+  before, final = _prefix_states(maps, continues, initial_state, d)
+  o, _ = run(q, k, v, beta, decay, before[jax.lax.axis_index(axis)], segment_ids)
+  return o, final
