@@ -47,11 +47,12 @@ class DeltaSpec:
   scale: float
   use_bias: bool
   impl: str
+  sequence_axis: str | None = None
 
 
 def make_spec(*, num_heads, in_features, num_v_heads, head_dim, value_head_dim, out_features, gate, gate_rank,
               output_gate_activation, output_gate_rank, full_rank_output_gate, allow_neg_eigval, conv_size,
-              norm_eps, scale, use_bias, impl) -> DeltaSpec:
+              norm_eps, scale, use_bias, impl, sequence_axis=None) -> DeltaSpec:
   """Validates the layer arguments (clear errors naming each one) and resolves defaults."""
   for name, value, optional in (("num_heads", num_heads, False), ("in_features", in_features, False),
                                 ("num_v_heads", num_v_heads, True), ("head_dim", head_dim, True),
@@ -92,6 +93,8 @@ def make_spec(*, num_heads, in_features, num_v_heads, head_dim, value_head_dim, 
   lightning_api.check_scale(scale)
   if impl not in delta_api.IMPLS:
     raise ValueError(f"impl must be one of {delta_api.IMPLS}, got {impl!r}")
+  if sequence_axis is not None and not isinstance(sequence_axis, str):
+    raise TypeError(f"sequence_axis must be None or a mesh axis name, got {sequence_axis!r}")
   low_rank = value_head_dim  # Kimi Linear's low-rank gates go through a head's width
   return DeltaSpec(
       num_heads=num_heads, num_v_heads=num_v_heads, in_features=in_features,
@@ -102,7 +105,8 @@ def make_spec(*, num_heads, in_features, num_v_heads, head_dim, value_head_dim, 
       output_gate_rank=(None if full_rank_output_gate or output_gate_activation is None
                         else output_gate_rank or low_rank),
       allow_neg_eigval=allow_neg_eigval, conv_size=conv_size, norm_eps=float(norm_eps),
-      scale=float(head_dim ** -0.5 if scale is None else scale), use_bias=use_bias, impl=impl)
+      scale=float(head_dim ** -0.5 if scale is None else scale), use_bias=use_bias, impl=impl,
+      sequence_axis=sequence_axis)
 
 
 def projections(spec: DeltaSpec) -> tuple[tuple[str, int | tuple[int, ...], int | tuple[int, ...]], ...]:
@@ -176,6 +180,9 @@ def cache_shapes(batch_size, spec: DeltaSpec) -> dict[str, tuple[tuple[int, ...]
 
 def check_cache(cache, batch_size, spec: DeltaSpec) -> None:
   """cache: {name: array} or None (no cache created yet)."""
+  if spec.sequence_axis is not None:
+    raise ValueError("decode does not combine with sequence_axis (decoding extends whole sequences): decode with "
+                     "a layer built without it; the parameters are the same")
   if cache is None:
     raise ValueError("decode=True needs the decode cache (recurrent state and convolution windows): call "
                      "init_cache(batch_size) first")
@@ -207,6 +214,26 @@ def short_conv(x, kernel, window, run_start):
   return jax.nn.silu(y).astype(x.dtype), jnp.where(kept[..., None, None], full[:, t:], 0.0)
 
 
+def _previous_windows(xs, segment_ids, run_start, *, conv_size, axis):
+  """The convolution windows before this device's slice of T (`sequence_axis`): the previous device's last
+  K - 1 inputs of each x (zeros before its last token's segment, and all zeros where this slice's first token
+  starts a segment of its own, or on the first device), one collective permute each."""
+  t = xs[0].shape[1]
+  width = conv_size - 1
+  if t < width:
+    raise ValueError(f"with sequence_axis each device's slice of T needs at least conv_size - 1 = {width} tokens, "
+                     f"got {t}")
+  num_devices = jax.lax.axis_size(axis)
+  to_next = [(i, i + 1) for i in range(num_devices - 1)]
+  kept = (jnp.arange(t - width, t) >= run_start[:, -1:])[..., None, None]
+  windows = [jax.lax.ppermute(jnp.where(kept, x[:, t - width:].astype(jnp.float32), 0.0), axis, to_next) for x in xs]
+  if segment_ids is None:
+    return windows
+  last_before = jax.lax.ppermute(segment_ids[:, -1].astype(jnp.int32), axis, to_next)
+  same = (segment_ids[:, 0].astype(jnp.int32) == last_before)[:, None, None, None]
+  return [jnp.where(same, w, 0.0) for w in windows]
+
+
 def gated_rms_norm(o, weight, gate, activation, eps):
   """RMS norm of o [..., E] (float32) times weight [E], times activation(gate) when gated;
   o's dtype. The order of the roundings is transformers' RMSNormGated."""
@@ -231,7 +258,13 @@ def mix(spec: DeltaSpec, acts, params, segment_ids=None, cache=None):
   q, k, v = acts["q"], acts["k"], acts["v"]
   b, t = q.shape[:2]
   state = last_ids = None
-  if cache is None:
+  # Where each token's segment starts; -K (through the window) for a row's first segment.
+  run_start = jnp.full((b, t), -spec.conv_size, jnp.int32)
+  if segment_ids is not None:
+    run_start = jax.lax.cummax(jnp.where(chunk_common.segment_starts(segment_ids), jnp.arange(t), run_start), axis=1)
+  if cache is None and spec.sequence_axis is not None:
+    windows = _previous_windows((q, k, v), segment_ids, run_start, conv_size=spec.conv_size, axis=spec.sequence_axis)
+  elif cache is None:
     windows = tuple(jnp.zeros((b, spec.conv_size - 1, *x.shape[2:]), jnp.float32) for x in (q, k, v))
   else:
     state, last_ids = cache["cached_state"], cache["cached_segment_id"]
@@ -243,10 +276,6 @@ def mix(spec: DeltaSpec, acts, params, segment_ids=None, cache=None):
       state = jnp.where(same, state, 0.0)
       windows = tuple(jnp.where(same, w, 0.0) for w in windows)
       last_ids = segment_ids[:, -1].astype(jnp.int32)
-  # Where each token's segment starts; -K (through the window) for a row's first segment.
-  run_start = jnp.full((b, t), -spec.conv_size, jnp.int32)
-  if segment_ids is not None:
-    run_start = jax.lax.cummax(jnp.where(chunk_common.segment_starts(segment_ids), jnp.arange(t), run_start), axis=1)
   (q, q_window), (k, k_window), (v, v_window) = (
       short_conv(x, params[f"{name}_conv1d"], w, run_start) for x, name, w in zip((q, k, v), "qkv", windows))
 
@@ -269,7 +298,7 @@ def mix(spec: DeltaSpec, acts, params, segment_ids=None, cache=None):
   else:
     out = delta_api.delta_attention(q, k, v, beta, decay, scale=spec.scale, initial_state=state,
                                     return_final_state=state is not None, segment_ids=segment_ids,
-                                    normalize_qk=True, impl=spec.impl)
+                                    sequence_axis=spec.sequence_axis, normalize_qk=True, impl=spec.impl)
     o, state = out if state is not None else (out, None)
   o = gated_rms_norm(o, params["o_norm"], acts["z"], spec.output_gate_activation, spec.norm_eps)
   if cache is None:
@@ -356,6 +385,11 @@ LAYER_DOC = """Delta attention block: Kimi Linear's KDA, Gated DeltaNet (Qwen3-N
     decode: consume tokens against the decode cache (`init_cache`) and update
       it; overridable per call.
     impl: passed to `delta_attention` ("auto", "pallas", "xla" or "reference").
+    sequence_axis: None, or inside `jax.shard_map` the mesh axis T is split
+      over (sequence parallelism): each device's slice of T takes the previous
+      device's last conv_size - 1 inputs as its convolution window (one
+      collective permute each) and runs `delta_attention` with this
+      `sequence_axis`. Not with decode.
 
   Call: `layer(inputs, *, segment_ids=None, decode=None)`, inputs [B, T,
   in_features] -> [B, T, out_features]. segment_ids: None or int [B, T], packed

@@ -146,6 +146,7 @@ class DeltaAttention(nn.Module):
   use_bias: bool = False
   decode: bool = False
   impl: str = "auto"
+  sequence_axis: str | None = None
 
   def __post_init__(self):
     _ = self.spec  # validates the arguments at construction, as the NNX layer does
@@ -159,7 +160,7 @@ class DeltaAttention(nn.Module):
         gate=self.gate, gate_rank=self.gate_rank, output_gate_activation=self.output_gate_activation,
         output_gate_rank=self.output_gate_rank, full_rank_output_gate=self.full_rank_output_gate,
         allow_neg_eigval=self.allow_neg_eigval, conv_size=self.conv_size, norm_eps=self.norm_eps, scale=self.scale,
-        use_bias=self.use_bias, impl=self.impl)
+        use_bias=self.use_bias, impl=self.impl, sequence_axis=self.sequence_axis)
 
   def init_cache(self, batch_size: int) -> None:
     """Creates (or resets) the decode cache for batch_size rows: zeros (see the class docstring)."""

@@ -370,6 +370,7 @@ def test_input_errors():
     (dict(norm_eps=0.0), ValueError, "norm_eps"),
     (dict(scale="big"), TypeError, "scale"),
     (dict(impl="cuda"), ValueError, "impl"),
+    (dict(sequence_axis=3), TypeError, "sequence_axis must be None or a mesh axis name"),
 ])
 @pytest.mark.parametrize("framework", ["nnx", "linen"])
 def test_bad_constructor_arguments(framework, kwargs, error, match):

@@ -180,3 +180,50 @@ def test_sequence_axis_errors():
     run(sequence_axis="tp")
   with pytest.raises(ValueError, match="cu_seqlens does not combine with sequence_axis"):
     run(sequence_axis="sp", cu_seqlens=jnp.asarray([0, 4], jnp.int32))
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_layers_with_sequence_axis_equal_one_device(framework):
+  """The delta layers inside shard_map with T split over 4 devices: outputs and every parameter's gradient equal
+  the layer on the whole sequence; the short convolutions reach across device boundaries (conv_size 4, slices of
+  11 tokens) but not across a segment start on one (token 22)."""
+  from flax import linen, nnx
+
+  mesh = cpu_mesh((4,), ("sp",))
+  t = 4 * 11
+  x = jax.random.normal(jax.random.key(7), (B, t, 16))
+  starts = np.zeros((B, t), bool)
+  starts[0, [5, 22]] = True
+  starts[1, 30] = True
+  ids = jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
+  options = dict(head_dim=D, gate="scalar", impl="xla")
+  tokens = P(None, "sp")
+  if framework == "nnx":
+    plain = lj.nnx.DeltaAttention(2, 16, **options, rngs=nnx.Rngs(0))
+    split = lj.nnx.DeltaAttention(2, 16, **options, sequence_axis="sp", rngs=nnx.Rngs(0))
+    params = nnx.state(plain, nnx.Param)
+    apply = lambda layer: lambda p, x, ids: nnx.merge(nnx.graphdef(layer), p)(x, segment_ids=ids)  # noqa: E731
+    apply_plain, apply_split = apply(plain), apply(split)
+  else:
+    plain = lj.linen.DeltaAttention(2, 16, **options)
+    split = lj.linen.DeltaAttention(2, 16, **options, sequence_axis="sp")
+    params = plain.init(jax.random.key(0), x, segment_ids=ids)
+    apply_plain = lambda p, x, ids: plain.apply(p, x, segment_ids=ids)  # noqa: E731
+    apply_split = lambda p, x, ids: split.apply(p, x, segment_ids=ids)  # noqa: E731
+  sharded = jax.shard_map(apply_split, mesh=mesh, in_specs=(P(), tokens, tokens), out_specs=tokens)
+  want, want_grads = jax.jit(jax.value_and_grad(lambda p: jnp.sum(apply_plain(p, x, ids) ** 2)))(params)
+  got, got_grads = jax.jit(jax.value_and_grad(lambda p: jnp.sum(sharded(p, x, ids) ** 2)))(params)
+  assert rel_err(got, want) < 1e-5
+  for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    assert rel_err(a, b) < 1e-4
+  np.testing.assert_allclose(jax.jit(sharded)(params, x, ids), jax.jit(apply_plain)(params, x, ids), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_layers_with_sequence_axis_do_not_decode():
+  from flax import nnx
+
+  layer = lj.nnx.DeltaAttention(2, 16, head_dim=D, sequence_axis="sp", rngs=nnx.Rngs(0))
+  layer.init_cache(batch_size=1)
+  with pytest.raises(ValueError, match="decode does not combine with sequence_axis"):
+    layer(jnp.ones((1, 3, 16)), decode=True)
