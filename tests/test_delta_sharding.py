@@ -227,3 +227,20 @@ def test_layers_with_sequence_axis_do_not_decode():
   layer.init_cache(batch_size=1)
   with pytest.raises(ValueError, match="decode does not combine with sequence_axis"):
     layer(jnp.ones((1, 3, 16)), decode=True)
+
+
+def test_sequence_axis_past_the_largest_value_dim():
+  """D + E over the op's largest E (256): the slices' maps come from two passes, [0] from I and v from zeros."""
+  mesh = cpu_mesh((2,), ("sp",))
+  b, t, h, d = 1, 2 * 9, 1, 130
+  keys = jax.random.split(jax.random.key(8), 4)
+  q, v = (jax.random.normal(key, (b, t, h, d)) for key in keys[:2])
+  k = jax.random.normal(keys[2], (b, t, h, d))
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  beta = jax.random.uniform(keys[3], (b, t, h), maxval=2.0)
+  want = lj.delta_attention(q, k, v, beta, return_final_state=True, impl="reference")
+  tokens = P(None, "sp")
+  got = jax.jit(jax.shard_map(
+      lambda q, k, v, beta: lj.delta_attention(q, k, v, beta, return_final_state=True, sequence_axis="sp", impl="xla"),
+      mesh=mesh, in_specs=(tokens,) * 4, out_specs=(tokens, P())))(q, k, v, beta)
+  assert rel_err(got[0], want[0]) < 1e-4 and rel_err(got[1], want[1]) < 1e-4

@@ -150,7 +150,7 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
                              segment_ids=segment_ids, impl=impl, config=config, interpret=interpret)
 
     o, final_state = sequence_parallel.sequence_parallel(run, q, k, v, beta, decay, initial_state, segment_ids,
-                                                         axis=sequence_axis)
+                                                         axis=sequence_axis, max_value_dim=MAX_HEAD_DIM)
     return (o, final_state) if return_final_state else o
   device = heuristics.device_of(q, k, v)
   cc = heuristics.compute_capability(device)

@@ -7,7 +7,9 @@ L [D, E] the slice's state from zeros. Device p of the P devices along the axis
 
   1. runs the op over its slice with the values [0 | v] ([.., D + E]) from the
      state [I | 0]: its final state is [M_p | L_p] (the first D columns carry I
-     through the transitions and receive no update, the others are v's state);
+     through the transitions and receive no update, the others are v's state;
+     two passes, [0] from I and v from zeros, where D + E exceeds the op's
+     largest E);
   2. all-gathers every device's [M | L] (float32 [B, H, D, D + E]) with each
      slice's first and last segment ids;
   3. composes P_0 = S_0, P_{p+1} = M_p P_p + L_p over the slices, locally (the
@@ -53,22 +55,27 @@ def _prefix_states(maps, continues, initial_state, dim_k):
   return before, final
 
 
-def sequence_parallel(run, q, k, v, beta, decay, initial_state, segment_ids, *, axis):
+def sequence_parallel(run, q, k, v, beta, decay, initial_state, segment_ids, *, axis, max_value_dim):
   """The delta op over this device's slice of T, from the state of the slices before it (module docstring).
 
   run(q, k, v, beta, decay, initial_state, segment_ids) -> (o, final state):
   the op on one device's slice (inside `jax.shard_map`). q, k: [B, T_p, H, D],
   v: [B, T_p, H, E], beta, decay, segment_ids: this device's slice;
   initial_state: the state before the whole sequence ([B, H, D, E] float32) or
-  None. Returns (o [B, T_p, H, E], the final state after the whole sequence
-  [B, H, D, E] float32, the same on every device of `axis`).
+  None; max_value_dim: the largest E `run` takes. Returns (o [B, T_p, H, E],
+  the final state after the whole sequence [B, H, D, E] float32, the same on
+  every device of `axis`).
   """
   b, _, h, d = q.shape
   e = v.shape[-1]
-  augmented = jnp.concatenate([jnp.zeros((*v.shape[:-1], d), v.dtype), v], axis=-1)
-  identity = jnp.broadcast_to(jnp.concatenate([jnp.eye(d, dtype=jnp.float32), jnp.zeros((d, e), jnp.float32)], -1),
-                              (b, h, d, d + e))
-  _, maps = run(q, k, augmented, beta, decay, identity, segment_ids)
+  no_values = jnp.zeros((*v.shape[:-1], d), v.dtype)
+  identity = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), (b, h, d, d))
+  if d + e <= max_value_dim:
+    _, maps = run(q, k, jnp.concatenate([no_values, v], axis=-1), beta, decay,
+                  jnp.concatenate([identity, jnp.zeros((b, h, d, e), jnp.float32)], axis=-1), segment_ids)
+  else:
+    maps = jnp.concatenate([run(q, k, no_values, beta, decay, identity, segment_ids)[1],
+                            run(q, k, v, beta, decay, None, segment_ids)[1]], axis=-1)
   starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
   maps, links = lightning_sequence_parallel.links(axis, None, segment_ids, starts, maps)
   continues = jnp.ones((b, maps.shape[0]), bool) if links.continues is None else links.continues
