@@ -210,8 +210,15 @@ def short_conv(x, kernel, window, run_start):
     lag = k - 1 - j
     taps = jnp.where((pos - lag >= run_start)[..., None, None], full[:, j:j + t], 0.0)
     y = y + kernel[j].astype(jnp.float32) * taps
-  kept = jnp.arange(t - k + 1, t) >= run_start[:, -1:]
-  return jax.nn.silu(y).astype(x.dtype), jnp.where(kept[..., None, None], full[:, t:], 0.0)
+  return jax.nn.silu(y).astype(x.dtype), _in_last_segment(full[:, t:], run_start)
+
+
+def _in_last_segment(tail, run_start):
+  """tail [B, K - 1, heads, dim], the inputs of the last K - 1 tokens (run_start [B, T] of `short_conv`), with
+  zeros where they precede the last token's segment: the window the next tokens continue."""
+  t, width = run_start.shape[1], tail.shape[1]
+  kept = jnp.arange(t - width, t) >= run_start[:, -1:]
+  return jnp.where(kept[..., None, None], tail, 0.0)
 
 
 def _previous_windows(xs, segment_ids, run_start, *, conv_size, axis):
@@ -225,8 +232,8 @@ def _previous_windows(xs, segment_ids, run_start, *, conv_size, axis):
                      f"got {t}")
   num_devices = jax.lax.axis_size(axis)
   to_next = [(i, i + 1) for i in range(num_devices - 1)]
-  kept = (jnp.arange(t - width, t) >= run_start[:, -1:])[..., None, None]
-  windows = [jax.lax.ppermute(jnp.where(kept, x[:, t - width:].astype(jnp.float32), 0.0), axis, to_next) for x in xs]
+  windows = [jax.lax.ppermute(_in_last_segment(x[:, t - width:].astype(jnp.float32), run_start), axis, to_next)
+             for x in xs]
   if segment_ids is None:
     return windows
   last_before = jax.lax.ppermute(segment_ids[:, -1].astype(jnp.int32), axis, to_next)
