@@ -3,16 +3,21 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.multi_device --smoke --save --report
     python -m benchmarks.multi_device --devices 8 --save --report        # a host with 8 GPUs
 
-Cases, per-head decay on (the ALiBi slopes), each in modes fwd and fwdbwd
-(`jax_impls.mode_functions`: o, and the VJP of q, k and v for a cotangent):
+Ops (`--ops`): `lightning_attention` with per-head decay (the ALiBi slopes),
+and the delta forms of `delta_attention` ("deltanet", "gated_deltanet", "kda",
+or "delta" for the three; beta and rates as in `benchmarks.run`). Cases for
+each, in modes fwd and fwdbwd (`jax_impls.mode_functions`: o, and the VJP of
+q, k, v and a delta form's beta and rates for a cotangent):
 
-* sequence: `--shape` BxTxHxD on one device through `lightning_attention`,
-  against T N tokens over a mesh ("sp",) of N devices through
-  `sharded_lightning_attention(..., sequence_axis="sp")`, so that every device
-  holds T tokens; the wrapper also runs over a mesh of one device, its
-  overhead over the plain op (`wrapper_ratio`: its time / the plain op's);
-* data: `--dp-shape` on one device through `lightning_attention`, against
-  B N rows over a mesh ("data",) of N devices (`batch_axes="data"`).
+* sequence: `--shape` BxTxHxD on one device through the plain op, against T N
+  tokens over a mesh ("sp",) of N devices (`sequence_axis="sp"`: for lightning
+  `sharded_lightning_attention`, for delta the op inside `jax.shard_map`), so
+  that every device holds T tokens; the sharded program also runs over a mesh
+  of one device, its overhead over the plain op (`wrapper_ratio`: its time /
+  the plain op's);
+* data: `--dp-shape` on one device through the plain op, against B N rows
+  over a mesh ("data",) of N devices (lightning: `batch_axes="data"`; delta:
+  the op inside `jax.shard_map`).
 
 Every program is compiled on inputs already laid out on its mesh and timed by
 `jax_impls.measure_mode` (`lightning_jax.tune.timing`: warm-up calls, then the
@@ -57,6 +62,9 @@ def parse_args(argv) -> argparse.Namespace:
   default = PROFILES["default"]
   p.add_argument("--shape", help=f"one-device shape BxTxHxD of the sequence case (default {default['shape']})")
   p.add_argument("--dp-shape", help=f"one-device shape BxTxHxD of the data case (default {default['dp_shape']})")
+  p.add_argument("--ops", default="lightning",
+                 help="comma-separated from lightning and the delta forms (deltanet, gated_deltanet, kda; "
+                      "delta: the three) (default lightning)")
   p.add_argument("--modes", default=",".join(MODES), help="comma-separated from fwd,fwdbwd")
   p.add_argument("--dtype", default="bf16", choices=sorted(jax_impls.DTYPES))
   p.add_argument("--iters", type=int, help="most timed samples per measurement (default 20; --smoke 3)")
@@ -83,6 +91,7 @@ def parse_args(argv) -> argparse.Namespace:
     p.error(f"--repeats must be >= 1, got {args.repeats}")
   try:
     args.modes = cases.parse_choices(args.modes, MODES, "--modes")
+    args.ops = cases.parse_ops(args.ops)
     args.shape, args.dp_shape = (_one_shape(text) for text in (args.shape, args.dp_shape))
   except ValueError as err:
     p.error(str(err))
@@ -100,45 +109,73 @@ def _one_shape(text: str) -> cases.Shape:
   return shapes[0]
 
 
-def _program(split: str | None, devices: list, impl: str):
-  """(attn(q, k, v, decay) -> o, sharding of q, k, v, sharding of the decay).
+def _job(op: str, shape: cases.Shape, dtype: str) -> dict:
+  """The `benchmarks.cases` job of an op (its `decay` setting: per-head rates, or the delta form)."""
+  return dict(shape._asdict(), dtype=dtype, decay=True if op == "lightning" else op)
 
-  split None: the plain op on devices[0]; "sequence" / "data": the sharded
-  wrapper over a mesh of `devices` splitting T / B.
+
+def _extras(op: str, job: dict) -> dict:
+  """The op's inputs after q, k, v by name: the per-head rates [H], or a delta form's beta and rates."""
+  if op == "lightning":
+    return {"decay": np.asarray(lightning_jax.alibi_slopes(job["heads"]), np.float32)}
+  return cases.delta_gates(job)
+
+
+def _program(op: str, names: tuple, split: str | None, devices: list, impl: str):
+  """(attn(q, k, v, *extras) -> o, sharding of q, k, v, shardings of the extras `names`).
+
+  split None: the plain op on devices[0]; "sequence" / "data": the op over a
+  mesh of `devices` splitting T / B.
   """
+  plain = lightning_jax.lightning_attention if op == "lightning" else lightning_jax.delta_attention
+
+  def call(q, k, v, extras, **split_kwargs):
+    return plain(q, k, v, **dict(zip(names, extras)), impl=impl, **split_kwargs)
+
   if split is None:
     device = jax.sharding.SingleDeviceSharding(devices[0])
-    return (lambda q, k, v, decay: lightning_jax.lightning_attention(q, k, v, decay, impl=impl)), device, device
+    return (lambda q, k, v, *extras: call(q, k, v, extras)), device, (device,) * len(names)
   axis = MESH_AXES[split]
   mesh = jax.sharding.Mesh(np.array(devices), (axis,))
-  split_kwargs = dict(sequence_axis=axis) if split == "sequence" else dict(batch_axes=axis)
-  rows = P(None, axis, None, None) if split == "sequence" else P(axis, None, None, None)
+  rows = P(None, axis) if split == "sequence" else P(axis)
+  split_kwargs = dict(sequence_axis=axis) if split == "sequence" else {}
+  if op == "lightning":  # the wrapper; its [H] rates replicated
+    if split == "data":
+      split_kwargs = dict(batch_axes=axis)
 
-  def attn(q, k, v, decay):
-    return lightning_jax.sharded_lightning_attention(q, k, v, decay, mesh=mesh, impl=impl, **split_kwargs)
+    def attn(q, k, v, decay):
+      return lightning_jax.sharded_lightning_attention(q, k, v, decay, mesh=mesh, impl=impl, **split_kwargs)
 
-  return attn, NamedSharding(mesh, rows), NamedSharding(mesh, P())
+    return attn, NamedSharding(mesh, rows), (NamedSharding(mesh, P()),)
+
+  def attn(q, k, v, *extras):  # beta and the rates are per token: split like q
+    local = lambda q, k, v, *extras: call(q, k, v, extras, **split_kwargs)  # noqa: E731
+    return jax.shard_map(local, mesh=mesh, in_specs=rows, out_specs=rows)(q, k, v, *extras)
+
+  return attn, NamedSharding(mesh, rows), (NamedSharding(mesh, rows),) * len(names)
 
 
-def open_program(shape: cases.Shape, split: str | None, devices: list, mode: str, args) -> jax_impls.JaxCase:
+def open_program(op: str, shape: cases.Shape, split: str | None, devices: list, mode: str,
+                 args) -> jax_impls.JaxCase:
   """The program compiled for `mode` on inputs laid out as it takes them, with its rotated input sets."""
-  attn, rows, replicated = _program(split, devices, args.impl)
-  job = dict(shape._asdict(), dtype=args.dtype, decay=True)  # per-head rates: the job kind of make_inputs
+  job = _job(op, shape, args.dtype)
+  extras = _extras(op, job)
+  attn, rows, extra_shardings = _program(op, tuple(extras), split, devices, args.impl)
   n_sets = timing.rotation_sets(cases.input_set_bytes(job) // len(devices), args.settings["rotate_bytes"])
   sets = [tuple(jax.device_put(x, rows) for x in s) for s in jax_impls.make_inputs(job, n_sets)]
-  decay = jax.device_put(np.asarray(lightning_jax.alibi_slopes(shape.heads), np.float32), replicated)
-  fn = jax_impls.mode_functions(attn)[mode]
+  extras = tuple(jax.device_put(x, sharding) for x, sharding in zip(extras.values(), extra_shardings))
+  fn = jax_impls.mode_functions(attn, cases.differentiated_inputs(job))[mode]
   start = time.perf_counter()
-  compiled = jax.jit(fn).lower(*(sets[0] if mode == "fwdbwd" else sets[0][:3]), decay).compile()
-  return jax_impls.JaxCase(args.settings, {mode: (compiled, time.perf_counter() - start)}, sets, (decay,))
+  compiled = jax.jit(fn).lower(*(sets[0] if mode == "fwdbwd" else sets[0][:3]), *extras).compile()
+  return jax_impls.JaxCase(args.settings, {mode: (compiled, time.perf_counter() - start)}, sets, extras)
 
 
 def _shape_fields(shape: cases.Shape, devices: int) -> dict:
   return dict(batch=shape.batch, seq_len=shape.seq_len, heads=shape.heads, dim_k=shape.dim_k, devices=devices)
 
 
-def measure_row(case: str, mode: str, args) -> dict:
-  """One (case, mode): each program's median measurement, and the scaling of N devices over one."""
+def measure_row(op: str, case: str, mode: str, args) -> dict:
+  """One (op, case, mode): each program's median measurement, and the scaling of N devices over one."""
   n, all_devices = args.devices, jax.devices()[:args.devices]
   if case == "sequence":
     shape = args.shape
@@ -149,12 +186,13 @@ def measure_row(case: str, mode: str, args) -> dict:
     shape = args.dp_shape
     programs = {"one_device": (shape, None, all_devices[:1]),
                 "n_devices": (shape._replace(batch=shape.batch * n), "data", all_devices)}
-  row = dict(case=case, mode=mode, dtype=args.dtype, decay="per-head", impl=args.impl)
+  row = dict(op=op, case=case, mode=mode, dtype=args.dtype, decay="per-head" if op == "lightning" else op,
+             impl=args.impl)
   opened, passes = {}, {name: [] for name in programs}
   for name, (program_shape, split, devices) in programs.items():
     row[name] = _shape_fields(program_shape, len(devices))
     try:
-      opened[name] = open_program(program_shape, split, devices, mode, args)
+      opened[name] = open_program(op, program_shape, split, devices, mode, args)
     except Exception as exc:  # noqa: BLE001 -- a program that cannot compile is a result
       row[name].update(zip(("status", "reason"), worker.classify(exc)))
   for i in range(args.repeats):
@@ -190,12 +228,17 @@ def metadata(argv, args, wall_seconds: float) -> dict:
       git_commit=args.git_commit or run.git("rev-parse", "HEAD") or "unknown",
       git_dirty=None if status is None else bool(status),
       command=shlex.join(["python", "-m", "benchmarks.multi_device", *argv]), wall_seconds=wall_seconds,
-      impl=args.impl, shape=list(args.shape[:4]), dp_shape=list(args.dp_shape[:4]), modes=args.modes,
+      impl=args.impl, shape=list(args.shape[:4]), dp_shape=list(args.dp_shape[:4]), ops=args.ops, modes=args.modes,
       dtype=args.dtype, repeats=args.repeats, settings=args.settings)
 
 
 def _shape_label(fields: dict) -> str:
   return f"B{fields['batch']} T{fields['seq_len']} H{fields['heads']} D{fields['dim_k']}"
+
+
+def _op_label(row: dict) -> str:
+  op = row.get("op", "lightning")  # runs before --ops measured the lightning op alone
+  return "lightning" if op == "lightning" else cases.DELTA_FORMS[op]
 
 
 def _number(fields: dict, key: str, fmt: str) -> str:
@@ -207,29 +250,31 @@ def markdown(data: dict) -> str:
   md = data["metadata"]
   n = md["device_count"]
   versions = ", ".join(f"{k} {v}" for k, v in md["versions"].items() if v)
-  header = ["case", "mode", "1-device shape", f"{n}-device shape", "1 device ms", f"{n} devices ms",
+  header = ["op", "case", "mode", "1-device shape", f"{n}-device shape", "1 device ms", f"{n} devices ms",
             "1 device tok/s", f"{n} devices tok/s", "scaling", "efficiency", "wrapper on 1 device ms (x plain op)"]
   lines = []
   for r in data["results"]:
     one, many, wrapper = r["one_device"], r["n_devices"], r.get("wrapper_one_device")
     wrapper_cell = "-" if wrapper is None else _number(wrapper, "time_ms", "{:.3f}") + (
         f" ({r['wrapper_ratio']:.2f}x)" if "wrapper_ratio" in r else "")
-    lines.append([r["case"], r["mode"], _shape_label(one), _shape_label(many), _number(one, "time_ms", "{:.3f}"),
-                  _number(many, "time_ms", "{:.3f}"), _number(one, "tokens_per_s", "{:.3g}"),
+    lines.append([_op_label(r), r["case"], r["mode"], _shape_label(one), _shape_label(many),
+                  _number(one, "time_ms", "{:.3f}"), _number(many, "time_ms", "{:.3f}"), _number(one, "tokens_per_s", "{:.3g}"),
                   _number(many, "tokens_per_s", "{:.3g}"), _number(r, "scaling", "{:.2f}x"),
                   _number(r, "efficiency", "{:.0%}"), wrapper_cell])
-  failures = [f"- {r['case']} {r['mode']} {name}: {r[name]['status']}: {r[name]['reason']}"
+  failures = [f"- {_op_label(r)} {r['case']} {r['mode']} {name}: {r[name]['status']}: {r[name]['reason']}"
               for r in data["results"] for name in ("one_device", "wrapper_one_device", "n_devices")
               if name in r and r[name].get("status") != "ok"]
   return "\n".join([
       f"# Several devices: {md['device_kind']}, {n} of {md['visible_device_count']} devices", "",
-      f"- Platform {md['platform']}; {md['dtype']}, per-head decay, impl=\"{md['impl']}\"; "
+      f"- Platform {md['platform']}; {md['dtype']}, impl=\"{md['impl']}\"; lightning with per-head decay, the "
+      "delta forms with beta and rates as in benchmarks.run; "
       f"{md['repeats']} measurement(s) per program, the median kept",
       f"- Date (UTC): {md['date_utc']}; git commit `{md['git_commit']}`"
       f"{' (with uncommitted changes)' if md['git_dirty'] else ''}",
       f"- Command: `{md['command']}` ({md['wall_seconds']:.0f} s)", f"- Versions: {versions}",
-      "- sequence: T split over a mesh (\"sp\",); data: B split over a mesh (\"data\",). scaling = tokens/s on "
-      f"{n} devices / tokens/s on one; efficiency = scaling / {n}. Median ms (benchmarks/multi_device.py).", "",
+      "- sequence: T split over a mesh (\"sp\",) (sequence_axis); data: B split over a mesh (\"data\",). "
+      f"scaling = tokens/s on {n} devices / tokens/s on one; efficiency = scaling / {n}. Median ms "
+      "(benchmarks/multi_device.py).", "",
       report.md_table(header, lines), *([""] + failures if failures else []), ""])
 
 
@@ -237,7 +282,7 @@ def main(argv=None) -> dict:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
   start = time.time()
-  results = [measure_row(case, mode, args) for case in MESH_AXES for mode in args.modes]
+  results = [measure_row(op, case, mode, args) for op in args.ops for case in MESH_AXES for mode in args.modes]
   data = {"metadata": metadata(argv, args, time.time() - start), "results": results}
   text = markdown(data)
   print(text)

@@ -53,6 +53,13 @@ GPU_ONLY = [
 ]
 
 
+def gpu_only(test):
+  """`GPU_ONLY`'s marks on a test function."""
+  for mark in GPU_ONLY:
+    test = mark(test)
+  return test
+
+
 WS = lj.WarpSpecializedConfig
 # Whether this JAX lowers (and interprets) the warp-specialised forward.
 WS_JAX = heuristics.jax_version() >= WS.MIN_JAX

@@ -63,3 +63,32 @@ def test_too_many_devices_is_a_clear_error(tmp_path):
   assert "--devices 16: this process sees 8 cpu device(s)" in proc.stderr
   assert "xla_force_host_platform_device_count" in proc.stderr
   assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow  # compiles the delta op's sharded forward and backward
+def test_delta_form_rows_split_beta_and_rates_with_the_tokens():
+  """A delta form's row (in this process's 8 host devices): KDA, whose [B, T, H, D] rates are split over T like q;
+  every program runs, and the sharded program's result equals the plain op's on the same tokens."""
+  import jax
+  import numpy as np
+
+  from benchmarks import cases, jax_impls, multi_device
+
+  args = multi_device.parse_args(["--smoke", "--devices", "4", "--ops", "kda", "--modes", "fwdbwd"])
+  assert (args.ops, args.impl) == (["kda"], "xla")
+  row = multi_device.measure_row("kda", "sequence", "fwdbwd", args)
+  assert (row["op"], row["decay"]) == ("kda", "kda")
+  assert all(row[name]["status"] == "ok" for name in ("one_device", "wrapper_one_device", "n_devices")), row
+  assert row["n_devices"]["seq_len"] == 4 * row["one_device"]["seq_len"]
+
+  shape = args.shape._replace(seq_len=4 * args.shape.seq_len)
+  job = multi_device._job("kda", shape, "fp32")
+  extras = tuple(multi_device._extras("kda", job).values())
+  q, k, v, _ = jax_impls.make_inputs(job, 1)[0]
+  plain, _, _ = multi_device._program("kda", ("beta", "decay"), None, jax.devices()[:1], "xla")
+  sharded, rows, extra_shardings = multi_device._program("kda", ("beta", "decay"), "sequence", jax.devices()[:4],
+                                                         "xla")
+  assert [s.spec for s in extra_shardings] == [rows.spec, rows.spec]
+  np.testing.assert_allclose(jax.jit(sharded)(q, k, v, *extras), jax.jit(plain)(q, k, v, *extras), rtol=1e-4,
+                             atol=1e-4)
+  assert cases.differentiated_inputs(job) == 2  # the row's backward differentiates beta and the rates

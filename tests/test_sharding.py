@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import GPU_ONLY, collectives, cpu_mesh, elements, explicit_mesh, pallas_calls, rel_err
+from helpers import collectives, cpu_mesh, elements, explicit_mesh, gpu_only, pallas_calls, rel_err
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -356,12 +356,6 @@ def test_errors_name_the_argument():
     LightningAttention(2, 8, batch_axes="data", rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match="mesh must be None or a jax.sharding.Mesh"):
     LightningAttention(2, 8, mesh="sp", rngs=nnx.Rngs(0))
-
-
-def gpu_only(test):
-  for mark in GPU_ONLY:
-    test = mark(test)
-  return test
 
 
 @gpu_only
