@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import collectives, cpu_mesh, elements, explicit_mesh, gpu_only, rel_err
+from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -184,7 +185,7 @@ def test_sequence_axis_compiled_kernels(form, check_vma):
   """The compiled Pallas kernels, forward and backward, over every GPU there is (slices of 150 tokens: not a
   multiple of any chunk); the oracle at full float32 precision."""
   with jax.default_matmul_precision("highest"):
-    check_sequence_parallel(jax.make_mesh((jax.device_count(),), ("sp",)), 150, form, check_vma, impl="pallas")
+    check_sequence_parallel(Mesh(np.array(jax.devices()), ("sp",)), 150, form, check_vma, impl="pallas")
 
 
 def test_sequence_axis_errors():

@@ -1,28 +1,33 @@
 """Sequence parallelism for the delta rule: T split over a mesh axis inside `jax.shard_map`.
 
-The delta rule is affine in its state: a slice of tokens takes the state S
-before it to M S + L, with M [D, D] the product of the slice's transitions
-(I - beta_t k_t k_t^T) Diag(a_t) (0 once a segment starts inside the slice) and
-L [D, E] the slice's state from zeros. Device p of the P devices along the axis
+The delta rule is affine in its state: after token t of a slice the state is
+M_t S + L_t for the state S before the slice, with M_t [D, D] the product of
+the slice's transitions (I - beta_t k_t k_t^T) Diag(a_t) so far (0 once a
+segment starts inside the slice) and L_t [D, E] the state from zeros; the
+output o_t = scale S_t^T q_t is then scale L_t^T q_t + S^T (scale M_t^T q_t).
+Device p of the P devices along the axis
 
-  1. runs the op over its slice with the values [0 | v] ([.., D + E]) from the
-     state [I | 0]: its final state is [M_p | L_p] (the first D columns carry I
-     through the transitions and receive no update, the others are v's state;
-     two passes, [0] from I and v from zeros, where D + E exceeds the op's
-     largest E);
+  1. runs the op over its slice once, with the values [0 | v] ([.., D + E])
+     from the state [I | 0] (the first D columns carry I through the
+     transitions and receive no update, the others are v's state): its
+     outputs are [q~ | o~] = [scale M_t^T q_t | scale L_t^T q_t] and its final
+     state is the slice's map [M_p | L_p] (two passes, [0] from I and v from
+     zeros, where D + E exceeds the op's largest E);
   2. all-gathers every device's [M | L] (float32 [B, H, D, D + E]) with each
      slice's first and last segment ids;
   3. composes P_0 = S_0, P_{p+1} = M_p P_p + L_p over the slices, locally (the
      same on every device), with P_p = 0 where slice p's first token starts a
      segment of its own;
-  4. runs the op over its slice from P_p; P_P is the final state.
+  4. takes o = o~ + q~ P_p (a [T_p, D] x [D, E] product per head).
 
 Only the maps cross devices, never q, k, v or o. The backward pass is JAX's:
-the op's own VJP for steps 1 and 4, the all-gather's transpose (a
-reduce-scatter of the maps' cotangents) and the composition's. Step 1 costs
-about one more forward and backward of the op with D more value columns: the
-price of exactness without a reverse pass of maps of our own (the lightning
-op's `sequence_parallel` has one: its maps are scalars).
+the op's own VJP for step 1, the all-gather's transpose (a reduce-scatter of
+the maps' cotangents), the composition's and the product's. The op runs with
+D more value columns than alone, forward and backward: the price of
+exactness without a reverse pass of maps of our own (the lightning op's
+`sequence_parallel` has one: its maps are scalars). q~ and o~ come out in
+the inputs' dtype, so with 16-bit inputs o carries two roundings of that
+dtype instead of one.
 """
 
 from __future__ import annotations
@@ -71,14 +76,17 @@ def sequence_parallel(run, q, k, v, beta, decay, initial_state, segment_ids, *, 
   no_values = jnp.zeros((*v.shape[:-1], d), v.dtype)
   identity = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), (b, h, d, d))
   if d + e <= max_value_dim:
-    _, maps = run(q, k, jnp.concatenate([no_values, v], axis=-1), beta, decay,
-                  jnp.concatenate([identity, jnp.zeros((b, h, d, e), jnp.float32)], axis=-1), segment_ids)
+    outputs, maps = run(q, k, jnp.concatenate([no_values, v], axis=-1), beta, decay,
+                        jnp.concatenate([identity, jnp.zeros((b, h, d, e), jnp.float32)], axis=-1), segment_ids)
+    carried_q, local_o = outputs[..., :d], outputs[..., d:]
   else:
-    maps = jnp.concatenate([run(q, k, no_values, beta, decay, identity, segment_ids)[1],
-                            run(q, k, v, beta, decay, None, segment_ids)[1]], axis=-1)
+    (carried_q, transitions), (local_o, local_states) = (run(q, k, no_values, beta, decay, identity, segment_ids),
+                                                         run(q, k, v, beta, decay, None, segment_ids))
+    maps = jnp.concatenate([transitions, local_states], axis=-1)
   starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
   maps, links = lightning_sequence_parallel.links(axis, None, segment_ids, starts, maps)
   continues = jnp.ones((b, maps.shape[0]), bool) if links.continues is None else links.continues
   before, final = _prefix_states(maps, continues, initial_state, d)
-  o, _ = run(q, k, v, beta, decay, before[jax.lax.axis_index(axis)], segment_ids)
-  return o, final
+  from_before = jnp.einsum("bthi,bhie->bthe", carried_q.astype(jnp.float32), before[jax.lax.axis_index(axis)],
+                           precision=_HI)
+  return (local_o.astype(jnp.float32) + from_before).astype(local_o.dtype), final

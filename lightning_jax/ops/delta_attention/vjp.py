@@ -38,6 +38,7 @@ import functools
 import jax
 
 from lightning_jax.ops.delta_attention import pallas_triton
+from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import auto_sharding
 from lightning_jax.ops.lightning_attention.auto_sharding import ROWS_D
 from lightning_jax.ops.lightning_attention.auto_sharding import ROWS_E
@@ -100,7 +101,10 @@ def _backward(opts, residuals, cotangents):
   dq, dk, dv, d_beta = (next(grads) for _ in range(4))
   d_decay = None if decay is None else next(grads)
   d_initial = None if initial_state is None else next(grads)
-  return dq, dk, dv, d_beta, d_decay, None, d_initial
+  # Inside shard_map, an input the same on every device (the sequence-parallel map pass's [I | 0] state, a
+  # replicated initial state or gate) collects every device's share.
+  return (*(manual_axes.sum_to_type_of(g, x) for g, x in zip((dq, dk, dv, d_beta, d_decay), (q, k, v, beta, decay))),
+          None, manual_axes.sum_to_type_of(d_initial, initial_state))
 
 
 delta_attention_pallas.defvjp(_forward, _backward)
