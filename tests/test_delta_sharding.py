@@ -163,8 +163,8 @@ def check_sequence_parallel(mesh, t_local, form, check_vma, **kwargs):
 
   (_, got), got_grads = jax.jit(jax.value_and_grad(loss, argnums=ARGNUMS, has_aux=True))(q, k, v, beta, decay, s0)
   check_close(got, want, got_grads, want_grads)
-  gathered = collectives(lambda *a: sharded(*a, ids), q, k, v, beta, decay, s0)
-  if n > 1:
+  if jax.default_backend() == "cpu" and n > 1:  # the HLO's text as XLA:CPU writes it
+    gathered = collectives(lambda *a: sharded(*a, ids), q, k, v, beta, decay, s0)
     assert set(gathered) == {"all-gather"}, gathered
     # Per device: its map, and per row its first and last ids and whether a segment starts inside.
     assert sum(elements(s) for s in gathered["all-gather"]) == n * (B * H * D * (D + E) + 3 * B), gathered
