@@ -10,14 +10,13 @@ each, in modes fwd and fwdbwd (`jax_impls.mode_functions`: o, and the VJP of
 q, k, v and a delta form's beta and rates for a cotangent):
 
 * sequence: `--shape` BxTxHxD on one device through the plain op, against T N
-  tokens over a mesh ("sp",) of N devices (`sequence_axis="sp"`: for lightning
-  `sharded_lightning_attention`, for delta the op inside `jax.shard_map`), so
-  that every device holds T tokens; the sharded program also runs over a mesh
-  of one device, its overhead over the plain op (`wrapper_ratio`: its time /
-  the plain op's);
+  tokens over a mesh ("sp",) of N devices through its sharded wrapper
+  (`sharded_lightning_attention`, `sharded_delta_attention`) with
+  `sequence_axis="sp"`, so that every device holds T tokens; the wrapper also
+  runs over a mesh of one device, its overhead over the plain op
+  (`wrapper_ratio`: its time / the plain op's);
 * data: `--dp-shape` on one device through the plain op, against B N rows
-  over a mesh ("data",) of N devices (lightning: `batch_axes="data"`; delta:
-  the op inside `jax.shard_map`).
+  over a mesh ("data",) of N devices (`batch_axes="data"`).
 
 Every program is compiled on inputs already laid out on its mesh and timed by
 `jax_impls.measure_mode` (`lightning_jax.tune.timing`: warm-up calls, then the
@@ -124,35 +123,27 @@ def _extras(op: str, job: dict) -> dict:
 def _program(op: str, names: tuple, split: str | None, devices: list, impl: str):
   """(attn(q, k, v, *extras) -> o, sharding of q, k, v, shardings of the extras `names`).
 
-  split None: the plain op on devices[0]; "sequence" / "data": the op over a
+  split None: the plain op on devices[0]; "sequence" / "data": the sharded
+  wrapper (`sharded_lightning_attention`, `sharded_delta_attention`) over a
   mesh of `devices` splitting T / B.
   """
-  plain = lightning_jax.lightning_attention if op == "lightning" else lightning_jax.delta_attention
-
-  def call(q, k, v, extras, **split_kwargs):
-    return plain(q, k, v, **dict(zip(names, extras)), impl=impl, **split_kwargs)
-
   if split is None:
+    plain = lightning_jax.lightning_attention if op == "lightning" else lightning_jax.delta_attention
     device = jax.sharding.SingleDeviceSharding(devices[0])
-    return (lambda q, k, v, *extras: call(q, k, v, extras)), device, (device,) * len(names)
+    return ((lambda q, k, v, *extras: plain(q, k, v, **dict(zip(names, extras)), impl=impl)), device,
+            (device,) * len(names))
   axis = MESH_AXES[split]
   mesh = jax.sharding.Mesh(np.array(devices), (axis,))
+  wrapper = lightning_jax.sharded_lightning_attention if op == "lightning" else lightning_jax.sharded_delta_attention
+  split_kwargs = dict(sequence_axis=axis) if split == "sequence" else dict(batch_axes=axis)
   rows = P(None, axis) if split == "sequence" else P(axis)
-  split_kwargs = dict(sequence_axis=axis) if split == "sequence" else {}
-  if op == "lightning":  # the wrapper; its [H] rates replicated
-    if split == "data":
-      split_kwargs = dict(batch_axes=axis)
 
-    def attn(q, k, v, decay):
-      return lightning_jax.sharded_lightning_attention(q, k, v, decay, mesh=mesh, impl=impl, **split_kwargs)
+  def attn(q, k, v, *extras):
+    return wrapper(q, k, v, **dict(zip(names, extras)), mesh=mesh, impl=impl, **split_kwargs)
 
-    return attn, NamedSharding(mesh, rows), (NamedSharding(mesh, P()),)
-
-  def attn(q, k, v, *extras):  # beta and the rates are per token: split like q
-    local = lambda q, k, v, *extras: call(q, k, v, extras, **split_kwargs)  # noqa: E731
-    return jax.shard_map(local, mesh=mesh, in_specs=rows, out_specs=rows)(q, k, v, *extras)
-
-  return attn, NamedSharding(mesh, rows), (NamedSharding(mesh, rows),) * len(names)
+  # The lightning op's [H] rates are replicated; the delta forms' beta and rates are per token, split like q.
+  extra_sharding = NamedSharding(mesh, P() if op == "lightning" else rows)
+  return attn, NamedSharding(mesh, rows), (extra_sharding,) * len(names)
 
 
 def open_program(op: str, shape: cases.Shape, split: str | None, devices: list, mode: str,

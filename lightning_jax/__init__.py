@@ -22,6 +22,7 @@ from lightning_jax.ops.delta_attention import (
     delta_attention,
     delta_attention_chunked,
     delta_attention_recurrent,
+    sharded_delta_attention,
 )
 from lightning_jax.slopes import alibi_slopes, minimax_slopes
 
@@ -47,6 +48,7 @@ __all__ = [
     "lightning_attention_recurrent",
     "minimax_slopes",
     "segment_ids_from_cu_seqlens",
+    "sharded_delta_attention",
     "sharded_lightning_attention",
     "use_tuning_cache",
 ]

@@ -15,7 +15,9 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from lightning_jax._layer_common import Sharding
 from lightning_jax._layer_common import _is_int
+from lightning_jax._layer_common import make_sharding
 from lightning_jax.ops.delta_attention import api as delta_api
 from lightning_jax.ops.lightning_attention import api as lightning_api
 from lightning_jax.ops.delta_attention import reference
@@ -47,12 +49,18 @@ class DeltaSpec:
   scale: float
   use_bias: bool
   impl: str
-  sequence_axis: str | None = None
+  sharding: Sharding | None = None
+
+  @property
+  def shard_map_sequence_axis(self) -> str | None:
+    """The axis T is split over inside the caller's `jax.shard_map` (no mesh given), else None."""
+    return None if self.sharding is None or self.sharding.mesh is not None else self.sharding.sequence_axis
 
 
 def make_spec(*, num_heads, in_features, num_v_heads, head_dim, value_head_dim, out_features, gate, gate_rank,
               output_gate_activation, output_gate_rank, full_rank_output_gate, allow_neg_eigval, conv_size,
-              norm_eps, scale, use_bias, impl, sequence_axis=None) -> DeltaSpec:
+              norm_eps, scale, use_bias, impl, mesh=None, batch_axes=None, head_axis=None,
+              sequence_axis=None) -> DeltaSpec:
   """Validates the layer arguments (clear errors naming each one) and resolves defaults."""
   for name, value, optional in (("num_heads", num_heads, False), ("in_features", in_features, False),
                                 ("num_v_heads", num_v_heads, True), ("head_dim", head_dim, True),
@@ -95,6 +103,7 @@ def make_spec(*, num_heads, in_features, num_v_heads, head_dim, value_head_dim, 
     raise ValueError(f"impl must be one of {delta_api.IMPLS}, got {impl!r}")
   if sequence_axis is not None and not isinstance(sequence_axis, str):
     raise TypeError(f"sequence_axis must be None or a mesh axis name, got {sequence_axis!r}")
+  sharding = make_sharding(mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=sequence_axis)
   low_rank = value_head_dim  # Kimi Linear's low-rank gates go through a head's width
   return DeltaSpec(
       num_heads=num_heads, num_v_heads=num_v_heads, in_features=in_features,
@@ -105,8 +114,7 @@ def make_spec(*, num_heads, in_features, num_v_heads, head_dim, value_head_dim, 
       output_gate_rank=(None if full_rank_output_gate or output_gate_activation is None
                         else output_gate_rank or low_rank),
       allow_neg_eigval=allow_neg_eigval, conv_size=conv_size, norm_eps=float(norm_eps),
-      scale=float(head_dim ** -0.5 if scale is None else scale), use_bias=use_bias, impl=impl,
-      sequence_axis=sequence_axis)
+      scale=float(head_dim ** -0.5 if scale is None else scale), use_bias=use_bias, impl=impl, sharding=sharding)
 
 
 def projections(spec: DeltaSpec) -> tuple[tuple[str, int | tuple[int, ...], int | tuple[int, ...]], ...]:
@@ -180,7 +188,7 @@ def cache_shapes(batch_size, spec: DeltaSpec) -> dict[str, tuple[tuple[int, ...]
 
 def check_cache(cache, batch_size, spec: DeltaSpec) -> None:
   """cache: {name: array} or None (no cache created yet)."""
-  if spec.sequence_axis is not None:
+  if spec.sharding is not None and spec.sharding.sequence_axis is not None:
     raise ValueError("decode does not combine with sequence_axis (decoding extends whole sequences): decode with "
                      "a layer built without it; the parameters are the same")
   if cache is None:
@@ -269,8 +277,9 @@ def mix(spec: DeltaSpec, acts, params, segment_ids=None, cache=None):
   run_start = jnp.full((b, t), -spec.conv_size, jnp.int32)
   if segment_ids is not None:
     run_start = jax.lax.cummax(jnp.where(chunk_common.segment_starts(segment_ids), jnp.arange(t), run_start), axis=1)
-  if cache is None and spec.sequence_axis is not None:
-    windows = _previous_windows((q, k, v), segment_ids, run_start, conv_size=spec.conv_size, axis=spec.sequence_axis)
+  if cache is None and spec.shard_map_sequence_axis is not None:
+    windows = _previous_windows((q, k, v), segment_ids, run_start, conv_size=spec.conv_size,
+                                axis=spec.shard_map_sequence_axis)
   elif cache is None:
     windows = tuple(jnp.zeros((b, spec.conv_size - 1, *x.shape[2:]), jnp.float32) for x in (q, k, v))
   else:
@@ -303,9 +312,15 @@ def mix(spec: DeltaSpec, acts, params, segment_ids=None, cache=None):
                                                    decay, scale=spec.scale, initial_state=state)
     o = o.astype(q.dtype)
   else:
-    out = delta_api.delta_attention(q, k, v, beta, decay, scale=spec.scale, initial_state=state,
-                                    return_final_state=state is not None, segment_ids=segment_ids,
-                                    sequence_axis=spec.sequence_axis, normalize_qk=True, impl=spec.impl)
+    options = dict(scale=spec.scale, initial_state=state, return_final_state=state is not None,
+                   segment_ids=segment_ids, normalize_qk=True, impl=spec.impl)
+    if spec.sharding is not None and spec.sharding.mesh is not None:
+      sharding = spec.sharding
+      out = delta_api.sharded_delta_attention(q, k, v, beta, decay, mesh=sharding.mesh,
+                                              batch_axes=sharding.batch_axes, head_axis=sharding.head_axis,
+                                              sequence_axis=sharding.sequence_axis, **options)
+    else:
+      out = delta_api.delta_attention(q, k, v, beta, decay, sequence_axis=spec.shard_map_sequence_axis, **options)
     o, state = out if state is not None else (out, None)
   o = gated_rms_norm(o, params["o_norm"], acts["z"], spec.output_gate_activation, spec.norm_eps)
   if cache is None:
@@ -392,11 +407,17 @@ LAYER_DOC = """Delta attention block: Kimi Linear's KDA, Gated DeltaNet (Qwen3-N
     decode: consume tokens against the decode cache (`init_cache`) and update
       it; overridable per call.
     impl: passed to `delta_attention` ("auto", "pallas", "xla" or "reference").
-    sequence_axis: None, or inside `jax.shard_map` the mesh axis T is split
-      over (sequence parallelism): each device's slice of T takes the previous
-      device's last conv_size - 1 inputs as its convolution window (one
-      collective permute each) and runs `delta_attention` with this
-      `sequence_axis`. Not with decode.
+    mesh, batch_axes, head_axis, sequence_axis: several devices. With a
+      `jax.sharding.Mesh`, the op runs through `sharded_delta_attention` with
+      B split over batch_axes, Hv over head_axis and T over sequence_axis
+      (sequence parallelism; a name each, batch_axes also a tuple); the
+      projections and convolutions around it are jnp, which XLA splits by
+      itself. Without a mesh, sequence_axis alone: the layer is called inside
+      your own `jax.shard_map` with T split over that axis; each device's
+      slice takes the previous device's last conv_size - 1 inputs as its
+      convolution window (one collective permute each) and runs
+      `delta_attention` with this `sequence_axis`. sequence_axis not with
+      decode.
 
   Call: `layer(inputs, *, segment_ids=None, decode=None)`, inputs [B, T,
   in_features] -> [B, T, out_features]. segment_ids: None or int [B, T], packed

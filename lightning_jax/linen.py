@@ -146,6 +146,9 @@ class DeltaAttention(nn.Module):
   use_bias: bool = False
   decode: bool = False
   impl: str = "auto"
+  mesh: jax.sharding.Mesh | None = None
+  batch_axes: tuple[str, ...] | str | None = None
+  head_axis: str | None = None
   sequence_axis: str | None = None
 
   def __post_init__(self):
@@ -160,7 +163,8 @@ class DeltaAttention(nn.Module):
         gate=self.gate, gate_rank=self.gate_rank, output_gate_activation=self.output_gate_activation,
         output_gate_rank=self.output_gate_rank, full_rank_output_gate=self.full_rank_output_gate,
         allow_neg_eigval=self.allow_neg_eigval, conv_size=self.conv_size, norm_eps=self.norm_eps, scale=self.scale,
-        use_bias=self.use_bias, impl=self.impl, sequence_axis=self.sequence_axis)
+        use_bias=self.use_bias, impl=self.impl, mesh=self.mesh, batch_axes=self.batch_axes, head_axis=self.head_axis,
+        sequence_axis=self.sequence_axis)
 
   def init_cache(self, batch_size: int) -> None:
     """Creates (or resets) the decode cache for batch_size rows: zeros (see the class docstring)."""

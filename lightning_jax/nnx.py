@@ -114,13 +114,15 @@ class DeltaAttention(nnx.Module):
                allow_neg_eigval: bool = False, conv_size: int = 4, norm_eps: float = 1e-6, scale: float | None = None,
                dtype=None, param_dtype=jnp.float32, precision=None, kernel_init=default_kernel_init,
                bias_init=initializers.zeros_init(), use_bias: bool = False, decode: bool = False, impl: str = "auto",
-               sequence_axis: str | None = None, rngs: nnx.Rngs):
+               mesh: jax.sharding.Mesh | None = None, batch_axes: tuple[str, ...] | str | None = None,
+               head_axis: str | None = None, sequence_axis: str | None = None, rngs: nnx.Rngs):
     self.spec = spec = delta_common.make_spec(
         num_heads=num_heads, in_features=in_features, num_v_heads=num_v_heads, head_dim=head_dim,
         value_head_dim=value_head_dim, out_features=out_features, gate=gate, gate_rank=gate_rank,
         output_gate_activation=output_gate_activation, output_gate_rank=output_gate_rank,
         full_rank_output_gate=full_rank_output_gate, allow_neg_eigval=allow_neg_eigval, conv_size=conv_size,
-        norm_eps=norm_eps, scale=scale, use_bias=use_bias, impl=impl, sequence_axis=sequence_axis)
+        norm_eps=norm_eps, scale=scale, use_bias=use_bias, impl=impl, mesh=mesh, batch_axes=batch_axes,
+        head_axis=head_axis, sequence_axis=sequence_axis)
     self.decode = decode
     for name, fan_in, fan_out in delta_common.projections(spec):
       axis = tuple(range(-len(fan_in), 0)) if isinstance(fan_in, tuple) else -1

@@ -125,6 +125,54 @@ def test_explicit_mesh_cu_seqlens_states_split_over_heads():
   assert got[1].sharding.spec[:2] == (None, "model")
 
 
+@pytest.mark.parametrize("form", ["kda", "deltanet"])
+def test_sharded_wrapper_equals_the_oracle(form):
+  """`sharded_delta_attention` with batch, heads and sequence split at once over a 2 x 2 x 2 Auto mesh: o, the
+  final state and every gradient equal the oracle's; o comes back split as the axes say."""
+  mesh = cpu_mesh((2, 2, 2), ("data", "sp", "model"))
+  q, k, v, beta, decay, s0, ids, do, d_final = make_inputs(2 * 19, form, seed=11)
+  (_, want), want_grads = value_and_grads(ids, do, d_final, impl="reference")(q, k, v, beta, decay, s0)
+
+  def loss(q, k, v, beta, decay, s0):
+    o, final = lj.sharded_delta_attention(q, k, v, beta, decay, mesh=mesh, batch_axes="data", sequence_axis="sp",
+                                          head_axis="model", initial_state=s0, return_final_state=True,
+                                          segment_ids=ids, impl="xla")
+    return jnp.sum(o * do) + jnp.sum(final * d_final), (o, final)
+
+  (_, got), got_grads = jax.jit(jax.value_and_grad(loss, argnums=ARGNUMS, has_aux=True))(q, k, v, beta, decay, s0)
+  check_close(got, want, got_grads, want_grads)
+  assert got[0].sharding.spec[:3] == ("data", "sp", "model") and got[1].sharding.spec[:2] == ("data", "model")
+
+
+def test_sharded_wrapper_with_cu_seqlens_gathers_t():
+  """cu_seqlens (B = 1) with a sequence_axis: T gathered for the op, o split over it again; the sequences'
+  states [N, H, D, E] split over H."""
+  mesh = cpu_mesh((2, 2), ("sp", "model"))
+  lengths = (9, 0, 21, 2)
+  cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
+  q, k, v, beta, decay, _, _, _, _ = make_inputs(sum(lengths), "gated_deltanet", seed=3, segments=False)
+  q, k, v, beta, decay = (x[:1] for x in (q, k, v, beta, decay))
+  s0 = jax.random.normal(jax.random.key(4), (len(lengths), H, D, E))
+  options = dict(initial_state=s0, cu_seqlens=cu, return_final_state=True)
+  want = lj.delta_attention(q, k, v, beta, decay, impl="reference", **options)
+  got = jax.jit(lambda q: lj.sharded_delta_attention(q, k, v, beta, decay, mesh=mesh, sequence_axis="sp",
+                                                     head_axis="model", **options))(q)
+  assert rel_err(got[0], want[0]) < 1e-4 and rel_err(got[1], want[1]) < 1e-4
+  assert got[0].sharding.spec[:3] == (None, "sp", "model") and got[1].sharding.spec[:2] == (None, "model")
+
+
+def test_sharded_wrapper_errors_name_the_argument():
+  mesh = cpu_mesh((2,), ("sp",))
+  q, beta = jnp.ones((1, 6, 2, 4)), jnp.ones((1, 6, 2))
+  with pytest.raises(ValueError, match="sequence_axis='tp' names an axis not in the mesh"):
+    lj.sharded_delta_attention(q, q, q, beta, mesh=mesh, sequence_axis="tp")
+  with pytest.raises(ValueError, match="H = 2 must be divisible by the 4 devices|H = 2 must be divisible"):
+    lj.sharded_delta_attention(q, q, q, beta, mesh=cpu_mesh((4,), ("model",)), head_axis="model")
+  with pytest.raises(ValueError, match="T = 7 must be divisible by the 2 devices"):
+    lj.sharded_delta_attention(jnp.ones((1, 7, 2, 4)), jnp.ones((1, 7, 2, 4)), jnp.ones((1, 7, 2, 4)),
+                               jnp.ones((1, 7, 2)), mesh=mesh, sequence_axis="sp")
+
+
 def test_interpret_mode_inside_check_vma_shard_map_is_refused():
   mesh = cpu_mesh((2,), ("data",))
   q = jnp.ones((2, 8, 2, 4))
@@ -236,6 +284,62 @@ def test_layers_with_sequence_axis_equal_one_device(framework):
     assert rel_err(a, b) < 1e-4
   np.testing.assert_allclose(jax.jit(sharded)(params, x, ids), jax.jit(apply_plain)(params, x, ids), rtol=1e-5,
                              atol=1e-5)
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_layers_on_a_mesh_equal_one_device(framework):
+  """The delta layers given a mesh (the op through `sharded_delta_attention`, B, Hv and T split at once over a
+  2 x 2 x 2 mesh; the projections and convolutions left to XLA): outputs and every parameter's gradient equal the
+  layer without one, with packed segments."""
+  from flax import nnx
+
+  mesh = cpu_mesh((2, 2, 2), ("data", "sp", "model"))
+  t = 2 * 13
+  x = jax.random.normal(jax.random.key(9), (B, t, 16))
+  ids = jnp.asarray(np.cumsum(np.random.default_rng(2).random((B, t)) < 0.15, axis=1), jnp.int32)
+  options = dict(head_dim=D, gate="kda", impl="xla")
+  axes = dict(mesh=mesh, batch_axes="data", head_axis="model", sequence_axis="sp")
+  if framework == "nnx":
+    plain = lj.nnx.DeltaAttention(2, 16, **options, rngs=nnx.Rngs(0))
+    split = lj.nnx.DeltaAttention(2, 16, **options, **axes, rngs=nnx.Rngs(0))
+    params = nnx.state(plain, nnx.Param)
+    apply = lambda layer: lambda p: nnx.merge(nnx.graphdef(layer), p)(x, segment_ids=ids)  # noqa: E731
+    apply_plain, apply_split = apply(plain), apply(split)
+  else:
+    plain = lj.linen.DeltaAttention(2, 16, **options)
+    split = lj.linen.DeltaAttention(2, 16, **options, **axes)
+    params = plain.init(jax.random.key(0), x, segment_ids=ids)
+    apply_plain = lambda p: plain.apply(p, x, segment_ids=ids)  # noqa: E731
+    apply_split = lambda p: split.apply(p, x, segment_ids=ids)  # noqa: E731
+  want, want_grads = jax.jit(jax.value_and_grad(lambda p: jnp.sum(apply_plain(p) ** 2)))(params)
+  got, got_grads = jax.jit(jax.value_and_grad(lambda p: jnp.sum(apply_split(p) ** 2)))(params)
+  assert rel_err(got, want) < 1e-5
+  # The gate's parameters (A_log, dt_bias) sum many cancelling terms, in another order per split: 1e-4 apart.
+  for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    assert rel_err(a, b) < 1e-3
+  assert "all-gather" in collectives(apply_split, params)  # the slices' maps: the op did run split
+
+
+def test_layers_on_a_mesh_decode_where_t_is_not_split():
+  """A mesh splitting B only decodes as the layer without one; one splitting T refuses to decode."""
+  from flax import nnx
+
+  mesh = cpu_mesh((2, 2), ("data", "sp"))
+  x = jax.random.normal(jax.random.key(3), (B, 7, 16))
+  layers = [lj.nnx.DeltaAttention(2, 16, head_dim=D, impl="xla", rngs=nnx.Rngs(0), **axes)
+            for axes in ({}, dict(mesh=mesh, batch_axes="data"))]
+  outs = []
+  for layer in layers:
+    layer.init_cache(batch_size=B)
+    outs.append(jnp.concatenate([layer(x[:, :5], decode=True), layer(x[:, 5:6], decode=True),
+                                 layer(x[:, 6:], decode=True)], axis=1))
+  assert rel_err(outs[1], outs[0]) < 1e-5
+  split_t = lj.nnx.DeltaAttention(2, 16, head_dim=D, mesh=mesh, sequence_axis="sp", rngs=nnx.Rngs(0))
+  split_t.init_cache(batch_size=B)
+  with pytest.raises(ValueError, match="decode does not combine with sequence_axis"):
+    split_t(x, decode=True)
+  with pytest.raises(ValueError, match="batch_axes and head_axis need a mesh"):
+    lj.nnx.DeltaAttention(2, 16, batch_axes="data", rngs=nnx.Rngs(0))
 
 
 def test_layers_with_sequence_axis_do_not_decode():

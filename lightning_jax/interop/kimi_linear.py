@@ -26,7 +26,7 @@ from lightning_jax.interop import _common
 # The short convolutions' activation (config.hidden_act) is the layer's SiLU.
 ACTIVATIONS = ("silu", "swish")
 # Options of the layer that do not change what it computes; the converter sets the others.
-LAYER_OPTIONS = ("precision", "decode", "impl", "sequence_axis")
+LAYER_OPTIONS = ("precision", "decode", "impl", "mesh", "batch_axes", "head_axis", "sequence_axis")
 # The original checkpoints' names (moonshotai/Kimi-Linear-*) -> transformers' (its conversion
 # mapping also concatenates q_conv1d, k_conv1d and v_conv1d into conv1d).
 CHECKPOINT_NAMES = {"f_a_proj.weight": "forget_gate.f_a_proj.weight", "f_b_proj.weight": "forget_gate.f_b_proj.weight",
@@ -134,7 +134,8 @@ def kimi_delta_attention(hf_config, layer_idx: int, state_dict, *, prefix: str =
     prefix: the layer's prefix in a model's state dict, e.g.
       "model.layers.0.self_attn."; keys outside it are ignored.
     dtype, param_dtype: the layer's computation and parameter dtypes.
-    **layer_options: passed to the layer: precision, decode, impl, sequence_axis.
+    **layer_options: passed to the layer: precision, decode, impl, mesh, batch_axes, head_axis,
+      sequence_axis.
 
   Returns:
     The layer, its parameters converted to param_dtype.

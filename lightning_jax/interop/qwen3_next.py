@@ -95,7 +95,8 @@ def qwen3_next_gated_delta_net(hf_config, layer_idx: int, state_dict, *, prefix:
     prefix: the layer's prefix in a model's state dict, e.g.
       "model.layers.0.linear_attn."; keys outside it are ignored.
     dtype, param_dtype: the layer's computation and parameter dtypes.
-    **layer_options: passed to the layer: precision, decode, impl, sequence_axis.
+    **layer_options: passed to the layer: precision, decode, impl, mesh, batch_axes, head_axis,
+      sequence_axis.
 
   Returns:
     The layer, its parameters converted to param_dtype.

@@ -196,32 +196,67 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
   return (o, final_state) if return_final_state else o
 
 
-def _explicit_split(q, k, v, beta, decay, layout, *, initial_state, return_final_state, segment_ids, cu_seqlens,
-                    **options):
-  """`delta_attention` under shard_map over the explicit mesh that q's type names, B, H and T split as in q.
+def sharded_delta_attention(q, k, v, beta, decay=None, *, mesh, batch_axes=None, head_axis=None, sequence_axis=None,
+                            scale=None, initial_state=None, return_final_state=False, segment_ids=None,
+                            cu_seqlens=None, normalize_qk=False, impl="auto", config=None, interpret=None):
+  """`delta_attention` with B, H and T split over the axes of `mesh` (jit-able, differentiable).
 
-  A T split runs sequence parallel (`sequence_parallel`), except with
-  cu_seqlens (B = 1), where T is gathered, o split again like q and the
-  sequences' states [N, H, D, E] split over H.
+  Each device runs the op on its own block of q, k, v (and beta, the rates
+  and the segment ids, split with the tokens): q, k, v, o and their gradients
+  never leave it. With `sequence_axis`, T is split too (sequence
+  parallelism): devices along that axis hold consecutive slices of the
+  sequence, and only the slices' float32 affine maps [B, H, D, D + E] cross
+  devices (see `delta_attention`'s `sequence_axis`). With cu_seqlens (B = 1)
+  T cannot be split this way: a sequence_axis then gathers T for the op and
+  splits o again (the per-sequence states [N, H, D, E] are split over H).
+
+  Args:
+    q, k: [B, T, H, D]; v: [B, T, H, E]; beta: [B, T, H]; decay: None,
+      [B, T, H] or [B, T, H, D] rates (as in `delta_attention`).
+    mesh: a `jax.sharding.Mesh`.
+    batch_axes: None, a mesh axis name or a tuple of names splitting B.
+    head_axis: None or a mesh axis name splitting H.
+    sequence_axis: None or a mesh axis name splitting T.
+    scale, initial_state, return_final_state, segment_ids, cu_seqlens,
+      normalize_qk, impl, config, interpret: as in `delta_attention`.
+
+  The inputs may live anywhere: under `jax.jit` they are laid out on the mesh
+  as these axes say (pass them already sharded so to avoid a copy).
+
+  Returns:
+    o [B, T, H, E] split as the axes say, and with return_final_state the
+    final state ([B, H, D, E], or [N, H, D, E] with cu_seqlens) float32 split
+    over batch_axes and head_axis.
   """
-  mesh, spec = layout
-  batch_axes, sequence_axes, head_axis = spec
-  gathered_t = sequence_axes is not None and cu_seqlens is not None
+  gathered_t = sequence_axis is not None and cu_seqlens is not None
 
   def op(given, sequence_axis):
-    out = delta_attention(given["q"], given["k"], given["v"], given["beta"], given.get("decay"),
+    out = delta_attention(given["q"], given["k"], given["v"], given["beta"], given.get("decay"), scale=scale,
                           initial_state=given.get("initial_state"), return_final_state=return_final_state,
                           segment_ids=given.get("segment_ids"), cu_seqlens=given.get("cu_seqlens"),
-                          sequence_axis=sequence_axis, **options)
+                          sequence_axis=sequence_axis, normalize_qk=normalize_qk, impl=impl, config=config,
+                          interpret=interpret)
     return out if return_final_state else (out,)
 
   state = "bhde" if cu_seqlens is None else "nhde"  # n: the sequences, never split
+  per_channel = decay is not None and getattr(decay, "ndim", None) == 4
   out = sharding.run_sharded(
       op, dict(q=(q, "bthd"), k=(k, "bthd"), v=(v, "bthe"), beta=(beta, "bth"),
-               decay=(decay, "bthd" if decay is not None and decay.ndim == 4 else "bth"),
-               initial_state=(initial_state, state), segment_ids=(segment_ids, "bt"), cu_seqlens=(cu_seqlens, "n")),
-      mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=None if gathered_t else sequence_axes,
+               decay=(decay, "bthd" if per_channel else "bth"), initial_state=(initial_state, state),
+               segment_ids=(segment_ids, "bt"), cu_seqlens=(cu_seqlens, "n")),
+      mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=None if gathered_t else sequence_axis,
       out_labels=("bthe", state) if return_final_state else ("bthe",))
-  if gathered_t:  # back to q's layout: each device keeps its slice of T (no communication)
-    out = (jax.reshard(out[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))), *out[1:])
+  if gathered_t:  # each device keeps its slice of T (no communication)
+    spec = sharding.spec_of("bthe", mesh=mesh, batch_axes=batch_axes, head_axis=head_axis,
+                            sequence_axis=sequence_axis)
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    lay_out = jax.reshard if explicit else jax.lax.with_sharding_constraint
+    out = (lay_out(out[0], jax.sharding.NamedSharding(mesh, spec)), *out[1:])
   return out if return_final_state else out[0]
+
+
+def _explicit_split(q, k, v, beta, decay, layout, **options):
+  """`delta_attention` on the explicit mesh that q's type names, B, H and T split as in q."""
+  mesh, (batch_axes, sequence_axes, head_axis) = layout
+  return sharded_delta_attention(q, k, v, beta, decay, mesh=mesh, batch_axes=batch_axes, head_axis=head_axis,
+                                 sequence_axis=sequence_axes, **options)

@@ -1,4 +1,5 @@
-"""The op over a device mesh under `shard_map` (`api.sharded_lightning_attention`), for callers who do not write it."""
+"""An op over a device mesh under `shard_map` (`sharded_lightning_attention`, `sharded_delta_attention`), for callers
+who do not write it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ def _spec_entry(names):
   return None if not names else names[0] if len(names) == 1 else names
 
 
+def spec_of(label, *, mesh, batch_axes, head_axis, sequence_axis) -> P:
+  """The PartitionSpec of an array labelled `label` ("bthd": B, T, H, D; see `run_sharded`) over these axes."""
+  split = {"b": _spec_entry(_axes("batch_axes", batch_axes, mesh)),
+           "t": _spec_entry(_axes("sequence_axis", sequence_axis, mesh)),
+           "h": _spec_entry(_axes("head_axis", head_axis, mesh))}
+  return P(*(split.get(dim) for dim in label))
+
+
 def run_sharded(op, arrays, *, mesh, batch_axes, head_axis, sequence_axis, out_labels):
   """`op(given, sequence_axis)` under shard_map over `mesh` (axes checked), each device on its block.
 
@@ -29,7 +38,7 @@ def run_sharded(op, arrays, *, mesh, batch_axes, head_axis, sequence_axis, out_l
   h over head_axis, any other dim replicated. op gets {name: block} of the
   arrays given (not None) and the name of the axis splitting T (or None), and
   returns a tuple of arrays labelled by out_labels. The body of
-  `sharded_lightning_attention` (see there) and of the delta op's split.
+  `sharded_lightning_attention` and `sharded_delta_attention` (see there).
   """
   batch = _axes("batch_axes", batch_axes, mesh)
   heads = _axes("head_axis", head_axis, mesh)
@@ -49,8 +58,8 @@ def run_sharded(op, arrays, *, mesh, batch_axes, head_axis, sequence_axis, out_l
     if dim % size:
       raise ValueError(f"{label} = {dim} must be divisible by the {size} devices of mesh axes {names} that split it")
   t_ = _spec_entry(seq)
-  split = {"b": _spec_entry(batch), "t": t_, "h": _spec_entry(heads)}
-  spec = lambda label: P(*(split.get(dim) for dim in label))  # noqa: E731
+  spec = lambda label: spec_of(label, mesh=mesh, batch_axes=batch_axes, head_axis=head_axis,  # noqa: E731
+                               sequence_axis=sequence_axis)
   given = {name: value for name, (value, _) in arrays.items() if value is not None}
   in_specs = {name: spec(arrays[name][1]) for name in given}
 
