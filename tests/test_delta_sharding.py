@@ -166,7 +166,7 @@ def test_sharded_wrapper_errors_name_the_argument():
   q, beta = jnp.ones((1, 6, 2, 4)), jnp.ones((1, 6, 2))
   with pytest.raises(ValueError, match="sequence_axis='tp' names an axis not in the mesh"):
     lj.sharded_delta_attention(q, q, q, beta, mesh=mesh, sequence_axis="tp")
-  with pytest.raises(ValueError, match="H = 2 must be divisible by the 4 devices|H = 2 must be divisible"):
+  with pytest.raises(ValueError, match="H = 2 must be divisible by the 4 devices"):
     lj.sharded_delta_attention(q, q, q, beta, mesh=cpu_mesh((4,), ("model",)), head_axis="model")
   with pytest.raises(ValueError, match="T = 7 must be divisible by the 2 devices"):
     lj.sharded_delta_attention(jnp.ones((1, 7, 2, 4)), jnp.ones((1, 7, 2, 4)), jnp.ones((1, 7, 2, 4)),

@@ -1,4 +1,5 @@
-"""Public entry point: `delta_attention` (DeltaNet, Gated DeltaNet, Kimi Delta Attention)."""
+"""Public entry points: `delta_attention` (DeltaNet, Gated DeltaNet, Kimi Delta Attention) and
+`sharded_delta_attention` (the op over a device mesh)."""
 
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
   device's block, with no gather of q, k, v, o or their gradients: on an
   explicit-sharding mesh the op splits itself by q's type (T split too: it
   runs sequence parallel over that axis), on any other the Pallas kernels go
-  through XLA's partitioner (`auto_sharding`; a T split is gathered there).
+  through XLA's partitioner (`auto_sharding`; a T split is gathered there:
+  use `sharded_delta_attention` for sequence parallelism on such a mesh).
 
   Returns:
     o: [B, T, H, E] in the input dtype; with return_final_state, (o, final state).
