@@ -161,6 +161,30 @@ def test_sharded_wrapper_with_cu_seqlens_gathers_t():
   assert got[0].sharding.spec[:3] == (None, "sp", "model") and got[1].sharding.spec[:2] == (None, "model")
 
 
+def test_sharded_wrapper_with_cu_seqlens_and_no_states_runs_sequence_parallel():
+  """cu_seqlens without per-sequence states: the packing runs as segment ids with T split (only the slices' maps
+  move); o and every gradient equal the oracle's."""
+  mesh = cpu_mesh((4,), ("sp",))
+  lengths = (9, 0, 21, 2, 12)  # 44 tokens, slices of 11: sequences cross the boundaries
+  cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
+  q, k, v, beta, decay, _, _, do, _ = make_inputs(sum(lengths), "kda", seed=6, segments=False)
+  q, k, v, beta, decay, do = (x[:1] for x in (q, k, v, beta, decay, do))
+
+  def sharded(*args):
+    return lj.sharded_delta_attention(*args, cu_seqlens=cu, mesh=mesh, sequence_axis="sp", impl="xla")
+
+  def oracle(*args):
+    return lj.delta_attention(*args, cu_seqlens=cu, impl="reference")
+
+  grads = lambda op: jax.jit(jax.grad(lambda *a: jnp.sum(op(*a) * do), argnums=(0, 1, 2, 3, 4)))  # noqa: E731
+  for name, a, b in zip(NAMES, grads(sharded)(q, k, v, beta, decay), grads(oracle)(q, k, v, beta, decay)):
+    assert rel_err(a, b) < 1e-3, (name, rel_err(a, b))
+  assert rel_err(jax.jit(sharded)(q, k, v, beta, decay), oracle(q, k, v, beta, decay)) < 1e-4
+  gathered = collectives(sharded, q, k, v, beta, decay)
+  assert set(gathered) == {"all-gather"}, gathered  # each device's map and its ids (B = 1), never q, k, v
+  assert sum(elements(s) for s in gathered["all-gather"]) == 4 * (H * D * (D + E) + 3), gathered
+
+
 def test_sharded_wrapper_errors_name_the_argument():
   mesh = cpu_mesh((2,), ("sp",))
   q, beta = jnp.ones((1, 6, 2, 4)), jnp.ones((1, 6, 2))

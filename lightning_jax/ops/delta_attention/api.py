@@ -209,8 +209,10 @@ def sharded_delta_attention(q, k, v, beta, decay=None, *, mesh, batch_axes=None,
   parallelism): devices along that axis hold consecutive slices of the
   sequence, and only the slices' float32 affine maps [B, H, D, D + E] cross
   devices (see `delta_attention`'s `sequence_axis`). With cu_seqlens (B = 1)
-  T cannot be split this way: a sequence_axis then gathers T for the op and
-  splits o again (the per-sequence states [N, H, D, E] are split over H).
+  and no per-sequence states the packing runs as its segment ids, sequence
+  parallel; with per-sequence states T cannot be split this way: a
+  sequence_axis then gathers T for the op and splits o again (the states
+  [N, H, D, E] are split over H).
 
   Args:
     q, k: [B, T, H, D]; v: [B, T, H, E]; beta: [B, T, H]; decay: None,
@@ -230,6 +232,11 @@ def sharded_delta_attention(q, k, v, beta, decay=None, *, mesh, batch_axes=None,
     final state ([B, H, D, E], or [N, H, D, E] with cu_seqlens) float32 split
     over batch_axes and head_axis.
   """
+  if cu_seqlens is not None and sequence_axis is not None and initial_state is None and not return_final_state:
+    # No state per sequence: the packing is its segment ids', whose T splits.
+    b, t = lightning_api.check_qkv(q, k, v)[:2]
+    lightning_api.check_packing(segment_ids, cu_seqlens, b, t)
+    segment_ids, cu_seqlens = packing.segment_ids_from_cu_seqlens(cu_seqlens, t), None
   gathered_t = sequence_axis is not None and cu_seqlens is not None
 
   def op(given, sequence_axis):
