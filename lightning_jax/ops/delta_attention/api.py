@@ -258,8 +258,7 @@ def sharded_delta_attention(q, k, v, beta, decay=None, *, mesh, batch_axes=None,
   if gathered_t:  # each device keeps its slice of T (no communication)
     spec = sharding.spec_of("bthe", mesh=mesh, batch_axes=batch_axes, head_axis=head_axis,
                             sequence_axis=sequence_axis)
-    explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-    lay_out = jax.reshard if explicit else jax.lax.with_sharding_constraint
+    lay_out = jax.reshard if sharding.is_explicit(mesh) else jax.lax.with_sharding_constraint
     out = (lay_out(out[0], jax.sharding.NamedSharding(mesh, spec)), *out[1:])
   return out if return_final_state else out[0]
 

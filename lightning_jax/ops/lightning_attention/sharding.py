@@ -22,6 +22,12 @@ def _spec_entry(names):
   return None if not names else names[0] if len(names) == 1 else names
 
 
+def is_explicit(mesh) -> bool:
+  """Whether the mesh has an explicit-sharding axis (`jax.make_mesh`'s default): arrays carry their layout in
+  their type there and are laid out by `jax.reshard`, not by a sharding constraint."""
+  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
 def spec_of(label, *, mesh, batch_axes, head_axis, sequence_axis) -> P:
   """The PartitionSpec of an array labelled `label` ("bthd": B, T, H, D; see `run_sharded`) over these axes."""
   split = {"b": _spec_entry(_axes("batch_axes", batch_axes, mesh)),
@@ -67,7 +73,7 @@ def run_sharded(op, arrays, *, mesh, batch_axes, head_axis, sequence_axis, out_l
   # limitation), and the op handles both typings (see `sequence_parallel`).
   run = jax.shard_map(lambda given: tuple(op(given, t_)), mesh=mesh, in_specs=(in_specs,),
                       out_specs=tuple(map(spec, out_labels)), check_vma=False)
-  if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+  if is_explicit(mesh):
     # An explicit-sharding mesh (jax.make_mesh's default) types every array's
     # layout: lay the inputs out as the specs say first.
     given = {name: jax.reshard(value, jax.sharding.NamedSharding(mesh, in_specs[name]))
