@@ -34,7 +34,9 @@ scale folded into the row and intra factors) come in one of two forms:
             most `_FACTORIZED_MAX_EXPONENT`, the output warpgroup factorises
             the intra factors, 2^(c_j - c_i) = 2^(c_j - m) 2^(m - c_i), from
             2C exp2 instead of C^2 (PERFORMANCE.md, "Per-token decay and
-            packed sequences").
+            packed sequences"), and keeps the weighted scores in registers
+            as the left operand of their product with v (compiled only: the
+            Mosaic GPU interpreter's wgmma reads shared memory alone).
 
 Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 """
@@ -126,7 +128,7 @@ def _matmul(a, b, shape):
 
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, per_chunk,
-            has_decay, has_segments, has_initial, has_final, last_rows, scale):
+            has_decay, has_segments, has_initial, has_final, last_rows, scale, register_scores):
   refs = list(refs)
   # Per-head factors with packed sequences: each chunk's segment-start counts [B, N, 1, C].
   head_segments = has_segments and not per_chunk
@@ -341,39 +343,42 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         runs = chunk_factor_rows(n)[0]
         same_segment = (lax.broadcast_in_dim(runs, (c, c), (0,))
                         == lax.broadcast_in_dim(runs_by_column[slot, 0], (c, c), (1,)))
-        scores_smem[...] = (scores * jnp.where(same_segment, intra, 0.0)).astype(scores_smem.dtype)
+        weighted = scores * jnp.where(same_segment, intra, 0.0)
         chunk_row = row * (1.0 - jnp.minimum(runs, 1.0))
       elif not per_chunk:
-        scores_smem[...] = (scores * intra).astype(scores_smem.dtype)
+        weighted = scores * intra
       else:
-        factorized = cum_end <= _FACTORIZED_MAX_EXPONENT
-
-        @pl.when(factorized)
-        def _():
+        def factorized():
           # 2^(c_j - c_i) = 2^(m - c_i) 2^(c_j - m), m = c_end / 2: each factor in
           # [2^-60, 2^60], applied after the mask, so that no entry overflows.
           mid = 0.5 * cum_end
           mask = intra
           if has_segments:
             mask = jnp.where(by_row(rows[_RUNS]) == by_column(columns[_RUNS]), intra, 0.0)
-          scaled = scores * mask * by_row(jnp.exp2(mid - rows[_CUM])) * by_column(jnp.exp2(columns[_CUM] - mid))
-          scores_smem[...] = scaled.astype(scores_smem.dtype)
+          return scores * mask * by_row(jnp.exp2(mid - rows[_CUM])) * by_column(jnp.exp2(columns[_CUM] - mid))
 
-        @pl.when(jnp.logical_not(factorized))
-        def _():
+        def clamped():
           # Exponents clamped at 0, so that no entry outside the causal mask
           # overflows (the mask zeroes them); a segment start drives them to -inf.
           gap = by_column(columns[_CUM]) - by_row(rows[_CUM])
           if has_segments:
             gap = gap - _SEGMENT_EXPONENT * (by_row(rows[_RUNS]) - by_column(columns[_RUNS]))
-          scores_smem[...] = (scores * (intra * jnp.exp2(jnp.minimum(gap, 0.0)))).astype(scores_smem.dtype)
+          return scores * (intra * jnp.exp2(jnp.minimum(gap, 0.0)))
 
-      plgpu.commit_smem()
+        weighted = lax.cond(cum_end <= _FACTORIZED_MAX_EXPONENT, factorized, clamped)
+
+      weighted = weighted.astype(scores_smem.dtype)
+      # Per chunk, the scores stay in registers: 2-6% less time than staged through shared memory (H100,
+      # B2 H32 D128); per head, staged, 0-1% faster there (PERFORMANCE.md, "Warp-specialised forward").
+      if not register_scores:
+        scores_smem[...] = weighted
+        plgpu.commit_smem()
+        weighted = scores_smem
       plgpu.barrier_wait(v_loaded.at[slot])
       plgpu.barrier_wait(state_ready.at[buf])
 
       def products(intra_acc, inter_acc):
-        plgpu.wgmma(intra_acc, scores_smem, v_smem.at[slot])
+        plgpu.wgmma(intra_acc, weighted, v_smem.at[slot])
         plgpu.wgmma(inter_acc, q_smem.at[slot], state_smem.at[buf].transpose((1, 0)))
         return intra_acc[...], inter_acc[...]
 
@@ -473,7 +478,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                              per_chunk=per_chunk, has_decay=per_chunk or decay is not None or chunk_runs is not None,
                              has_segments=chunk_runs is not None or (per_chunk and chunk_gates[1] is not None),
                              has_initial=initial_state is not None, has_final=return_final_state,
-                             last_rows=last_rows, scale=scale)
+                             last_rows=last_rows, scale=scale,
+                             register_scores=per_chunk and not interpret)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
