@@ -34,9 +34,10 @@ scale folded into the row and intra factors) come in one of two forms:
             most `_FACTORIZED_MAX_EXPONENT`, the output warpgroup factorises
             the intra factors, 2^(c_j - c_i) = 2^(c_j - m) 2^(m - c_i), from
             2C exp2 instead of C^2 (PERFORMANCE.md, "Per-token decay and
-            packed sequences"), and keeps the weighted scores in registers
-            as the left operand of their product with v (compiled only: the
-            Mosaic GPU interpreter's wgmma reads shared memory alone).
+            packed sequences").
+
+Compiled, left operands of wgmma stay in registers where that measured faster
+(`_register_operands`); interpreted, they are staged in shared memory.
 
 Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 """
@@ -127,8 +128,17 @@ def _matmul(a, b, shape):
   return pl.run_scoped(body, plgpu.ACC(shape, _F32))
 
 
+def _accumulate(init, a, b, *, issued):
+  """init + a @ b through wgmma, the accumulator started from init (`ACC.init`, compiled only); `issued()` runs
+  while the product does."""
+  def body(acc):
+    plgpu.wgmma(acc, a, b)
+    issued()
+  return pl.run_state(body)(plgpu.ACC.init(init))
+
+
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, per_chunk,
-            has_decay, has_segments, has_initial, has_final, last_rows, scale, register_scores):
+            has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state, register_scores):
   refs = list(refs)
   # Per-head factors with packed sequences: each chunk's segment-start counts [B, N, 1, C].
   head_segments = has_segments and not per_chunk
@@ -265,20 +275,28 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
             key = key * (1.0 - jnp.minimum(runs_end - runs, 1.0))
             state_decay = state_decay * (1.0 - jnp.minimum(runs_end, 1.0))
           state_decay = state_decay[:, None]
-        # key * v, staged so that wgmma reads its transpose from shared memory.
-        vk_smem[...] = (v_smem[slot].astype(_F32) * key[:, None]).astype(vk_smem.dtype)
-        plgpu.commit_smem()
-        values = vk_smem
+        if register_state:  # (key * v)^T, wgmma's left operand, in registers
+          values = (v_smem.at[slot].transpose((1, 0))[...].astype(_F32)
+                    * lax.broadcast_in_dim(key, (be, c), (1,))).astype(v_smem.dtype)
+        else:  # key * v, staged so that wgmma reads its transpose from shared memory
+          vk_smem[...] = (v_smem[slot].astype(_F32) * key[:, None]).astype(vk_smem.dtype)
+          plgpu.commit_smem()
+          values = vk_smem
+      if not register_state or not has_decay:
+        values = values.transpose((1, 0))
+      decayed = state_t if state_decay is None else state_t * state_decay
+      issued = publish if per_chunk else lambda: None
+      if register_state:  # the product accumulates onto the decayed state
+        new_state = _accumulate(decayed, values, k_smem.at[slot], issued=issued)
+      else:
+        def update_product(acc):
+          plgpu.wgmma(acc, values, k_smem.at[slot])
+          issued()
+          return acc[...]
 
-      def update_product(acc):
-        plgpu.wgmma(acc, values.transpose((1, 0)), k_smem.at[slot])
-        if per_chunk:
-          publish()
-        return acc[...]
-
-      update = pl.run_scoped(update_product, plgpu.ACC(state_t.shape, _F32))
+        new_state = decayed + pl.run_scoped(update_product, plgpu.ACC(state_t.shape, _F32))
       plgpu.barrier_arrive(released.at[slot])
-      return state_t + update if state_decay is None else state_t * state_decay + update
+      return new_state
 
     if has_initial:
       plgpu.barrier_wait(initial_loaded.at[0])
@@ -368,8 +386,6 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         weighted = lax.cond(cum_end <= _FACTORIZED_MAX_EXPONENT, factorized, clamped)
 
       weighted = weighted.astype(scores_smem.dtype)
-      # Per chunk, the scores stay in registers: 2-6% less time than staged through shared memory (H100,
-      # B2 H32 D128); per head, staged, 0-1% faster there (PERFORMANCE.md, "Warp-specialised forward").
       if not register_scores:
         scores_smem[...] = weighted
         plgpu.commit_smem()
@@ -392,6 +408,20 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.copy_smem_to_gmem(out_smem.at[buf], out_ref.at[batch, chunk_rows(n), head, cols])
 
     plgpu.wait_smem_to_gmem(0)
+
+
+def _register_operands(dim_k: int, per_chunk: bool, interpret: bool) -> dict:
+  """Which left operands of wgmma stay in registers instead of a round trip through shared memory.
+
+  The state chain's key * v (with the update accumulating onto the decayed
+  state) and the output's weighted scores: both at K = 128, the scores alone
+  with per-chunk factors at K = 64 (H200, in-process: 2-10% less time at D128,
+  5.6% with per-token rates at D64, 4.5% more with a per-head rate at D64;
+  PERFORMANCE.md, "Warp-specialised forward"). Never interpreted: the Mosaic
+  GPU interpreter's wgmma reads shared memory alone (the values are the same).
+  """
+  compiled = not interpret
+  return dict(register_state=compiled and dim_k > 64, register_scores=compiled and (per_chunk or dim_k > 64))
 
 
 def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None, scale: float,
@@ -478,8 +508,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                              per_chunk=per_chunk, has_decay=per_chunk or decay is not None or chunk_runs is not None,
                              has_segments=chunk_runs is not None or (per_chunk and chunk_gates[1] is not None),
                              has_initial=initial_state is not None, has_final=return_final_state,
-                             last_rows=last_rows, scale=scale,
-                             register_scores=per_chunk and not interpret)
+                             last_rows=last_rows, scale=scale, **_register_operands(dim_k, per_chunk, interpret))
   return plgpu.kernel(
       kernel,
       out_type=out_type,
