@@ -199,22 +199,26 @@ def _summary_table(index: Index, op: str, drop_empty: bool) -> str:
   return md_table(header, rows)
 
 
-def merge_runs(runs: list[dict]) -> dict:
+def merge_runs(runs: list[dict], *, supersede: bool = False) -> dict:
   """Several runs of one device (e.g. its fwd run and its fwdbwd run) as one, for the summary table.
 
-  Each result keeps its own floors; a case measured by two of the runs is an error.
+  Each result keeps its own floors. A case measured by two of the runs is an
+  error, unless `supersede`: then the later run's (in the order given) replaces
+  the earlier's, as where one mode was re-run at a newer commit.
   """
   kinds = {run["metadata"].get("device_kind") for run in runs}
   if len(kinds) > 1:
     raise ValueError(f"the runs of one summary must share a device, got {sorted(map(str, kinds))}")
-  seen = set()
+  merged = {}
   for run in runs:
+    keys = set()
     for r in run["results"]:
       key = Index.key_of(r)
-      if key in seen:
+      if key in merged and (key in keys or not supersede):
         raise ValueError(f"two of the runs measured the same case {key}")
-      seen.add(key)
-  return {"metadata": runs[0]["metadata"], "results": [r for run in runs for r in run["results"]]}
+      keys.add(key)
+      merged[key] = r
+  return {"metadata": runs[0]["metadata"], "results": list(merged.values())}
 
 
 _VERSIONS_SHOWN = ("jax", "jaxlib", "torch", "triton", "fla-core", "lightning-attn", "jax-linear-attention")
@@ -235,9 +239,9 @@ def _run_label(md: dict) -> str:
   return f"{md.get('date_utc', '')[:10]}, commit {str(md.get('git_commit'))[:10]}{passes}"
 
 
-def summary_with_provenance(*runs: dict) -> str:
+def summary_with_provenance(*runs: dict, supersede: bool = False) -> str:
   """The headline table of one or several runs of one device, under a line saying where, when and with
-  what each was measured."""
+  what each was measured (`merge_runs`' supersede: a later run's case replaces an earlier's)."""
   mds = [run["metadata"] for run in runs]
   if len(runs) == 1:
     head = f"{mds[0].get('device_kind')}, {_run_label(mds[0])}; {_versions_label(mds[0])}; median ms"
@@ -248,7 +252,7 @@ def summary_with_provenance(*runs: dict) -> str:
         for md in mds) + (f"; {versions.pop()}" if len(versions) == 1 else "") + "; median ms"
   if any(md.get("plan", {}).get("repeats", 1) > 1 for md in mds):
     head += " [min-max over the passes]"
-  table = summary_table(merge_runs(list(runs)), drop_empty=True)
+  table = summary_table(merge_runs(list(runs), supersede=supersede), drop_empty=True)
   note = ("\n\nfastest peer / ours: above 1, ours is faster; † the ranges over the passes overlap."
           if "fastest peer / ours" in table.partition("\n")[0] else "")
   return f"{head}.\n\n{table}{note}"
@@ -591,6 +595,8 @@ def main(argv=None):
   parser.add_argument("--plot", action="store_true")
   parser.add_argument("--report", action="store_true")
   parser.add_argument("--summary", action="store_true", help="print the headline table of the runs")
+  parser.add_argument("--supersede", action="store_true",
+                      help="for --summary: a later JSON's measurement of a case replaces an earlier JSON's")
   parser.add_argument("--manifest", action="store_true",
                       help=f"write {MANIFEST_NAME}, one row per JSON, into their folder (or --out-dir)")
   args = parser.parse_args(argv)
@@ -612,7 +618,7 @@ def main(argv=None):
     path.write_text(manifest({src.stem: data for src, data in runs.items()}))
     print(path)
   if args.summary:
-    print(summary_with_provenance(*runs.values()))
+    print(summary_with_provenance(*runs.values(), supersede=args.supersede))
 
 
 if __name__ == "__main__":

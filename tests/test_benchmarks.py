@@ -394,6 +394,12 @@ def test_report_of_packed_and_per_token_results_beside_older_ones():
   assert "| B2 H4 D64 E32, bf16, per-token decay | 1K | 3.000 | fla-chunk (3.600) | – / 1.20x |" in summary
   with pytest.raises(ValueError, match="same case"):  # an older result and a new unpacked one are one case
     report.merge_runs([{"metadata": {}, "results": [older]}, {"metadata": {}, "results": [{**older, "segments": 1}]}])
+  rerun = {**older, "segments": 1, "time_ms": 1.5}
+  merged = report.merge_runs([{"metadata": {}, "results": [older, token]}, {"metadata": {}, "results": [rerun]}],
+                             supersede=True)
+  assert merged["results"] == [rerun, token]  # the later run's measurement of the case replaces the earlier's
+  with pytest.raises(ValueError, match="same case"):  # one run measuring a case twice is still an error
+    report.merge_runs([{"metadata": {}, "results": [older, rerun]}], supersede=True)
   plan = {"shapes": [[1, 32768, 32, 128, 128]], "dtype": "bf16", "decays": [True, "token"], "segments": [1, 8]}
   assert report._shapes_label({"plan": plan}) == (
       "B1 H32 D128: T 32K; bf16; decay and per-token decay; unpacked and 8 packed sequences")
