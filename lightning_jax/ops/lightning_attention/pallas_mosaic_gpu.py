@@ -254,7 +254,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       # per-head rate or none that order was 2-4% slower).
       if not per_chunk:
         publish()
-      values, state_decay = v_smem.at[slot], None
+      values, state_decay = v_smem.at[slot].transpose((1, 0)), None  # wgmma's left operand: v^T or (key * v)^T
       if has_decay:
         if per_chunk:
           # key_j = 2^(c_j - c_end), state = 2^-c_end, both zero across a segment start.
@@ -275,15 +275,12 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
             key = key * (1.0 - jnp.minimum(runs_end - runs, 1.0))
             state_decay = state_decay * (1.0 - jnp.minimum(runs_end, 1.0))
           state_decay = state_decay[:, None]
-        if register_state:  # (key * v)^T, wgmma's left operand, in registers
-          values = (v_smem.at[slot].transpose((1, 0))[...].astype(_F32)
-                    * lax.broadcast_in_dim(key, (be, c), (1,))).astype(v_smem.dtype)
-        else:  # key * v, staged so that wgmma reads its transpose from shared memory
+        if register_state:  # in registers
+          values = (values[...].astype(_F32) * lax.broadcast_in_dim(key, (be, c), (1,))).astype(v_smem.dtype)
+        else:  # key * v staged, so that wgmma reads its transpose from shared memory
           vk_smem[...] = (v_smem[slot].astype(_F32) * key[:, None]).astype(vk_smem.dtype)
           plgpu.commit_smem()
-          values = vk_smem
-      if not register_state or not has_decay:
-        values = values.transpose((1, 0))
+          values = vk_smem.transpose((1, 0))
       decayed = state_t if state_decay is None else state_t * state_decay
       issued = publish if per_chunk else lambda: None
       if register_state:  # the product accumulates onto the decayed state
