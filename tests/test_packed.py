@@ -3,8 +3,8 @@
 A packed call against each sequence run alone through the token-serial oracle
 (outputs, per-sequence final states and every gradient) for the oracle itself
 and the XLA path, and against the oracle's packed call in every Pallas variant
-(split included); per-token decay at extreme rates against the
-oracle; the oracle itself against a float64 loop; one compilation for
+(split included), with and without a branch per chunk; per-token decay at
+extreme rates against the oracle, both ways; the oracle itself against a float64 loop; one compilation for
 changing boundaries; the errors of bad input.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from helpers import BF16, DECAY_TOL, F32, TOL, rel_err
 
 import lightning_jax as lj
-from lightning_jax.ops.lightning_attention import chunk_common, reference
+from lightning_jax.ops.lightning_attention import chunk_common, heuristics, reference
 
 pytestmark = pytest.mark.usefixtures("unoptimized_compiles")
 
@@ -194,6 +194,13 @@ def test_pallas_packed_matches_sequences_alone(p, variant, kernel_mode):
   check_packed(p, zlib.crc32(f"{p}{variant}".encode()), impl="pallas", interpret=kernel_mode, **PALLAS[variant])
 
 
+@pytest.mark.parametrize("p", PACKINGS[:3], ids=str)
+def test_pallas_packed_matches_sequences_alone_either_way_of_branching(p, kernel_mode, chunk_branches):
+  """Chunks with and without segment starts, per-token and per-head rates, in every sweep of both forms."""
+  check_packed(p, zlib.crc32(f"{p}{chunk_branches}".encode()), impl="pallas", interpret=kernel_mode,
+               variant="chunk_loop")
+
+
 # --- per-token decay at extreme rates --------------------------------------------
 
 EXTREME_RATES = np.array([0.0, 1e-7, 0.3, 8.0, 60.0, 1e4], np.float32)
@@ -211,10 +218,17 @@ def _extreme_rates_reference(q, k, v, decay, s0, do, d_final):
   return out, dict(zip(ARG_NAMES, grads))
 
 
+@pytest.fixture(params=["branch", "no_branch"])
+def chunk_branches(request, monkeypatch):
+  """Every Triton sweep with (or without) a branch per chunk (`heuristics.branch_per_chunk`), whatever its dims."""
+  monkeypatch.setattr(heuristics, "branch_per_chunk", lambda **_: request.param == "branch")
+  return request.param
+
+
 @pytest.mark.parametrize("impl", ["xla", "chunk_loop", "parallel", "split"])
-def test_extreme_token_rates_match_oracle(impl, kernel_mode):
-  if impl == "xla" and not kernel_mode:
-    pytest.skip("xla has no kernel mode")
+def test_extreme_token_rates_match_oracle(impl, kernel_mode, chunk_branches):
+  if impl == "xla" and (not kernel_mode or chunk_branches == "branch"):
+    pytest.skip("xla has no kernel mode and no branch per chunk")
   rng = np.random.default_rng(zlib.crc32(impl.encode()))
   b, t, h, d, e = 2, 200, 2, 16, 32
   q, k = (jnp.asarray(rng.normal(size=(b, t, h, d)), F32) for _ in range(2))

@@ -58,6 +58,11 @@ LOG2_E = math.log2(math.e)
 # so the clamp changes no factor, and it bounds the chunk-local sums whose
 # rounding is the factors' error.
 MAX_LOG2_RATE = 150.0
+# A kernel's chunk whose rates sum to at most this (log2 units; 83 in natural
+# units) may take factorised intra factors (`token_decay_factors`): each factor
+# then lies in [2^-60, 2^60], so scaled scores overflow only past 2^68, far
+# beyond any q . k of 16-bit inputs.
+FACTORIZED_MAX_LOG2 = 120.0
 
 
 def _pad_axis(x, axis, size):
@@ -308,13 +313,21 @@ def chunk_decay_factors(lam2, end, *, chunk_size, reverse):
   return ChunkFactors(row, key, state, intra, row_exp, key_exp, end, gap)
 
 
-def token_decay_factors(cumdecay, runs, *, reverse):
+def token_decay_factors(cumdecay, runs, *, reverse, branch=False):
   """Decay factors of one chunk from per-token rates and segment starts (module docstring).
 
   Args:
     cumdecay: [C] float32, the chunk's `token_chunk_gates` cumulative rates.
     runs: [C] int32, its segment-start counts, or None (no segments).
     reverse: static bool, the anti-causal sweep.
+    branch: a kernel's chunk that branches on its own rates and starts
+      (`heuristics.branch_per_chunk`): where the chunk's rates sum to at most
+      `FACTORIZED_MAX_LOG2` the intra factors come from 2C exp2,
+      2^(c_j - c_i) = 2^(m - c_i) 2^(c_j - m) with m half the sum (each factor
+      within 2^+-60, their product at most 2^120), else from C^2; and segments
+      mask only a chunk in which one starts (`mask_started_segments`).
+      Otherwise (and always on the xla path, vmapped and differentiated) the
+      C^2 form, masked unconditionally.
 
   Returns:
     `ChunkFactors` with row, key, state and intra (the decay tangent's fields
@@ -327,11 +340,21 @@ def token_decay_factors(cumdecay, runs, *, reverse):
   # Exponents are clamped at 0 so that masked entries never overflow; `where`,
   # not `minimum`, so that autodiff (the xla path) gives a tie its whole slope.
   nonpositive = lambda x: jnp.where(x <= 0, x, 0.0)  # noqa: E731
-  intra = jnp.where(causal_mask(c, reverse=reverse),
-                    jnp.exp2(nonpositive(cumdecay[None, :] - cumdecay[:, None])), 0.0)
+  mask = causal_mask(c, reverse=reverse)
+
+  def clamped():
+    return jnp.where(mask, jnp.exp2(nonpositive(cumdecay[None, :] - cumdecay[:, None])), 0.0)
+
+  def factorized():
+    mid = 0.5 * c_end
+    return jnp.where(mask, jnp.exp2(mid - cumdecay)[:, None] * jnp.exp2(cumdecay - mid)[None, :], 0.0)
+
+  intra = jax.lax.cond(c_end <= FACTORIZED_MAX_LOG2, factorized, clamped) if branch else clamped()
   f = ChunkFactors(jnp.exp2(-cumdecay), jnp.exp2(nonpositive(cumdecay - c_end)), jnp.exp2(-c_end), intra,
                    None, None, None, None)
-  return f if runs is None else mask_segments(f, runs)
+  if runs is None:
+    return f
+  return mask_started_segments(f, runs) if branch else mask_segments(f, runs)
 
 
 def mask_segments(f, runs):
@@ -344,6 +367,11 @@ def mask_segments(f, runs):
   return f._replace(row=jnp.where(runs == 0, f.row, 0.0), key=jnp.where(runs == run_end, f.key, 0.0),
                     state=jnp.where(run_end == 0, f.state, 0.0),
                     intra=jnp.where(runs[:, None] == runs[None, :], f.intra, 0.0))
+
+
+def mask_started_segments(f, runs):
+  """`mask_segments` in a kernel: a chunk in which no segment starts keeps `f` (a branch, not [C, C] selects)."""
+  return jax.lax.cond(jnp.max(runs) > 0, lambda: mask_segments(f, runs), lambda: f)
 
 
 def sweep_decay_factors(lam2, *, chunk_size, seq_len, reverse):

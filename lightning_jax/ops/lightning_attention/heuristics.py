@@ -235,6 +235,24 @@ def fuse_dk_dv(*, dim_k: int, dim_v: int) -> bool:
   return dim_k <= 64 and dim_v <= 64
 
 
+def branch_per_chunk(*, dim_k: int, dual: bool) -> bool:
+  """Whether a Triton sweep's chunks branch on their own gates (`chunk_common.token_decay_factors`).
+
+  A branch per chunk computes per-token intra factors from 2C exp2 instead of
+  C^2 where the chunk's rates allow, and masks segments only in a chunk where
+  one starts. Its effect is the compiled loop's more than the work it skips
+  (H100, jax 0.11.2, ncu per kernel, fwd+bwd with per-token rates, T32K):
+  at D = 128 (B2 H32) the dq and dv sweeps took 19% less time (1335 -> 1078
+  and 1352 -> 1092 us) and the dk sweep 1% more; at D = 64 (B4 H32) the
+  fused dk/dv sweep 15% less (1198 -> 1014) but the dq sweep 55% more
+  (1140 -> 1763); factorising every chunk without the branch changed either
+  by at most 1%. With packed sequences and a per-head rate at D = 128 (B1
+  H32, H200) fwd+bwd took 8% less. So: the dual sweep, and every sweep from
+  K = 128 on (PERFORMANCE.md, "Per-token decay and packed sequences").
+  """
+  return dual or dim_k >= 128
+
+
 # Devices on which a per-head rate at D <= 64 leaves chunk_loop's one program per
 # SM latency-bound where the warp-specialised forward overlaps it: on an H200
 # (bf16, 2026-11-26, `benchmarks/results/nvidia-h200-d64-variants`) WS took 11%

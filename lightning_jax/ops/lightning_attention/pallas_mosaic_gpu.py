@@ -31,8 +31,8 @@ scale folded into the row and intra factors) come in one of two forms:
             rates (and segment counts, `chunk_factors`) loaded with its q, k,
             v; each warpgroup builds the factors it needs from them, so that
             no factor per chunk crosses HBM. Where a chunk's rates sum to at
-            most `_FACTORIZED_MAX_EXPONENT`, the output warpgroup factorises
-            the intra factors, 2^(c_j - c_i) = 2^(c_j - m) 2^(m - c_i), from
+            most `chunk_common.FACTORIZED_MAX_LOG2`, the output warpgroup
+            factorises the intra factors, 2^(c_j - c_i) = 2^(c_j - m) 2^(m - c_i), from
             2C exp2 instead of C^2 (PERFORMANCE.md, "Per-token decay and
             packed sequences").
 
@@ -88,10 +88,6 @@ _ROW, _KEY, _STATE, _LAST_KEY, _LAST_STATE = range(5)
 _CUM, _RUNS = 0, 1
 # Subtracted per segment start in an exponent (log2 units): 2^-1e4 is 0 in float32.
 _SEGMENT_EXPONENT = 1.0e4
-# A chunk whose rates sum to at most this (log2 units; 83 in natural units) takes
-# the factorised intra factors: each factor then lies in [2^-60, 2^60], so the
-# scaled scores overflow only past 2^68, far beyond any q . k of 16-bit inputs.
-_FACTORIZED_MAX_EXPONENT = 120.0
 
 
 def chunk_factors(cumdecay, runs):
@@ -354,11 +350,16 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.barrier_wait(k_loaded.at[slot])
       scores = _matmul(q_smem.at[slot], k_smem.at[slot].transpose((1, 0)), (c, c))
       if head_segments:
-        # Pairs within a segment; rows past the chunk's first segment start do not see S_n.
+        # Pairs within a segment, in a chunk where one starts; rows past the chunk's first segment start do
+        # not see S_n.
         runs = chunk_factor_rows(n)[0]
-        same_segment = (lax.broadcast_in_dim(runs, (c, c), (0,))
-                        == lax.broadcast_in_dim(runs_by_column[slot, 0], (c, c), (1,)))
-        weighted = scores * jnp.where(same_segment, intra, 0.0)
+
+        def within_segments():
+          same_segment = (lax.broadcast_in_dim(runs, (c, c), (0,))
+                          == lax.broadcast_in_dim(runs_by_column[slot, 0], (c, c), (1,)))
+          return scores * jnp.where(same_segment, intra, 0.0)
+
+        weighted = lax.cond(runs_smem[slot, 0, c - 1] > 0, within_segments, lambda: scores * intra)
         chunk_row = row * (1.0 - jnp.minimum(runs, 1.0))
       elif not per_chunk:
         weighted = scores * intra
@@ -380,7 +381,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
             gap = gap - _SEGMENT_EXPONENT * (by_row(rows[_RUNS]) - by_column(columns[_RUNS]))
           return scores * (intra * jnp.exp2(jnp.minimum(gap, 0.0)))
 
-        weighted = lax.cond(cum_end <= _FACTORIZED_MAX_EXPONENT, factorized, clamped)
+        weighted = lax.cond(cum_end <= chunk_common.FACTORIZED_MAX_LOG2, factorized, clamped)
 
       weighted = weighted.astype(scores_smem.dtype)
       if not register_scores:
@@ -574,7 +575,8 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
     (initial_state, _), (final_state, _) = pallas_triton.slice_starts(
         pallas_triton.SweepOperands(**gates, y=k, z=v, initial_state=initial_state), cfg=configs.slice_states,
         chunk_size=c, seq_len=t, reverse=False, slice_chunks=slice_chunks,
-        with_final_state=opts.return_final_state, interpret=opts.interpret)
+        with_final_state=opts.return_final_state, branch=heuristics.branch_per_chunk(dim_k=kp, dual=False),
+        interpret=opts.interpret)
     starts = pallas_triton.SliceStarts(initial_state[..., :dim_k, :dim_v], chunk_size=c, slice_chunks=slice_chunks)
   elif initial_state is not None:
     initial_state = initial_state[:, :, None]

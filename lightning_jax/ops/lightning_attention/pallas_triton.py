@@ -154,12 +154,14 @@ def _present(values: NamedTuple, **specs) -> NamedTuple:
 _dot = triton_lowering.dot
 
 
-def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse):
+def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch):
   """Chunk index -> `ChunkFactors` (None without decay).
 
   A per-head rate's exp2 work is done once per program (and masked per chunk
   by its segment starts); per-token factors are computed per chunk from its
-  cumulative rates and segment starts.
+  cumulative rates and segment starts. With `branch`
+  (`heuristics.branch_per_chunk`) a chunk branches on its own rates and starts
+  (`chunk_common.token_decay_factors`).
   """
   def chunk_rows(chunk_idx):
     return pl.ds(pl.multiple_of(chunk_idx * chunk_size, chunk_size), chunk_size)
@@ -167,14 +169,15 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse):
   if ins.chunk_cumdecay is not None:
     return lambda chunk_idx: chunk_common.token_decay_factors(
         ins.chunk_cumdecay[chunk_rows(chunk_idx)],
-        None if ins.chunk_runs is None else ins.chunk_runs[chunk_rows(chunk_idx)], reverse=reverse)
+        None if ins.chunk_runs is None else ins.chunk_runs[chunk_rows(chunk_idx)], reverse=reverse, branch=branch)
   if ins.decay is None and ins.chunk_runs is None:
     return lambda chunk_idx: None
   lam2 = 0.0 if ins.decay is None else ins.decay[()].astype(_F32) * chunk_common.LOG2_E
   factors = chunk_common.sweep_decay_factors(lam2, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
   if ins.chunk_runs is None:
     return factors
-  return lambda chunk_idx: chunk_common.mask_segments(factors(chunk_idx), ins.chunk_runs[chunk_rows(chunk_idx)])
+  mask = chunk_common.mask_started_segments if branch else chunk_common.mask_segments
+  return lambda chunk_idx: mask(factors(chunk_idx), ins.chunk_runs[chunk_rows(chunk_idx)])
 
 
 def _scores(a, b, f, *, reverse, exact):
@@ -284,10 +287,10 @@ def _write_final(outs: SweepResults, state, tangent):
 
 
 def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, num_chunks,
-                       slice_chunks, num_slices, reverse, exact, dots_with_dual):
+                       slice_chunks, num_slices, reverse, exact, dots_with_dual, branch):
   carry = _initial_carry(ins, with_tangent=ins.tangent_with is not None)
   first, num_steps = _slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices)
-  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
+  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch)
 
   def body(step, carry):
     state, tangent = carry
@@ -322,9 +325,9 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
 
 
 def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, seq_len, num_chunks, slice_chunks,
-                         num_slices, reverse, exact):
+                         num_slices, reverse, exact, branch):
   carry = _initial_carry(ins, with_tangent=outs.chunk_tangents is not None or outs.final_tangent is not None)
-  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
+  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch)
   first, num_steps = _slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices)
 
   def body(step, carry):
@@ -340,8 +343,8 @@ def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, 
 
 
 def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, reverse, exact,
-                         dots_with_dual):
-  f = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)(pl.program_id(1))
+                         dots_with_dual, branch):
+  f = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch)(pl.program_id(1))
   u = None if ins.dual_with is None else ins.dual_with[...]
   out, dual, out_tangent = _chunk_out(ins.x[...], ins.y[...], ins.z[...], u,
                                       ins.chunk_states[...].astype(ins.x.dtype),
@@ -387,7 +390,7 @@ def _output_structs(ins: SweepOperands, *, n_e, with_final_state, out_dtype, dot
 
 
 def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice_chunks, num_slices,
-                 with_chunk_states, with_final_state, with_tangent, interpret) -> SweepResults:
+                 with_chunk_states, with_final_state, with_tangent, branch, interpret) -> SweepResults:
   """The states kernel: grid (B*H*num_slices, K/block_d, V/block_e), each program one slice's chunks in order.
 
   Writes, where asked for, the state (and tangent) before every chunk, [B, H,
@@ -414,7 +417,7 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   block_states = pl.BlockSpec((None, None, n, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, 0, d, e))
   kernel = functools.partial(_chunk_states_kernel, chunk_size=chunk_size, seq_len=seq_len,
                              num_chunks=-(-seq_len // chunk_size), slice_chunks=slice_chunks, num_slices=ns,
-                             reverse=reverse, exact=ins.y.dtype == _F32)
+                             reverse=reverse, exact=ins.y.dtype == _F32, branch=branch)
   specs = _present(state_ins, decay=pl.BlockSpec((None,), lambda i, d, e: (i // ns % h,)),
                    chunk_cumdecay=pl.BlockSpec((None, None, tp), lambda i, d, e: (i // ns // h, i // ns % h, 0)),
                    chunk_runs=pl.BlockSpec((None, tp), lambda i, d, e: (i // ns // h, 0)),
@@ -428,7 +431,7 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
 
 
 def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice_chunks, with_final_state,
-                 interpret, transposed=False):
+                 branch, interpret, transposed=False):
   """The state (and decay tangent, with `ins.tangent_with`) before each slice of a sequence split.
 
   Pass 1 of the split: the states kernel writes each slice's own state (the
@@ -458,7 +461,7 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
     own = own._replace(y=ins.z, z=ins.y)
   local = _states_pass(own, cfg=cfg, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse,
                        slice_chunks=slice_chunks, num_slices=local_slices, with_chunk_states=False,
-                       with_final_state=True, with_tangent=with_tangent, interpret=interpret)
+                       with_final_state=True, with_tangent=with_tangent, branch=branch, interpret=interpret)
   if transposed:
     local = local._replace(final_state=jnp.swapaxes(local.final_state, -1, -2))
   slice_decay = slice_resets = None
@@ -480,7 +483,7 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
 
 
 def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-                slice_chunks, dots_with_dual, given_starts, transposed_states, interpret) -> SweepResults:
+                slice_chunks, dots_with_dual, given_starts, transposed_states, branch, interpret) -> SweepResults:
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
   cfg = configs.chunk_loop
@@ -494,7 +497,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   elif ns > 1:
     (states, tangents), (final_state, final_tangent) = slice_starts(
         ins, cfg=configs.slice_states, chunk_size=c, seq_len=seq_len, reverse=reverse, slice_chunks=slice_chunks,
-        with_final_state=with_final_state, interpret=interpret, transposed=transposed_states)
+        with_final_state=with_final_state, branch=branch, interpret=interpret, transposed=transposed_states)
     ins = ins._replace(initial_state=states, initial_tangent=tangents)
   elif ins.initial_state is not None:
     ins = ins._replace(initial_state=ins.initial_state[:, :, None])
@@ -520,7 +523,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
       final_tangent=state)
   kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len, num_chunks=num_chunks,
                              slice_chunks=slice_chunks, num_slices=ns, reverse=reverse, exact=ins.x.dtype == _F32,
-                             dots_with_dual=dots_with_dual)
+                             dots_with_dual=dots_with_dual, branch=branch)
   outs = _call(kernel, (b * h * ns, n_e), ins, in_specs, results, out_specs, cfg, "lightning_chunk_loop", interpret)
   if ns > 1:
     outs = outs._replace(final_state=final_state, final_tangent=final_tangent,
@@ -529,7 +532,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
 
 
 def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-              slice_chunks, dots_with_dual, given_starts, transposed_states, interpret) -> SweepResults:
+              slice_chunks, dots_with_dual, given_starts, transposed_states, branch, interpret) -> SweepResults:
   del slice_chunks, given_starts, transposed_states  # every chunk runs in parallel already: no split
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
@@ -541,7 +544,7 @@ def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, 
   # Pass 1: the state before every chunk (and the final state).
   states = _states_pass(ins, cfg=configs.chunk_states, chunk_size=c, seq_len=seq_len, reverse=reverse,
                         slice_chunks=n, num_slices=1, with_chunk_states=True, with_final_state=with_final_state,
-                        with_tangent=ins.tangent_with is not None, interpret=interpret)
+                        with_tangent=ins.tangent_with is not None, branch=branch, interpret=interpret)
 
   # Pass 2: every chunk's outputs in parallel.
   be = oc.block_e
@@ -554,7 +557,7 @@ def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, 
   out_ins = ins._replace(initial_state=None, chunk_states=states.chunk_states, chunk_tangents=states.chunk_tangents)
   results = _output_structs(ins, n_e=n_e, with_final_state=False, out_dtype=out_dtype, dots_with_dual=dots_with_dual)
   kernel = functools.partial(_chunk_output_kernel, scale=scale, chunk_size=c, seq_len=seq_len, reverse=reverse,
-                             exact=exact, dots_with_dual=dots_with_dual)
+                             exact=exact, dots_with_dual=dots_with_dual, branch=branch)
   outs = _call(
       kernel, (b * h, n, n_e), out_ins,
       _present(out_ins, decay=pl.BlockSpec((None,), lambda i, j, e: (i % h,)),
@@ -575,7 +578,8 @@ LAUNCHERS = {"chunk_loop": _chunk_loop, "parallel": _parallel}
 
 
 def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
-  """Pads `ins` for `opts.variant`'s kernels; returns (padded operands, configs, chunk size, slice chunks).
+  """Pads `ins` for `opts.variant`'s kernels; returns (padded operands, configs, chunk size, slice chunks,
+  whether chunks branch: `heuristics.branch_per_chunk`).
 
   T goes to a multiple of the chunk size and the feature dims to powers of two
   >= 16 (`config.padded_dim`); per-token rates and segment starts become the
@@ -608,7 +612,7 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
     # Without segments the counts are all zeros: the kernels skip their masks.
     padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
                              chunk_runs=None if ins.segment_starts is None else runs)
-  return padded, configs, chunk, slice_chunks
+  return padded, configs, chunk, slice_chunks, heuristics.branch_per_chunk(dim_k=kp, dual=ins.dual_with is not None)
 
 
 def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtype, opts: PallasOptions,
@@ -646,7 +650,7 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
     `slice_starts` where the sequence was split.
   """
   t, dim_k, dim_v = ins.x.shape[1], ins.x.shape[-1], ins.z.shape[-1]
-  padded, configs, chunk, slice_chunks = _prepare(ins, reverse=reverse, opts=opts)
+  padded, configs, chunk, slice_chunks, branch = _prepare(ins, reverse=reverse, opts=opts)
   if given_starts is not None and (opts.variant != "chunk_loop" or given_starts.chunk_size != chunk
                                    or given_starts.slice_chunks >= padded.x.shape[1] // chunk
                                    or with_final_state or ins.tangent_with is not None):
@@ -655,7 +659,7 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
                                 with_final_state=with_final_state, configs=configs, out_dtype=out_dtype,
                                 slice_chunks=slice_chunks if given_starts is None else given_starts.slice_chunks,
                                 dots_with_dual=dots_with_dual, given_starts=given_starts,
-                                transposed_states=transposed_states, interpret=opts.interpret)
+                                transposed_states=transposed_states, branch=branch, interpret=opts.interpret)
 
   def unpad_state(s):
     return None if s is None else s[:, :, :dim_k, :dim_v]
@@ -680,8 +684,8 @@ def sweep_final_state(ins: SweepOperands, *, reverse: bool, opts: PallasOptions)
   """
   dim_k, dim_v = ins.y.shape[-1], ins.z.shape[-1]
   opts = dataclasses.replace(opts, variant="chunk_loop")
-  padded, configs, chunk, slice_chunks = _prepare(ins._replace(x=None), reverse=reverse, opts=opts)
+  padded, configs, chunk, slice_chunks, branch = _prepare(ins._replace(x=None), reverse=reverse, opts=opts)
   _, (final_state, _) = slice_starts(padded, cfg=configs.slice_states, chunk_size=chunk, seq_len=ins.y.shape[1],
                                      reverse=reverse, slice_chunks=slice_chunks, with_final_state=True,
-                                     interpret=opts.interpret)
+                                     branch=branch, interpret=opts.interpret)
   return final_state[:, :, :dim_k, :dim_v]
