@@ -313,7 +313,7 @@ def chunk_decay_factors(lam2, end, *, chunk_size, reverse):
   return ChunkFactors(row, key, state, intra, row_exp, key_exp, end, gap)
 
 
-def token_decay_factors(cumdecay, runs, *, reverse, branch=False):
+def token_decay_factors(cumdecay, runs, *, reverse, branch=False, cum_end=None, run_end=None):
   """Decay factors of one chunk from per-token rates and segment starts (module docstring).
 
   Args:
@@ -328,6 +328,9 @@ def token_decay_factors(cumdecay, runs, *, reverse, branch=False):
       mask only a chunk in which one starts (`mask_started_segments`).
       Otherwise (and always on the xla path, vmapped and differentiated) the
       C^2 form, masked unconditionally.
+    cum_end, run_end: the chunk's last values (in sweep order) of cumdecay and
+      runs, where a kernel loads them as scalars (a reduction over the chunk
+      waits for every warp), else None (reduced here).
 
   Returns:
     `ChunkFactors` with row, key, state and intra (the decay tangent's fields
@@ -336,7 +339,7 @@ def token_decay_factors(cumdecay, runs, *, reverse, branch=False):
   c = cumdecay.shape[0]
   i = jnp.arange(c, dtype=jnp.int32)
   end_row = 0 if reverse else c - 1
-  c_end = jnp.sum(jnp.where(i == end_row, cumdecay, 0.0))
+  c_end = jnp.sum(jnp.where(i == end_row, cumdecay, 0.0)) if cum_end is None else cum_end
   # Exponents are clamped at 0 so that masked entries never overflow; `where`,
   # not `minimum`, so that autodiff (the xla path) gives a tie its whole slope.
   nonpositive = lambda x: jnp.where(x <= 0, x, 0.0)  # noqa: E731
@@ -354,24 +357,27 @@ def token_decay_factors(cumdecay, runs, *, reverse, branch=False):
                    None, None, None, None)
   if runs is None:
     return f
-  return mask_started_segments(f, runs) if branch else mask_segments(f, runs)
+  return mask_started_segments(f, runs, run_end) if branch else mask_segments(f, runs, run_end)
 
 
-def mask_segments(f, runs):
+def mask_segments(f, runs, run_end=None):
   """Chunk factors `f` restricted to segments: nothing reaches across a segment start.
 
-  runs: [C] int32 segment-start counts of the chunk (`token_chunk_gates`).
-  The decay-tangent fields stay: their terms vanish with the factors they scale.
+  runs: [C] int32 segment-start counts of the chunk (`token_chunk_gates`);
+  run_end: their last value in sweep order (their largest), or None (reduced
+  here). The decay-tangent fields stay: their terms vanish with the factors
+  they scale.
   """
-  run_end = jnp.max(runs)
+  run_end = jnp.max(runs) if run_end is None else run_end
   return f._replace(row=jnp.where(runs == 0, f.row, 0.0), key=jnp.where(runs == run_end, f.key, 0.0),
                     state=jnp.where(run_end == 0, f.state, 0.0),
                     intra=jnp.where(runs[:, None] == runs[None, :], f.intra, 0.0))
 
 
-def mask_started_segments(f, runs):
+def mask_started_segments(f, runs, run_end=None):
   """`mask_segments` in a kernel: a chunk in which no segment starts keeps `f` (a branch, not [C, C] selects)."""
-  return jax.lax.cond(jnp.max(runs) > 0, lambda: mask_segments(f, runs), lambda: f)
+  run_end = jnp.max(runs) if run_end is None else run_end
+  return jax.lax.cond(run_end > 0, lambda: mask_segments(f, runs, run_end), lambda: f)
 
 
 def sweep_decay_factors(lam2, *, chunk_size, seq_len, reverse):

@@ -235,22 +235,23 @@ def fuse_dk_dv(*, dim_k: int, dim_v: int) -> bool:
   return dim_k <= 64 and dim_v <= 64
 
 
-def branch_per_chunk(*, dim_k: int, dual: bool) -> bool:
+def branch_per_chunk(*, dual: bool) -> bool:
   """Whether a Triton sweep's chunks branch on their own gates (`chunk_common.token_decay_factors`).
 
   A branch per chunk computes per-token intra factors from 2C exp2 instead of
   C^2 where the chunk's rates allow, and masks segments only in a chunk where
-  one starts. Its effect is the compiled loop's more than the work it skips
-  (H100, jax 0.11.2, ncu per kernel, fwd+bwd with per-token rates, T32K):
-  at D = 128 (B2 H32) the dq and dv sweeps took 19% less time (1335 -> 1078
-  and 1352 -> 1092 us) and the dk sweep 1% more; at D = 64 (B4 H32) the
-  fused dk/dv sweep 15% less (1198 -> 1014) but the dq sweep 55% more
-  (1140 -> 1763); factorising every chunk without the branch changed either
-  by at most 1%. With packed sequences and a per-head rate at D = 128 (B1
-  H32, H200) fwd+bwd took 8% less. So: the dual sweep, and every sweep from
-  K = 128 on (PERFORMANCE.md, "Per-token decay and packed sequences").
+  one starts. Its effect is the compiled loop's more than the work it skips:
+  factorising every chunk without a branch changed no sweep by more than 1%.
+  Measured (jax 0.11.2, per-token rates, fwd+bwd, T32K; ncu per kernel):
+  with a branch the dq and dv sweeps at D = 128 (B2 H32, H100) took 19% less
+  time (1335 -> 1078 and 1352 -> 1092 us) and the dk sweep 1% more; at D = 64
+  (B4 H32, H200) the dq sweep less, but the fused dk/dv sweep 53% more
+  (1103 -> 1686 us). Branching every sweep but the dual one: fwd+bwd 8.6% less
+  at B4 H32 D64, 10.5% less at B2 H32 D128, 14% less with 8 packed sequences
+  and a per-head rate at B1 H32 D128 (H200, in-process A/B; PERFORMANCE.md,
+  "Per-token decay and packed sequences").
   """
-  return dual or dim_k >= 128
+  return not dual
 
 
 # Devices on which a per-head rate at D <= 64 leaves chunk_loop's one program per

@@ -575,7 +575,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
     (initial_state, _), (final_state, _) = pallas_triton.slice_starts(
         pallas_triton.SweepOperands(**gates, y=k, z=v, initial_state=initial_state), cfg=configs.slice_states,
         chunk_size=c, seq_len=t, reverse=False, slice_chunks=slice_chunks,
-        with_final_state=opts.return_final_state, branch=heuristics.branch_per_chunk(dim_k=kp, dual=False),
+        with_final_state=opts.return_final_state, branch=heuristics.branch_per_chunk(dual=False),
         interpret=opts.interpret)
     starts = pallas_triton.SliceStarts(initial_state[..., :dim_k, :dim_v], chunk_size=c, slice_chunks=slice_chunks)
   elif initial_state is not None:

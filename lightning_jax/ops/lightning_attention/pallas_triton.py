@@ -166,10 +166,19 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch):
   def chunk_rows(chunk_idx):
     return pl.ds(pl.multiple_of(chunk_idx * chunk_size, chunk_size), chunk_size)
 
+  def at_end(ref, chunk_idx):  # the chunk's last value in sweep order, a scalar load
+    return ref[chunk_idx * chunk_size + (0 if reverse else chunk_size - 1)]
+
+  def runs_of(chunk_idx):
+    return ins.chunk_runs[chunk_rows(chunk_idx)], at_end(ins.chunk_runs, chunk_idx)
+
   if ins.chunk_cumdecay is not None:
-    return lambda chunk_idx: chunk_common.token_decay_factors(
-        ins.chunk_cumdecay[chunk_rows(chunk_idx)],
-        None if ins.chunk_runs is None else ins.chunk_runs[chunk_rows(chunk_idx)], reverse=reverse, branch=branch)
+    def token_factors(chunk_idx):
+      runs, run_end = (None, None) if ins.chunk_runs is None else runs_of(chunk_idx)
+      return chunk_common.token_decay_factors(ins.chunk_cumdecay[chunk_rows(chunk_idx)], runs, reverse=reverse,
+                                              branch=branch, cum_end=at_end(ins.chunk_cumdecay, chunk_idx),
+                                              run_end=run_end)
+    return token_factors
   if ins.decay is None and ins.chunk_runs is None:
     return lambda chunk_idx: None
   lam2 = 0.0 if ins.decay is None else ins.decay[()].astype(_F32) * chunk_common.LOG2_E
@@ -177,7 +186,7 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch):
   if ins.chunk_runs is None:
     return factors
   mask = chunk_common.mask_started_segments if branch else chunk_common.mask_segments
-  return lambda chunk_idx: mask(factors(chunk_idx), ins.chunk_runs[chunk_rows(chunk_idx)])
+  return lambda chunk_idx: mask(factors(chunk_idx), *runs_of(chunk_idx))
 
 
 def _scores(a, b, f, *, reverse, exact):
@@ -612,7 +621,7 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
     # Without segments the counts are all zeros: the kernels skip their masks.
     padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
                              chunk_runs=None if ins.segment_starts is None else runs)
-  return padded, configs, chunk, slice_chunks, heuristics.branch_per_chunk(dim_k=kp, dual=ins.dual_with is not None)
+  return padded, configs, chunk, slice_chunks, heuristics.branch_per_chunk(dual=ins.dual_with is not None)
 
 
 def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtype, opts: PallasOptions,
