@@ -26,7 +26,8 @@ scale folded into the row and intra factors) come in one of two forms:
 
   per head  (a per-head rate or none) computed outside and loaded once;
             with packed sequences, each chunk's segment-start counts come
-            with its q, k, v and mask them (no exp2 in the kernel);
+            with its q, k, v and mask them, in a chunk where a segment
+            starts (no exp2 in the kernel);
   per chunk (per-token rates) each chunk's cumulative
             rates (and segment counts, `chunk_factors`) loaded with its q, k,
             v; each warpgroup builds the factors it needs from them, so that
