@@ -101,8 +101,6 @@ def make_spec(*, num_heads, in_features, num_v_heads, head_dim, value_head_dim, 
   lightning_api.check_scale(scale)
   if impl not in delta_api.IMPLS:
     raise ValueError(f"impl must be one of {delta_api.IMPLS}, got {impl!r}")
-  if sequence_axis is not None and not isinstance(sequence_axis, str):
-    raise TypeError(f"sequence_axis must be None or a mesh axis name, got {sequence_axis!r}")
   sharding = make_sharding(mesh=mesh, batch_axes=batch_axes, head_axis=head_axis, sequence_axis=sequence_axis)
   low_rank = value_head_dim  # Kimi Linear's low-rank gates go through a head's width
   return DeltaSpec(

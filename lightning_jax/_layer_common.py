@@ -132,6 +132,9 @@ def make_sharding(*, mesh, batch_axes, head_axis, sequence_axis) -> Sharding | N
     return None
   if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"mesh must be None or a jax.sharding.Mesh, got {type(mesh).__name__}")
+  for name, axis in (("head_axis", head_axis), ("sequence_axis", sequence_axis)):
+    if axis is not None and not isinstance(axis, str):
+      raise TypeError(f"{name} must be None or a mesh axis name, got {axis!r}")
   if mesh is None and (batch_axes is not None or head_axis is not None):
     raise ValueError("batch_axes and head_axis need a mesh (inside your own shard_map, give sequence_axis only)")
   if isinstance(batch_axes, list):

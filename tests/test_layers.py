@@ -452,6 +452,7 @@ def test_decode_errors():
     (dict(variant="fast"), ValueError, "variant"),
     (dict(config={}), TypeError, "config"),
     (dict(num_heads=1, qkv_features=512), ValueError, "head dim"),
+    (dict(sequence_axis=3), TypeError, "sequence_axis must be None or a mesh axis name"),
 ])
 @pytest.mark.parametrize("framework", ["nnx", "linen"])
 def test_bad_constructor_arguments(framework, kwargs, error, match):
