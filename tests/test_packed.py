@@ -4,8 +4,9 @@ A packed call against each sequence run alone through the token-serial oracle
 (outputs, per-sequence final states and every gradient) for the oracle itself
 and the XLA path, and against the oracle's packed call in every Pallas variant
 (split included), with and without a branch per chunk; per-token decay at
-extreme rates against the oracle, both ways; the oracle itself against a float64 loop; one compilation for
-changing boundaries; the errors of bad input.
+extreme rates against the oracle, both ways; the oracle itself against a
+float64 loop; one compilation for changing boundaries; the errors of bad
+input.
 """
 
 import dataclasses
