@@ -552,6 +552,38 @@ def test_pieces_times_every_piece_of_per_token_rates(capsys):
   assert all(float(v) > 0 for t in times.values() for v in t.values() if v != "-")
 
 
+def test_kernel_profile_splits_ncu_csv_by_case(tmp_path, capsys):
+  """`benchmarks.kernel_profile --summarize`: kernels after each marker, in launch order, in microseconds."""
+  from benchmarks import kernel_profile  # noqa: PLC0415
+
+  header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+  rows = [("0", "case_separator", "ns", "1,024"), ("1", "lightning_chunk_loop", "ns", "403,104"),
+          ("2", "loop_pad_fusion", "us", "2.5"), ("3", "case_separator", "ns", "900"),
+          ("4", "lightning_chunk_states", "ms", "0.125")]
+  text = ["==PROF== Connected to process 1", header] + [
+      ",".join(f'"{c}"' for c in (i, name, "gpu__time_duration.sum", unit, value)) for i, name, unit, value in rows]
+  assert kernel_profile.summarize(text) == [[("lightning_chunk_loop", 403.104), ("loop_pad_fusion", 2.5)],
+                                             [("lightning_chunk_states", 125.0)]]
+  path = tmp_path / "ncu.csv"
+  path.write_text("\n".join(text))
+  kernel_profile.main(["--summarize", str(path), "--cases", "1x64x2x16:head,1x64x2x16:token:3"])
+  out = capsys.readouterr().out
+  assert "== 1x64x2x16:head: 405.6 us in 2 kernels" in out and "(1 kernels under 3.0 us)" in out
+  assert kernel_profile.parse_case("2x8192x32x128:token:8") == ((2, 8192, 32, 128), "token", 8)
+  for bad in ("1x64x2:head", "1x64x2x16:alibi", "1x64x2x16"):
+    with pytest.raises(ValueError, match="BxTxHxD:decay"):
+      kernel_profile.parse_case(bad)
+
+
+@pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time
+def test_kernel_profile_runs_its_cases_without_a_profiler(capsys):
+  """`benchmarks.kernel_profile --no-profiler` on a tiny packed per-token case (interpret mode)."""
+  from benchmarks import kernel_profile  # noqa: PLC0415
+
+  kernel_profile.main(["--cases", "1x48x1x8:token:2", "--no-profiler"])
+  assert capsys.readouterr().out.strip() == "profiled 1x48x1x8:token:2"
+
+
 @pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time
 def test_sequence_pieces_times_one_sequence_parallel_device():
   """`benchmarks.sequence_pieces` on a tiny shape (interpret mode): every program timed with each states config."""
