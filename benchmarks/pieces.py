@@ -1,22 +1,18 @@
 """Times the pieces of the lightning op's forward+backward by leaving parts out, per-head against per-token rates.
 
-    python -m benchmarks.pieces [--shapes 1x32768x32x128,...] [--kinds head,token] [--ncu-shape 1x32768x32x128]
+    python -m benchmarks.pieces [--shapes 1x32768x32x128,...] [--kinds head,token]
 
 For each shape (bf16) and each decay kind (a per-head rate, fixed; per-token
 rates, differentiated as the CLI's fwd+bwd does; per-token rates held fixed)
 it times, with `--variant` (auto), the forward, the VJP with respect to q, k, v
 (and the rates), and the VJP with respect to q, k or v alone: the differences
-place the backward's time in its sweeps. With `--ncu-shape` it runs one
-forward+backward of that shape between cuProfilerStart and cuProfilerStop, for
-`ncu --profile-from-start off` to list every kernel's duration (on the H200
-with jax 0.11.2 this ran for per-head rates; the per-token program crashed
-under ncu, cause unknown).
+place the backward's time in its sweeps. Each kernel's own time comes from
+`benchmarks.kernel_profile` under ncu.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 
 import jax
 import jax.numpy as jnp
@@ -83,20 +79,8 @@ def main(argv=None):
   p.add_argument("--shapes", default="1x32768x32x128,4x8192x32x64")
   p.add_argument("--kinds", default=",".join(KINDS))
   p.add_argument("--variant", default="auto")
-  p.add_argument("--ncu-shape", help="BxTxHxD: one profiled forward+backward per kind in --kinds")
   args = p.parse_args(argv)
   kinds = args.kinds.split(",")
-  if args.ncu_shape:
-    cuda = ctypes.CDLL("libcuda.so.1")
-    for kind in kinds:
-      fn = jax.jit(_vjp_fn(kind, "qkvg", args.variant))
-      inputs = _inputs(_parse(args.ncu_shape), kind, 0)
-      jax.block_until_ready(fn(*inputs))
-      cuda.cuProfilerStart()
-      jax.block_until_ready(fn(*inputs))
-      cuda.cuProfilerStop()
-      print(f"profiled {kind}", flush=True)
-    return
   rows = []
   for shape in args.shapes.split(","):
     for kind in kinds:
