@@ -198,6 +198,9 @@ class WarpSpecializedConfig:
 
   CHUNK_SIZE: ClassVar[int] = 64
   BLOCK_E: ClassVar[int] = 64
+  # States the state chain may publish ahead of the output warpgroup: three let it run one chunk further
+  # ahead than two (PERFORMANCE.md, "Warp-specialised forward (sm90)").
+  PUBLISHED_STATES: ClassVar[int] = 3
   # wgmma exists on sm90 alone (sm100 has tcgen05 instead).
   COMPUTE_CAPABILITY: ClassVar[tuple[int, int]] = (9, 0)
   MAX_DIM_K: ClassVar[int] = 128
@@ -216,20 +219,25 @@ class WarpSpecializedConfig:
     return (64 if dim_k <= 64 else 128), -(-dim_v // cls.BLOCK_E) * cls.BLOCK_E
 
   def shared_memory_bytes(self, sweep: SweepShape) -> int:
-    """The load ring, the published states (x2), the staged scores, key-scaled v and outputs (x2), the factors.
+    """The compiled kernel's: the load ring, the published states, the outputs (x2), the factors.
 
-    The float32 initial/final state shares the published states' memory (the
-    same bytes at 16 bits). The kernel's tiles are BLOCK_E values wide whatever
-    `sweep.dim_v`. The factors: a [C, C] float32 tile and [5, C] float32
-    vectors, per head once or per chunk in every slot of the ring, and with
+    The float32 initial/final state shares the published states' memory, and
+    the [C, C] float32 factors the staged outputs' (read once before the first
+    output). At K = 64 the scores and key-scaled v may be staged for wgmma
+    (counted); at K = 128 they stay in registers (interpreted kernels stage
+    them at every K: the interpreter has no shared-memory budget). The kernel's
+    tiles are BLOCK_E values wide whatever `sweep.dim_v`. The factor rows: [5,
+    C] float32 per head once or per chunk in every slot of the ring, and with
     packed sequences per head, two [C] segment-start rows per slot (counted
     here, the larger).
     """
-    c, be, dim_k = self.CHUNK_SIZE, self.BLOCK_E, sweep.dim_k
-    ring = self.num_stages * c * (2 * dim_k + be)
-    staged = 2 * be * dim_k + 2 * c * c + 2 * c * be
+    c, be, dim_k, itemsize = self.CHUNK_SIZE, self.BLOCK_E, sweep.dim_k, sweep.itemsize
+    ring = self.num_stages * c * (2 * dim_k + be) * itemsize
+    published = self.PUBLISHED_STATES * be * dim_k * itemsize
+    outputs_or_factors = max(2 * c * be * itemsize, 4 * c * c)
+    staged_operands = (c * c + c * be) * itemsize if dim_k <= 64 else 0
     factor_rows = max(5 * self.num_stages, 5 + 2 * self.num_stages)
-    return sweep.itemsize * (ring + staged) + 4 * (c * c + factor_rows * c)
+    return ring + published + outputs_or_factors + staged_operands + 4 * factor_rows * c
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ walks the chunks of 64 tokens of its slice in order (the whole sequence unless
           `num_stages` slots, refilling a slot once both others released it;
   state   carries S^T [64, K] (float32, in wgmma registers) down the chunks,
           S^T <- a^C S^T + (key * v)^T k, and publishes S_n (bf16/fp16, the
-          state before chunk n) in a double buffer; it starts from the initial
+          state before chunk n) in `PUBLISHED_STATES` buffers; it starts from the initial
           state and writes the final one when asked, both float32 and staged
           through the publishing buffer's shared memory, idle then;
   output  computes o = row * (q S_n) + (intra * q k^T) v for chunk n and
@@ -65,6 +65,7 @@ _F32 = jnp.float32
 # Registers per thread: the memory warpgroup gives its share to the two that
 # compute (3 x 128 threads share 64K registers).
 _MEMORY_REGISTERS, _COMPUTE_REGISTERS = 40, 232
+_PUBLISHED = WarpSpecializedConfig.PUBLISHED_STATES
 
 
 def decay_factors(decay, heads: int, *, scale: float, last_rows: int = CHUNK_SIZE):
@@ -117,20 +118,10 @@ def _smem(shape, dtype):
                                               plgpu.SwizzleTransform(128)))
 
 
-def _matmul(a, b, shape):
-  """a @ b through wgmma into a fresh float32 accumulator, returned as a value."""
+def _accumulate(init, a, b):
+  """init + a @ b through wgmma, the accumulator started from init (`ACC.init`, compiled only)."""
   def body(acc):
     plgpu.wgmma(acc, a, b)
-    return acc[...]
-  return pl.run_scoped(body, plgpu.ACC(shape, _F32))
-
-
-def _accumulate(init, a, b, *, issued):
-  """init + a @ b through wgmma, the accumulator started from init (`ACC.init`, compiled only); `issued()` runs
-  while the product does."""
-  def body(acc):
-    plgpu.wgmma(acc, a, b)
-    issued()
   return pl.run_state(body)(plgpu.ACC.init(init))
 
 
@@ -144,11 +135,14 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   out_ref = refs.pop(0)
   final_ref = refs.pop(0) if has_final else None
   buffers, barriers = refs
-  q_smem, k_smem, v_smem, state_smem, scores_smem, vk_smem, out_smem, intra_smem, vectors_smem = buffers[:9]
+  q_smem, k_smem, v_smem, state_smem, (out_smem, intra_smem), vectors_smem, *buffers = buffers
+  # Left operands of wgmma staged in shared memory where they do not stay in registers (`_register_operands`).
+  scores_smem = None if register_scores else buffers.pop(0)
+  vk_smem = None if register_state else buffers.pop(0)
   # Per chunk: a second copy of each chunk's factors. Per head with segments: each chunk's segment-start
   # counts, twice (along the rows and along the columns of the scores).
-  factors_by_column = buffers[9] if per_chunk else None
-  runs_smem, runs_by_column = buffers[9:11] if head_segments else (None, None)
+  factors_by_column = buffers.pop(0) if per_chunk else None
+  runs_smem, runs_by_column = buffers if head_segments else (None, None)
   q_loaded, k_loaded, v_loaded, released, state_ready, state_read, factors_loaded = barriers[:7]
   barriers = list(barriers[7:])
   chunk_factors_loaded = barriers.pop(0) if per_chunk or has_segments else None
@@ -231,26 +225,29 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     if has_decay and not per_chunk:
       plgpu.barrier_wait(factors_loaded.at[1])
 
+    def publish(m, state):
+      """S_m out to the output warpgroup, once it is done with S_{m - _PUBLISHED}."""
+      buf = lax.rem(m, _PUBLISHED)
+
+      @pl.when(m >= _PUBLISHED)
+      def _():
+        plgpu.barrier_wait(state_read.at[buf])
+
+      state_smem[buf] = state.astype(state_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(state_ready.at[buf])
+
+    # Per-head factors are at hand: S_n goes out first thing in chunk n. Per-chunk
+    # factors: S_{n+1} goes out as soon as it exists, at the end of chunk n, before
+    # the chain waits for chunk n+1's k and v (PERFORMANCE.md, "Warp-specialised
+    # forward (sm90)": H100, B2 H32 T32K D128 per-token rates, 2% less time than
+    # publishing during the update's product).
     def body(n, state_t, head_factors):
-      slot, buf = slot_of(n), lax.rem(n, 2)
+      slot = slot_of(n)
       plgpu.barrier_wait(k_loaded.at[slot])
       plgpu.barrier_wait(v_loaded.at[slot])
-
-      def publish():
-        @pl.when(n >= 2)
-        def _():
-          plgpu.barrier_wait(state_read.at[buf])  # the output warpgroup is done with S_{n-2}
-
-        state_smem[buf] = state_t.astype(state_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(state_ready.at[buf])
-
-      # Per-head factors are at hand: S_n goes out first. Per-chunk factors take
-      # their exp2 and staging first; S_n then goes out while the update's product
-      # runs (H200, B2 H32 T32K D128 per-token rates: 4-5% less time; with a
-      # per-head rate or none that order was 2-4% slower).
       if not per_chunk:
-        publish()
+        publish(n, state_t)
       values, state_decay = v_smem.at[slot].transpose((1, 0)), None  # wgmma's left operand: v^T or (key * v)^T
       if has_decay:
         if per_chunk:
@@ -279,17 +276,19 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
           plgpu.commit_smem()
           values = vk_smem.transpose((1, 0))
       decayed = state_t if state_decay is None else state_t * state_decay
-      issued = publish if per_chunk else lambda: None
       if register_state:  # the product accumulates onto the decayed state
-        new_state = _accumulate(decayed, values, k_smem.at[slot], issued=issued)
+        new_state = _accumulate(decayed, values, k_smem.at[slot])
       else:
         def update_product(acc):
           plgpu.wgmma(acc, values, k_smem.at[slot])
-          issued()
           return acc[...]
 
         new_state = decayed + pl.run_scoped(update_product, plgpu.ACC(state_t.shape, _F32))
       plgpu.barrier_arrive(released.at[slot])
+      if per_chunk:
+        @pl.when(n + 1 < num_chunks)
+        def _():
+          publish(n + 1, new_state)
       return new_state
 
     if has_initial:
@@ -305,14 +304,16 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     head_factors = None
     if has_decay and not per_chunk:
       head_factors = vectors_smem[_KEY], vectors_smem[_STATE]
+    if per_chunk:
+      publish(0, state)
     state = lax.fori_loop(0, split, lambda n, s: body(n, s, head_factors), state)
     if split < num_chunks:
       last_factors = vectors_smem[_LAST_KEY], vectors_smem[_LAST_STATE]
       state = lax.fori_loop(split, num_chunks, lambda n, s: body(n, s, last_factors), state)
 
-    @pl.loop(max(num_chunks - 2, 0), num_chunks)
+    @pl.loop(max(num_chunks - _PUBLISHED, 0), num_chunks)
     def _drain(n):
-      plgpu.barrier_wait(state_read.at[lax.rem(n, 2)])
+      plgpu.barrier_wait(state_read.at[lax.rem(n, _PUBLISHED)])
 
     if has_final:  # the output warpgroup has read every published state (the drain above)
       state_f32_smem[...] = state
@@ -325,6 +326,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     plgpu.barrier_wait(factors_loaded.at[0])
     intra = intra_smem[...]  # per chunk: the scaled causal mask
+    plgpu.commit_smem()  # every thread has read it before the first output overwrites it
     row = None
     if not per_chunk:
       plgpu.barrier_wait(factors_loaded.at[1])
@@ -332,7 +334,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
     @pl.loop(0, num_chunks)
     def _chunk(n):
-      slot, buf = slot_of(n), lax.rem(n, 2)
+      slot, buf, pub = slot_of(n), lax.rem(n, 2), lax.rem(n, _PUBLISHED)
       chunk_row = row
       if per_chunk:
         # row_i = scale 2^-c_i before the chunk's first segment start, intra_ij =
@@ -349,21 +351,24 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         chunk_row = scale * jnp.exp2(row_exponent)
       plgpu.barrier_wait(q_loaded.at[slot])
       plgpu.barrier_wait(k_loaded.at[slot])
-      scores = _matmul(q_smem.at[slot], k_smem.at[slot].transpose((1, 0)), (c, c))
+      # The scores' factors [C, C] (scale, causal mask, decay, segments), built while q k^T runs on the
+      # tensor cores: they depend on the chunk's rates alone.
       if head_segments:
         # Pairs within a segment, in a chunk where one starts; rows past the chunk's first segment start do
         # not see S_n.
         runs = chunk_factor_rows(n)[0]
 
-        def within_segments():
-          same_segment = (lax.broadcast_in_dim(runs, (c, c), (0,))
-                          == lax.broadcast_in_dim(runs_by_column[slot, 0], (c, c), (1,)))
-          return scores * jnp.where(same_segment, intra, 0.0)
+        def weights():
+          def within_segments():
+            same_segment = (lax.broadcast_in_dim(runs, (c, c), (0,))
+                            == lax.broadcast_in_dim(runs_by_column[slot, 0], (c, c), (1,)))
+            return jnp.where(same_segment, intra, 0.0)
 
-        weighted = lax.cond(runs_smem[slot, 0, c - 1] > 0, within_segments, lambda: scores * intra)
+          return lax.cond(runs_smem[slot, 0, c - 1] > 0, within_segments, lambda: intra)
+
         chunk_row = row * (1.0 - jnp.minimum(runs, 1.0))
       elif not per_chunk:
-        weighted = scores * intra
+        weights = lambda: intra  # noqa: E731
       else:
         def factorized():
           # 2^(c_j - c_i) = 2^(m - c_i) 2^(c_j - m), m = c_end / 2: each factor in
@@ -372,7 +377,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
           mask = intra
           if has_segments:
             mask = jnp.where(by_row(rows[_RUNS]) == by_column(columns[_RUNS]), intra, 0.0)
-          return scores * mask * by_row(jnp.exp2(mid - rows[_CUM])) * by_column(jnp.exp2(columns[_CUM] - mid))
+          return mask * by_row(jnp.exp2(mid - rows[_CUM])) * by_column(jnp.exp2(columns[_CUM] - mid))
 
         def clamped():
           # Exponents clamped at 0, so that no entry outside the causal mask
@@ -380,25 +385,31 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
           gap = by_column(columns[_CUM]) - by_row(rows[_CUM])
           if has_segments:
             gap = gap - _SEGMENT_EXPONENT * (by_row(rows[_RUNS]) - by_column(columns[_RUNS]))
-          return scores * (intra * jnp.exp2(jnp.minimum(gap, 0.0)))
+          return intra * jnp.exp2(jnp.minimum(gap, 0.0))
 
-        weighted = lax.cond(cum_end <= chunk_common.FACTORIZED_MAX_LOG2, factorized, clamped)
+        weights = lambda: lax.cond(cum_end <= chunk_common.FACTORIZED_MAX_LOG2, factorized, clamped)  # noqa: E731
 
-      weighted = weighted.astype(scores_smem.dtype)
+      def weighted_scores(acc):
+        plgpu.wgmma(acc, q_smem.at[slot], k_smem.at[slot].transpose((1, 0)))
+        chunk_weights = weights()
+        return acc[...] * chunk_weights
+
+      weighted = pl.run_scoped(weighted_scores, plgpu.ACC((c, c), _F32))
+      weighted = weighted.astype(q_smem.dtype)
       if not register_scores:
         scores_smem[...] = weighted
         plgpu.commit_smem()
         weighted = scores_smem
       plgpu.barrier_wait(v_loaded.at[slot])
-      plgpu.barrier_wait(state_ready.at[buf])
+      plgpu.barrier_wait(state_ready.at[pub])
 
       def products(intra_acc, inter_acc):
         plgpu.wgmma(intra_acc, weighted, v_smem.at[slot])
-        plgpu.wgmma(inter_acc, q_smem.at[slot], state_smem.at[buf].transpose((1, 0)))
+        plgpu.wgmma(inter_acc, q_smem.at[slot], state_smem.at[pub].transpose((1, 0)))
         return intra_acc[...], inter_acc[...]
 
       intra_out, inter = pl.run_scoped(products, plgpu.ACC((c, be), _F32), plgpu.ACC((c, be), _F32))
-      plgpu.barrier_arrive(state_read.at[buf])
+      plgpu.barrier_arrive(state_read.at[pub])
       plgpu.barrier_arrive(released.at[slot])
       out = intra_out + inter * chunk_row[:, None]
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store of chunk n - 2 has read its buffer
@@ -487,16 +498,20 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       factor_smem += (plgpu.SMEM((num_stages, 1, c), _F32),) * 2
   dtype = q.dtype
   with_states = initial_state is not None or return_final_state
-  state_smem = _smem((2, be, dim_k), dtype)
+  state_smem = _smem((_PUBLISHED, be, dim_k), dtype)
   if with_states:  # the same bytes as the published states (see `WarpSpecializedConfig`)
     state_smem = plgpu.RefUnion(state_smem, _smem((be, dim_k), _F32))
+  registers = _register_operands(dim_k, per_chunk, interpret)
+  staged = ((() if registers["register_scores"] else (_smem((c, c), dtype),))
+            + (() if registers["register_state"] else (_smem((c, be), dtype),)))
   scratch = (
+      # The [C, C] float32 factors are read once, before the first output is staged in the same bytes.
       (_smem((num_stages, c, dim_k), dtype), _smem((num_stages, c, dim_k), dtype),
-       _smem((num_stages, c, be), dtype), state_smem, _smem((c, c), dtype),
-       _smem((c, be), dtype), _smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32)) + factor_smem,
+       _smem((num_stages, c, be), dtype), state_smem,
+       plgpu.RefUnion(_smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32)), factor_smem[0]) + staged + factor_smem[1:],
       (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
        plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
-       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
+       plgpu.Barrier(num_barriers=_PUBLISHED), plgpu.Barrier(num_barriers=_PUBLISHED), plgpu.Barrier(num_barriers=2))
       + ((plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),) if per_chunk or chunk_runs is not None else ())
       + ((plgpu.Barrier(num_barriers=1),) if initial_state is not None else ()),
   )
@@ -509,7 +524,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                              per_chunk=per_chunk, has_decay=per_chunk or decay is not None or chunk_runs is not None,
                              has_segments=chunk_runs is not None or (per_chunk and chunk_gates[1] is not None),
                              has_initial=initial_state is not None, has_final=return_final_state,
-                             last_rows=last_rows, scale=scale, **_register_operands(dim_k, per_chunk, interpret))
+                             last_rows=last_rows, scale=scale, **registers)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
