@@ -199,7 +199,7 @@ class WarpSpecializedConfig:
   CHUNK_SIZE: ClassVar[int] = 64
   BLOCK_E: ClassVar[int] = 64
   # States the state chain may publish ahead of the output warpgroup: three let it run one chunk further
-  # ahead than two (PERFORMANCE.md, "Warp-specialised forward (sm90)").
+  # ahead than two (PERFORMANCE.md, "Per-token decay and packed sequences", change 9).
   PUBLISHED_STATES: ClassVar[int] = 3
   # wgmma exists on sm90 alone (sm100 has tcgen05 instead).
   COMPUTE_CAPABILITY: ClassVar[tuple[int, int]] = (9, 0)

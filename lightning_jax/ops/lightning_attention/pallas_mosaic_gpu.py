@@ -239,8 +239,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
     # Per-head factors are at hand: S_n goes out first thing in chunk n. Per-chunk
     # factors: S_{n+1} goes out as soon as it exists, at the end of chunk n, before
-    # the chain waits for chunk n+1's k and v (PERFORMANCE.md, "Warp-specialised
-    # forward (sm90)": H100, B2 H32 T32K D128 per-token rates, 2% less time than
+    # the chain waits for chunk n+1's k and v (PERFORMANCE.md, change 9 of "Per-token decay
+    # and packed sequences": H100, B2 H32 T32K D128 per-token rates, 2% less time than
     # publishing during the update's product).
     def body(n, state_t, head_factors):
       slot = slot_of(n)
