@@ -429,8 +429,9 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool) -> dict:
   5.6% with per-token rates at D64, 4.5% more with a per-head rate at D64;
   on an H100, within 1%: PERFORMANCE.md, "Warp-specialised forward"). Never
   interpreted: the Mosaic GPU interpreter's wgmma reads shared memory alone and
-  has no initialised accumulator, so there the staging tiles (allocated either
-  way) hold the same operands, and the update is added after the product.
+  has no initialised accumulator, so there staging tiles (allocated only for
+  staged operands) hold the same operands, and the update is added after the
+  product.
   """
   compiled = not interpret
   return dict(register_state=compiled and dim_k > 64, register_scores=compiled and (per_chunk or dim_k > 64))
