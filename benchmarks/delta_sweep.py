@@ -58,7 +58,7 @@ def _kernel_fns(config, scale, dp):
 
   def operands(q, k, v, beta, decay, chunk_size):
     g = pt.gate_logs(decay, seq_len=q.shape[1], dim_k=dp, chunk_size=chunk_size)
-    return pt._padded(q, k, v, beta, None, g, chunk_size=chunk_size)  # noqa: SLF001
+    return pt.padded_operands(q, k, v, beta, None, g, chunk_size=chunk_size)
 
   def prepare(q, k, v, beta, decay, do, states):
     qp, kp, vp, br, gates = operands(q, k, v, beta, decay, config.chunk_size)

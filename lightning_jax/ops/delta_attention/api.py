@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.delta_attention import reference
 from lightning_jax.ops.delta_attention import sequence_parallel
 from lightning_jax.ops.delta_attention import vjp
+from lightning_jax.ops.delta_attention import warp_specialized
 from lightning_jax.ops.delta_attention import xla
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import api as lightning_api
@@ -179,13 +182,20 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       segment_ids = packing.segment_ids_from_cu_seqlens(cu_seqlens, q.shape[1])
     starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
     if impl == "pallas":
-      opts = vjp.PallasOptions(scale=scale, with_final_state=return_final_state,
-                               config=config or pallas_triton.default_config(
-                                   per_channel_gate=decay is not None and decay.ndim == 4, dtype=q.dtype,
-                                   dim_k=q.shape[-1], dim_v=v.shape[-1], compute_capability=cc,
-                                   batch_heads=q.shape[0] * q.shape[2],
-                                   num_sms=heuristics.num_sms(device)),
-                               interpret=lightning_api.pallas_interpret(interpret, cc, q))
+      per_channel_gate = decay is not None and decay.ndim == 4
+      config = config or pallas_triton.default_config(
+          per_channel_gate=per_channel_gate, dtype=q.dtype, dim_k=q.shape[-1], dim_v=v.shape[-1],
+          compute_capability=cc, batch_heads=q.shape[0] * q.shape[2], num_sms=heuristics.num_sms(device))
+      interpret = lightning_api.pallas_interpret(interpret, cc, q)
+      cannot = warp_specialized.unsupported(dim_k=q.shape[-1], dim_v=v.shape[-1], dtype=q.dtype,
+                                            per_channel_gate=per_channel_gate, chunk_size=config.chunk_size,
+                                            compute_capability=cc, interpret=interpret)
+      if config.warp_specialized and cannot:
+        raise ValueError(f"DeltaConfig(warp_specialized=True): the warp-specialised forward {cannot}")
+      # Unless asked, compiled only (its interpreter is for tests).
+      config = dataclasses.replace(config, warp_specialized=not cannot and (
+          config.warp_specialized or (config.warp_specialized is None and not interpret)))
+      opts = vjp.PallasOptions(scale=scale, with_final_state=return_final_state, config=config, interpret=interpret)
       o, final_state = vjp.delta_attention_pallas(q, k, v, beta, decay, starts, initial_state, opts)
     else:
       o, final_state = xla.chunked(q, k, v, beta, decay, starts, initial_state, scale=scale,

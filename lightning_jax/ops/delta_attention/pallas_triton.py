@@ -79,6 +79,11 @@ class DeltaConfig:
       16-token chunks, where the states it reads are 4x a chunk's inputs at
       D = E = 128; the split kernels take 64-token chunks.
     num_warps, num_stages: Triton's, for every kernel.
+    warp_specialized: the forward's sweep on the warp-specialised Mosaic GPU
+      kernel (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256, a
+      scalar decay per token or none, chunk_size dividing 64) after the
+      prepare kernel. None: wherever it runs compiled; True: required
+      (ValueError where it cannot run); False: the Triton sweep.
   """
   chunk_size: int = 32
   backward_chunk_size: int = 64
@@ -87,6 +92,7 @@ class DeltaConfig:
   split_backward: bool | None = None
   num_warps: int = 4
   num_stages: int = 2
+  warp_specialized: bool | None = None
 
   def __post_init__(self):
     for name in ("chunk_size", "backward_chunk_size"):  # Triton's arrays have power-of-two sizes
@@ -97,8 +103,9 @@ class DeltaConfig:
       size = getattr(self, name)
       if size < lightning_config.MIN_BLOCK or size & (size - 1):
         raise ValueError(f"{name} must be a power of two >= {lightning_config.MIN_BLOCK}, got {size}")
-    if self.split_backward is not None and not isinstance(self.split_backward, bool):
-      raise TypeError(f"split_backward must be None or a bool, got {self.split_backward!r}")
+    for name in ("split_backward", "warp_specialized"):
+      if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+        raise TypeError(f"{name} must be None or a bool, got {getattr(self, name)!r}")
 
   def splits_backward(self, *, per_channel_gate: bool) -> bool:
     """Whether the backward takes the split gradient kernels for these gates (see `split_backward`)."""
@@ -1011,7 +1018,7 @@ def wy_gradients(k, v, beta, gates_: Gates, tri, w, u, dw, du, dk, *, config: De
                                                                  du, dk)
 
 
-def _padded(q, k, v, beta, segment_starts, g, *, chunk_size):
+def padded_operands(q, k, v, beta, segment_starts, g, *, chunk_size):
   """The kernels' operands: q, k, v padded to [B, Tp, H, Dp/Ep], beta [B, H, Tp], `Gates`."""
   b, t, h, d = q.shape
   dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(v.shape[-1])
@@ -1036,7 +1043,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   c = config.chunk_size
   dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(e)
   g = gate_logs(decay, seq_len=t, dim_k=dp, chunk_size=c)
-  qp, kp, vp, beta_rows, gates_ = _padded(q, k, v, beta, segment_starts, g, chunk_size=c)
+  qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c)
   w, u, p, _ = prepare(qp, kp, vp, beta_rows, gates_, scale=scale, config=config, interpret=interpret)
   o, final_state, _, _ = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep), scale=scale,
                             with_final_state=with_final_state, config=config, interpret=interpret)
@@ -1055,7 +1062,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   c = config.chunk_size
   dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(e)
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
-  qp, kp, vp, beta_rows, gates_ = _padded(q, k, v, beta, segment_starts, g, chunk_size=c)
+  qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c)
   kernels = dict(scale=scale, config=config, interpret=interpret)
   w, u, p, tri = prepare(qp, kp, vp, beta_rows, gates_, with_inverse=split, **kernels)
   _, _, states, values = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep),

@@ -38,6 +38,7 @@ import functools
 import jax
 
 from lightning_jax.ops.delta_attention import pallas_triton
+from lightning_jax.ops.delta_attention import warp_specialized
 from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import auto_sharding
 from lightning_jax.ops.lightning_attention.auto_sharding import ROWS_D
@@ -64,10 +65,13 @@ def _labelled(q, k, v, beta, decay, segment_starts, initial_state):
 
 
 def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts):
-  """The forward kernels on each device's block of B and H (see `auto_sharding`)."""
+  """The forward kernels on each device's block of B and H (see `auto_sharding`): the prepare kernel, then the
+  warp-specialised sweep where `DeltaConfig.warp_specialized` (resolved by the op) says so, else the Triton one."""
+  forward = warp_specialized.forward if opts.config.warp_specialized else pallas_triton.forward
+
   def local(*args):
-    o, final_state = pallas_triton.forward(*args, scale=opts.scale, with_final_state=opts.with_final_state,
-                                           config=opts.config, interpret=opts.interpret)
+    o, final_state = forward(*args, scale=opts.scale, with_final_state=opts.with_final_state, config=opts.config,
+                             interpret=opts.interpret)
     return (o, final_state) if opts.with_final_state else (o,)
 
   out = auto_sharding.blockwise(local, _labelled(q, k, v, beta, decay, segment_starts, initial_state),

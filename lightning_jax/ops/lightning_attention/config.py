@@ -218,8 +218,11 @@ class WarpSpecializedConfig:
     """(K, V) the kernel runs at: K = 64 or 128, V a multiple of `BLOCK_E`."""
     return (64 if dim_k <= 64 else 128), -(-dim_v // cls.BLOCK_E) * cls.BLOCK_E
 
-  def shared_memory_bytes(self, sweep: SweepShape) -> int:
+  def shared_memory_bytes(self, sweep: SweepShape, *, delta: bool = False) -> int:
     """The compiled kernel's: the load ring, the published states, the outputs (x2), the factors.
+
+    With `delta` (the delta rule's mode): W in the ring and U^T [C, BLOCK_E]
+    beside every published state, no staged operand.
 
     The float32 initial/final state shares the published states' memory, and
     the [C, C] float32 factors the staged outputs' (read once before the first
@@ -232,10 +235,10 @@ class WarpSpecializedConfig:
     here, the larger).
     """
     c, be, dim_k, itemsize = self.CHUNK_SIZE, self.BLOCK_E, sweep.dim_k, sweep.itemsize
-    ring = self.num_stages * c * (2 * dim_k + be) * itemsize
-    published = self.PUBLISHED_STATES * be * dim_k * itemsize
+    ring = self.num_stages * c * ((3 if delta else 2) * dim_k + be) * itemsize
+    published = self.PUBLISHED_STATES * be * (dim_k + (c if delta else 0)) * itemsize
     outputs_or_factors = max(2 * c * be * itemsize, 4 * c * c)
-    staged_operands = (c * c + c * be) * itemsize if dim_k <= 64 else 0
+    staged_operands = (c * c + c * be) * itemsize if dim_k <= 64 and not delta else 0
     factor_rows = max(5 * self.num_stages, 5 + 2 * self.num_stages)
     return ring + published + outputs_or_factors + staged_operands + 4 * factor_rows * c
 

@@ -303,10 +303,12 @@ def warp_specialized_unsupported(*, dim_k: int, dim_v: int, dtype, compute_capab
   return None
 
 
-def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, itemsize: int) -> WarpSpecializedConfig:
+def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, itemsize: int,
+                             delta: bool = False) -> WarpSpecializedConfig:
   """The `warp_specialized` config: the user's (checked against the budget) or the deepest ring that fits.
 
   The kernel runs on sm90 alone (also when interpreted), so the budget is sm90's.
+  `delta`: the delta rule's mode (`WarpSpecializedConfig.shared_memory_bytes`).
   """
   cc = WarpSpecializedConfig.COMPUTE_CAPABILITY
   budget = config_lib.shared_memory_budget(cc)
@@ -316,7 +318,7 @@ def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, item
     return _check_budget("warp_specialized", cfg, sweep, budget=budget, compute_capability=cc)
   for stages in range(MAX_WARP_SPECIALIZED_STAGES, 0, -1):
     cfg = WarpSpecializedConfig(num_stages=stages)
-    if cfg.shared_memory_bytes(sweep) <= budget:
+    if cfg.shared_memory_bytes(sweep, delta=delta) <= budget:
       return cfg
   raise AssertionError("unreachable: one stage fits sm90 at every dim_k <= 128")
 

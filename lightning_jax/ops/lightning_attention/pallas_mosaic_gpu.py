@@ -126,8 +126,15 @@ def _accumulate(init, a, b):
 
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, per_chunk,
-            has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state, register_scores):
+            has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state, register_scores,
+            delta_chunk):
   refs = list(refs)
+  # The delta rule (`delta_chunk` tokens per chunk of its W and U_v, v_ref holding U_v): W [B, Tp, H, K] and,
+  # with several sub-chunks per chunk, their selectors [C / delta_chunk, C] (1 on the sub-chunk's rows, else 0).
+  delta = delta_chunk is not None
+  sub_chunks = CHUNK_SIZE // delta_chunk if delta else 1
+  w_ref = refs.pop(0) if delta else None
+  selectors_ref = refs.pop(0) if sub_chunks > 1 else None
   # Per-head factors with packed sequences: each chunk's segment-start counts [B, N, 1, C].
   head_segments = has_segments and not per_chunk
   runs_ref = refs.pop(0) if head_segments else None
@@ -136,15 +143,21 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   final_ref = refs.pop(0) if has_final else None
   buffers, barriers = refs
   q_smem, k_smem, v_smem, state_smem, (out_smem, intra_smem), vectors_smem, *buffers = buffers
-  # Left operands of wgmma staged in shared memory where they do not stay in registers (`_register_operands`).
+  # The delta rule: the ring's W tiles, the published U^T [_PUBLISHED, BLOCK_E, C] and the selectors.
+  w_smem, values_smem = (buffers.pop(0), buffers.pop(0)) if delta else (None, None)
+  selectors_smem = buffers.pop(0) if sub_chunks > 1 else None
+  # Left operands of wgmma staged in shared memory where they do not stay in registers (`_register_operands`):
+  # the weighted scores, key * v (the delta rule: key * U^T [BLOCK_E, C], and the state S^T [BLOCK_E, K]).
   scores_smem = None if register_scores else buffers.pop(0)
   vk_smem = None if register_state else buffers.pop(0)
+  state_in_smem = buffers.pop(0) if delta and not register_state else None
   # Per chunk: a second copy of each chunk's factors. Per head with segments: each chunk's segment-start
   # counts, twice (along the rows and along the columns of the scores).
   factors_by_column = buffers.pop(0) if per_chunk else None
   runs_smem, runs_by_column = buffers if head_segments else (None, None)
   q_loaded, k_loaded, v_loaded, released, state_ready, state_read, factors_loaded = barriers[:7]
   barriers = list(barriers[7:])
+  w_loaded = barriers.pop(0) if delta else None
   chunk_factors_loaded = barriers.pop(0) if per_chunk or has_segments else None
   if has_initial or has_final:
     # The float32 initial/final state shares memory with the published states:
@@ -175,6 +188,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
     if per_chunk:  # the scaled causal mask; the rest comes with each chunk
       plgpu.copy_gmem_to_smem(intra_ref, intra_smem, factors_loaded.at[0])
+      if sub_chunks > 1:
+        plgpu.copy_gmem_to_smem(selectors_ref, selectors_smem, factors_loaded.at[1])
     else:
       plgpu.copy_gmem_to_smem(intra_ref.at[head], intra_smem, factors_loaded.at[0])
       plgpu.copy_gmem_to_smem(vectors_ref.at[head], vectors_smem, factors_loaded.at[1])
@@ -184,6 +199,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_loaded.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], k_loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, cols], v_smem.at[slot], v_loaded.at[slot])
+      if delta:
+        plgpu.copy_gmem_to_smem(w_ref.at[batch, rows, head], w_smem.at[slot], w_loaded.at[slot])
       if per_chunk:
         for factors_smem in (vectors_smem, factors_by_column):
           plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, first_chunk + n], factors_smem.at[slot],
@@ -224,6 +241,10 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
                               initial_loaded.at[0])
     if has_decay and not per_chunk:
       plgpu.barrier_wait(factors_loaded.at[1])
+    selectors = [None]
+    if sub_chunks > 1:
+      plgpu.barrier_wait(factors_loaded.at[1])
+      selectors = [selectors_smem[j] for j in range(sub_chunks)]
 
     def publish(m, state):
       """S_m out to the output warpgroup, once it is done with S_{m - _PUBLISHED}."""
@@ -291,6 +312,68 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
           publish(n + 1, new_state)
       return new_state
 
+    def delta_body(n, state_t):
+      """Chunk n of the delta rule, by its sub-chunks of `delta_chunk` rows (those of W and U_v): U^T = U_v^T -
+      S^T W^T, then S^T <- a S^T + (key * U^T) k. Every product spans the chunk (wgmma's K is at least 64):
+      the selector zeroes U^T outside the sub-chunk. S_n and the chunk's U^T go out together."""
+      slot, buf = slot_of(n), lax.rem(n, _PUBLISHED)
+      rows = chunk_factor_rows(n)
+      for loaded in (w_loaded, v_loaded, k_loaded):
+        plgpu.barrier_wait(loaded.at[slot])
+
+      @pl.when(n >= _PUBLISHED)
+      def _():
+        plgpu.barrier_wait(state_read.at[buf])
+
+      state_in = state_t.astype(state_smem.dtype)
+      state_smem[buf] = state_in
+      values_v = v_smem.at[slot].transpose((1, 0))[...].astype(_F32)  # U_v^T [BLOCK_E, C]
+      chunk_values = None
+      for sub, selector in enumerate(selectors):
+        last = (sub + 1) * delta_chunk - 1
+        if not register_state:
+          state_in_smem[...] = state_in
+          plgpu.commit_smem()
+
+        def projection(acc):
+          plgpu.wgmma(acc, state_in if register_state else state_in_smem, w_smem.at[slot].transpose((1, 0)))
+          return acc[...]
+
+        values_t = values_v - pl.run_scoped(projection, plgpu.ACC((be, c), _F32))
+        if selector is not None:
+          values_t = values_t * lax.broadcast_in_dim(selector, (be, c), (1,))
+        chunk_values = values_t if chunk_values is None else chunk_values + values_t
+        # Over the sub-chunk: key_j = 2^(c_j - c_end), the state's decay 2^(c_before - c_end), both zero across
+        # a segment start (key_j is not needed outside the sub-chunk: U^T is zero there).
+        cum_end = vectors_smem[slot, _CUM, last]
+        key_exponent = jnp.minimum(rows[_CUM] - cum_end, 0.0)
+        state_exponent = (0.0 if sub == 0 else vectors_smem[slot, _CUM, sub * delta_chunk - 1]) - cum_end
+        if has_segments:
+          runs_end = vectors_smem[slot, _RUNS, last]
+          key_exponent = key_exponent - _SEGMENT_EXPONENT * jnp.maximum(runs_end - rows[_RUNS], 0.0)
+          runs_before = 0.0 if sub == 0 else vectors_smem[slot, _RUNS, sub * delta_chunk - 1]
+          state_exponent = state_exponent - _SEGMENT_EXPONENT * (runs_end - runs_before)
+        key = lax.broadcast_in_dim(jnp.exp2(key_exponent), (be, c), (1,))
+        scaled = (values_t * key).astype(v_smem.dtype)
+        decayed = state_t * jnp.exp2(state_exponent)
+        if register_state:
+          state_t = _accumulate(decayed, scaled, k_smem.at[slot])
+        else:
+          vk_smem[...] = scaled
+          plgpu.commit_smem()
+
+          def update_product(acc):
+            plgpu.wgmma(acc, vk_smem, k_smem.at[slot])
+            return acc[...]
+
+          state_t = decayed + pl.run_scoped(update_product, plgpu.ACC(state_t.shape, _F32))
+        state_in = state_t.astype(state_smem.dtype)
+      values_smem[buf] = chunk_values.astype(values_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(state_ready.at[buf])
+      plgpu.barrier_arrive(released.at[slot])
+      return state_t
+
     if has_initial:
       plgpu.barrier_wait(initial_loaded.at[0])
       state = state_f32_smem[...]
@@ -304,9 +387,12 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     head_factors = None
     if has_decay and not per_chunk:
       head_factors = vectors_smem[_KEY], vectors_smem[_STATE]
-    if per_chunk:
-      publish(0, state)
-    state = lax.fori_loop(0, split, lambda n, s: body(n, s, head_factors), state)
+    if delta:
+      state = lax.fori_loop(0, num_chunks, delta_body, state)
+    else:
+      if per_chunk:
+        publish(0, state)
+      state = lax.fori_loop(0, split, lambda n, s: body(n, s, head_factors), state)
     if split < num_chunks:
       last_factors = vectors_smem[_LAST_KEY], vectors_smem[_LAST_STATE]
       state = lax.fori_loop(split, num_chunks, lambda n, s: body(n, s, last_factors), state)
@@ -400,11 +486,15 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         scores_smem[...] = weighted
         plgpu.commit_smem()
         weighted = scores_smem
-      plgpu.barrier_wait(v_loaded.at[slot])
+      if delta:  # U = (U^T)^T, published with S_n
+        values = values_smem.at[pub].transpose((1, 0))
+      else:
+        plgpu.barrier_wait(v_loaded.at[slot])
+        values = v_smem.at[slot]
       plgpu.barrier_wait(state_ready.at[pub])
 
       def products(intra_acc, inter_acc):
-        plgpu.wgmma(intra_acc, weighted, v_smem.at[slot])
+        plgpu.wgmma(intra_acc, weighted, values)
         plgpu.wgmma(inter_acc, q_smem.at[slot], state_smem.at[pub].transpose((1, 0)))
         return intra_acc[...], inter_acc[...]
 
@@ -420,7 +510,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     plgpu.wait_smem_to_gmem(0)
 
 
-def _register_operands(dim_k: int, per_chunk: bool, interpret: bool) -> dict:
+def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool = False) -> dict:
   """Which left operands of wgmma stay in registers instead of a round trip through shared memory.
 
   The state chain's key * v (with the update accumulating onto the decayed
@@ -431,16 +521,24 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool) -> dict:
   interpreted: the Mosaic GPU interpreter's wgmma reads shared memory alone and
   has no initialised accumulator, so there staging tiles (allocated only for
   staged operands) hold the same operands, and the update is added after the
-  product.
+  product. The delta rule's chain keeps its left operands, the state and
+  key * U^T, in registers at every K: both come from its accumulators.
   """
   compiled = not interpret
-  return dict(register_state=compiled and dim_k > 64, register_scores=compiled and (per_chunk or dim_k > 64))
+  return dict(register_state=compiled and (dim_k > 64 or delta),
+              register_scores=compiled and (per_chunk or dim_k > 64))
 
 
-def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None, scale: float,
-                   seq_len: int, return_final_state: bool = False, num_stages: int, num_slices: int = 1,
-                   interpret: bool = False):
+def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None, w=None,
+                   w_chunk_size: int | None = None, scale: float, seq_len: int, return_final_state: bool = False,
+                   num_stages: int, num_slices: int = 1, interpret: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
+
+  With `w`, the delta rule's (`delta_attention.chunk`): v holds U_v and w
+  W, both of chunks of `w_chunk_size` tokens, and the state chain computes
+  each sub-chunk's U = U_v - W S before its update, S <- a S + K_C^T U; the
+  output is scale (Q_g S_n + P U) of CHUNK_SIZE chunks (U, the pseudo-values,
+  does not depend on the chunking).
 
   Args:
     q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; bf16 or fp16, Tp a multiple of
@@ -454,6 +552,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       runs [B, Tp] int32 or None), with decay None.
     chunk_runs: None, or with a per-head rate (or none) the segment-start
       counts of packed sequences, [B, Tp] int32 (`token_chunk_gates`' runs).
+    w: None, or the delta rule's W [B, Tp, H, K] (with chunk_gates and one slice).
+    w_chunk_size: tokens per chunk of w and v, a divisor of CHUNK_SIZE >= 16 (with w).
     initial_state: None, or the transposed state before each slice, [B, H,
       num_slices, V, K] float32.
     seq_len: the number of real tokens T (with one slice, Tp - CHUNK_SIZE < T <= Tp).
@@ -481,6 +581,10 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                      f"got {initial_state.shape}")
   if chunk_gates is not None and (decay is not None or chunk_runs is not None):
     raise ValueError("give decay (per head) and chunk_runs, or chunk_gates (per token), not both")
+  delta = w is not None
+  if delta and (chunk_gates is None or num_slices != 1 or w.shape != q.shape or w_chunk_size not in (16, 32, 64)):
+    raise ValueError(f"the delta rule takes chunk_gates, one slice, w shaped like q {q.shape} and w_chunk_size in "
+                     f"(16, 32, 64); got {chunk_gates is not None}, {num_slices}, {w.shape}, {w_chunk_size}")
   num_chunks = tp // c // num_slices
   # The last chunk's own factors serve the final state alone (one slice).
   last_rows = seq_len - (tp // c - 1) * c if num_slices == 1 else c
@@ -502,22 +606,33 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   state_smem = _smem((_PUBLISHED, be, dim_k), dtype)
   if with_states:  # the same bytes as the published states (see `WarpSpecializedConfig`)
     state_smem = plgpu.RefUnion(state_smem, _smem((be, dim_k), _F32))
-  registers = _register_operands(dim_k, per_chunk, interpret)
+  registers = _register_operands(dim_k, per_chunk, interpret, delta)
+  staged_state = (_smem((be, c), dtype), _smem((be, dim_k), dtype)) if delta else (_smem((c, be), dtype),)
   staged = ((() if registers["register_scores"] else (_smem((c, c), dtype),))
-            + (() if registers["register_state"] else (_smem((c, be), dtype),)))
+            + (() if registers["register_state"] else staged_state))
+  # The delta rule's W ring, published U^T and sub-chunk selectors.
+  sub_chunks = c // w_chunk_size if delta else 1
+  selectors = ()
+  if sub_chunks > 1:
+    selectors = ((jnp.arange(c)[None, :] // w_chunk_size == jnp.arange(sub_chunks)[:, None]).astype(_F32),)
+  delta_smem = ((_smem((num_stages, c, dim_k), dtype), _smem((_PUBLISHED, be, c), dtype))
+                + tuple(plgpu.SMEM(x.shape, _F32) for x in selectors)) if delta else ()
   scratch = (
       # The [C, C] float32 factors are read once, before the first output is staged in the same bytes.
       (_smem((num_stages, c, dim_k), dtype), _smem((num_stages, c, dim_k), dtype),
        _smem((num_stages, c, be), dtype), state_smem,
-       plgpu.RefUnion(_smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32)), factor_smem[0]) + staged + factor_smem[1:],
+       plgpu.RefUnion(_smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32)), factor_smem[0]) + delta_smem + staged
+      + factor_smem[1:],
       (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
        plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
        plgpu.Barrier(num_barriers=_PUBLISHED), plgpu.Barrier(num_barriers=_PUBLISHED), plgpu.Barrier(num_barriers=2))
+      + ((plgpu.Barrier(num_barriers=num_stages),) if delta else ())
       + ((plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),) if per_chunk or chunk_runs is not None else ())
       + ((plgpu.Barrier(num_barriers=1),) if initial_state is not None else ()),
   )
   runs = () if chunk_runs is None else (chunk_runs.reshape(b, tp // c, 1, c).astype(_F32),)
-  inputs = (intra, vectors, q, k, v) + runs + (() if initial_state is None else (initial_state,))
+  inputs = (intra, vectors, q, k, v) + ((w,) if delta else ()) + selectors + runs + (
+      () if initial_state is None else (initial_state,))
   out_type = manual_axes.struct((b, tp, h, dim_v), dtype, *inputs)
   if return_final_state:
     out_type = (out_type, manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs))
@@ -525,7 +640,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                              per_chunk=per_chunk, has_decay=per_chunk or decay is not None or chunk_runs is not None,
                              has_segments=chunk_runs is not None or (per_chunk and chunk_gates[1] is not None),
                              has_initial=initial_state is not None, has_final=return_final_state,
-                             last_rows=last_rows, scale=scale, **registers)
+                             last_rows=last_rows, scale=scale, delta_chunk=w_chunk_size if delta else None,
+                             **registers)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
@@ -537,7 +653,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       # approx_math: exp2 as the one ex2.approx instruction (relative error ~2^-22), not a library routine.
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
-      kernel_name="lightning_warp_specialized",
+      kernel_name="delta_warp_specialized" if delta else "lightning_warp_specialized",
   )(*inputs)
 
 
