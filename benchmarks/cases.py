@@ -86,7 +86,9 @@ IMPLS = (
          no_packing="lightning_attn2 takes no cu_seqlens or segment ids"),
     Impl("jla-mosaic", "jla", "peer", True, "jax-linear-attention simple_gla (mosaic_gpu)"),
     # The delta op (last, so that the lightning implementations keep their order and plot colours).
-    Impl("lj-delta-pallas", "lj-pallas", "ours", True, "lightning_jax delta_attention pallas (Triton)", op="delta"),
+    Impl("lj-delta-pallas", "lj-pallas", "ours", True,
+         "lightning_jax delta_attention pallas (Triton; on sm90 the forward's sweep warp-specialised, Mosaic GPU)",
+         op="delta"),
     Impl("lj-delta-xla", "lj-xla", "ours", True, "lightning_jax delta_attention xla (chunked jnp)", op="delta"),
     Impl("fla-delta-chunk", "fla", "peer", True, "fla chunk_delta_rule, chunk_gated_delta_rule, chunk_kda",
          op="delta"),
