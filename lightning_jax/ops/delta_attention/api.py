@@ -119,8 +119,9 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       gives (`sequence_parallel`); the gradients flow back the same way. Not
       with cu_seqlens.
     normalize_qk: apply the models' L2 norm to q and k (over D) inside the op.
-    impl: "pallas" (Triton kernels, the chunked WY form; interpret mode
-      without a supported GPU), "xla" (chunked jnp, O(T)), "reference"
+    impl: "pallas" (Triton kernels, the chunked WY form, on sm90 the
+      forward's sweep warp-specialised in Mosaic GPU, `warp_specialized`;
+      interpret mode without a supported GPU), "xla" (chunked jnp, O(T)), "reference"
       (token-serial scan, the oracle) or "auto" (pallas on NVIDIA GPUs with
       compute capability >= 8.0, else xla; xla for cu_seqlens with states).
     config: a `DeltaConfig` (the Pallas kernels' blocks) or None (`pallas_triton.default_config`).

@@ -40,6 +40,12 @@ scale folded into the row and intra factors) come in one of two forms:
 Compiled, left operands of wgmma stay in registers where that measured faster
 (`_register_operands`); interpreted, they are staged in shared memory.
 
+The delta rule's forward (`delta_attention.warp_specialized`) runs the same
+kernel in its delta mode (`forward_padded`'s `w`): v holds U_v, the memory
+warpgroup also loads W, and the state warpgroup forms each chunk's
+pseudo-values U = U_v - W S before its update and publishes them with S_n
+for the output warpgroup, which multiplies them in place of v.
+
 Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 """
 
