@@ -117,6 +117,10 @@ COMPAT = [
     "tests/test_warp_specialized.py::test_warp_specialized_rejects_what_it_cannot_run",
     "tests/test_warp_specialized.py::test_warp_specialized_config_is_validated_and_budgeted",
     "tests/test_warp_specialized.py::test_auto_picks_warp_specialized_where_it_was_measured_faster",
+    # and its delta mode: the forward interpreted (Gated DeltaNet, packed), lowered, refused
+    "tests/test_warp_specialized.py::test_delta_warp_specialized_matches_oracle[B2T150H2D64E48-",
+    "tests/test_warp_specialized.py::test_delta_warp_specialized_lowers_for_cuda",
+    "tests/test_warp_specialized.py::test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run",
     # delta_attention: the three forms, xla and Pallas, forward and backward
     "tests/test_delta_ops.py::test_oracle_matches_float64_loop",
     "tests/test_delta_ops.py::test_chunked_matches_oracle[B2T45H2D9E7-",
