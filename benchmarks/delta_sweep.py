@@ -54,7 +54,7 @@ def _kernel_fns(config, scale, dp):
   states: None, or for chunk_gradients its per-chunk state operands (`_states`), made outside the timed call.
   """
   kw = dict(scale=scale, config=config, interpret=jax.default_backend() != "gpu")
-  bwd = dict(kw, config=dataclasses.replace(config, chunk_size=config.backward_chunk_size))
+  bwd = dict(kw, config=dataclasses.replace(config, chunk_size=config.backward_chunk_size, prepare_warps=None))
 
   def operands(q, k, v, beta, decay, chunk_size):
     g = pt.gate_logs(decay, seq_len=q.shape[1], dim_k=dp, chunk_size=chunk_size)

@@ -399,6 +399,21 @@ def test_default_config_fills_the_sweeps_grid():
                                       batch_heads=16).block_e == 64  # KDA's one gradient kernel walks E in block_e
 
 
+def test_default_config_prepare_warps_where_measured():
+  """The forward's prepare kernel takes 2 warps where the H200 measured it faster (sm90, 16-bit, D <= 128, a
+  scalar gate or none); elsewhere num_warps. The backward's prepare always takes num_warps."""
+  from lightning_jax.ops.delta_attention import pallas_triton
+
+  def warps(cc=(9, 0), dtype=jnp.bfloat16, dim=128, per_channel_gate=False):
+    return pallas_triton.default_config(per_channel_gate=per_channel_gate, dtype=dtype, dim_k=dim,
+                                        compute_capability=cc).prepare_warps
+
+  assert warps() == warps(dim=64) == warps(dtype=jnp.float16) == 2
+  assert warps(dim=256) is warps(dtype=jnp.float32) is warps(per_channel_gate=True) is warps(cc=(8, 0)) is None
+  with pytest.raises(ValueError, match="prepare_warps must be None or a power of two"):
+    lj.DeltaConfig(prepare_warps=3)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("decay", ["token", "channel"])
 def test_pallas_low_precision(dtype, decay, kernel_mode):

@@ -79,6 +79,9 @@ class DeltaConfig:
       16-token chunks, where the states it reads are 4x a chunk's inputs at
       D = E = 128; the split kernels take 64-token chunks.
     num_warps, num_stages: Triton's, for every kernel.
+    prepare_warps: Triton's warps of the forward's prepare kernel (None:
+      num_warps; the backward's prepare, at backward_chunk_size, takes
+      num_warps).
     warp_specialized: the forward's sweep on the warp-specialised Mosaic GPU
       kernel (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256, a
       scalar decay per token or none, chunk_size dividing 64) after the
@@ -92,6 +95,7 @@ class DeltaConfig:
   split_backward: bool | None = None
   num_warps: int = 4
   num_stages: int = 2
+  prepare_warps: int | None = None
   warp_specialized: bool | None = None
 
   def __post_init__(self):
@@ -103,6 +107,8 @@ class DeltaConfig:
       size = getattr(self, name)
       if size < lightning_config.MIN_BLOCK or size & (size - 1):
         raise ValueError(f"{name} must be a power of two >= {lightning_config.MIN_BLOCK}, got {size}")
+    if self.prepare_warps is not None and self.prepare_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"prepare_warps must be None or a power of two up to 16, got {self.prepare_warps!r}")
     for name in ("split_backward", "warp_specialized"):
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be None or a bool, got {getattr(self, name)!r}")
@@ -163,6 +169,12 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   B1 H16 D128 and 10-12% less at B2 H8 D64 with 16; 16 at B1 H32 was slower
   than 64. KDA keeps its columns: its one gradient kernel walks E in block_e
   steps, and its fwd+bwd took 10-17% more time at D128 with fewer.
+  The forward's prepare kernel takes 2 warps on sm90 with 16-bit inputs,
+  D <= 128 and a scalar gate or none: on an H200 (B2 H32 D128 and B4 H32
+  D64, T8K, `benchmarks/delta_sweep.py`) it took 12-14% less time than with
+  4 (Gated DeltaNet D128 0.377 -> 0.332 ms, DeltaNet D64 0.479 -> 0.419,
+  Gated DeltaNet D64 0.532 -> 0.458), level at DeltaNet D128 (0.293 ->
+  0.297), and with 8 warps 40-80% more.
   `batch_heads` = B H (0: unknown, no change); `dim_v` = E (default D).
   """
   dp = lightning_config.padded_dim(dim_k)
@@ -170,7 +182,9 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   budget = lightning_config.shared_memory_budget(compute_capability)
   config = DeltaConfig(chunk_size=16 if per_channel_gate else 32, backward_chunk_size=16 if per_channel_gate else 64,
                        block_e=32 if itemsize * dp > 512 else 64,
-                       num_stages=3 if itemsize == 2 and budget >= _DEEP_PIPELINE_BUDGET else 2)
+                       num_stages=3 if itemsize == 2 and budget >= _DEEP_PIPELINE_BUDGET else 2,
+                       prepare_warps=2 if itemsize == 2 and not per_channel_gate and dp <= 128
+                       and compute_capability == (9, 0) else None)
   for (min_dim, max_budget), step, largest_backward_chunk in _FLOAT32_STEPS:
     if itemsize == 4 and dp >= min_dim and budget <= max_budget:
       config = dataclasses.replace(config, **step,
@@ -865,7 +879,8 @@ def prepare(q, k, v, beta, gates_: Gates, *, scale, with_inverse=False, config: 
       out_shape=[struct((b, tp, h, dp), q.dtype), struct((b, tp, h, ep), q.dtype),
                  struct((b, h, tp, c), _F32) if per_channel else None,
                  struct((b, h, tp, c), q.dtype) if with_inverse else None],
-      compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
+      compiler_params=triton_lowering.compiler_params(num_warps=config.prepare_warps or config.num_warps,
+                                                      num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_prepare")(q, k, v, beta, gates_.g, gates_.runs)
 
 
@@ -1058,7 +1073,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   """
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   split = config.splits_backward(per_channel_gate=decay is not None and decay.ndim == 4)
-  config = dataclasses.replace(config, chunk_size=config.backward_chunk_size)
+  config = dataclasses.replace(config, chunk_size=config.backward_chunk_size, prepare_warps=None)
   c = config.chunk_size
   dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(e)
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
