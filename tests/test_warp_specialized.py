@@ -252,6 +252,7 @@ DELTA_CASES = [
     (DeltaCase(b=1, t=100, h=1, d=64, e=72, decay="token", rates="extreme", beta="edges"), 16),
     (DeltaCase(b=2, t=300, h=3, d=128, e=100, decay="token", segments=True), 32),
     (DeltaCase(b=1, t=200, h=2, d=100, e=128, decay=None, segments=True), 32),
+    (DeltaCase(b=1, t=1, h=1, d=16, e=16), 32),  # one token: a chunk of padding
 ]
 
 
