@@ -124,11 +124,18 @@ def _smem(shape, dtype):
                                               plgpu.SwizzleTransform(128)))
 
 
-def _accumulate(init, a, b):
-  """init + a @ b through wgmma, the accumulator started from init (`ACC.init`, compiled only)."""
-  def body(acc):
+def _update(init, a, b, *, in_registers):
+  """init + a @ b through wgmma: in registers, the accumulator started from init (`ACC.init`, compiled only);
+  else (a staged in shared memory, as the interpreter needs) the product added to init after it."""
+  if in_registers:
+    def accumulate(acc):
+      plgpu.wgmma(acc, a, b)
+    return pl.run_state(accumulate)(plgpu.ACC.init(init))
+
+  def product(acc):
     plgpu.wgmma(acc, a, b)
-  return pl.run_state(body)(plgpu.ACC.init(init))
+    return acc[...]
+  return init + pl.run_scoped(product, plgpu.ACC(init.shape, _F32))
 
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, per_chunk,
@@ -252,17 +259,39 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.barrier_wait(factors_loaded.at[1])
       selectors = [selectors_smem[j] for j in range(sub_chunks)]
 
-    def publish(m, state):
-      """S_m out to the output warpgroup, once it is done with S_{m - _PUBLISHED}."""
+    def claim(m):
+      """The publishing buffer of chunk m, once the output warpgroup is done with chunk m - _PUBLISHED's."""
       buf = lax.rem(m, _PUBLISHED)
 
       @pl.when(m >= _PUBLISHED)
       def _():
         plgpu.barrier_wait(state_read.at[buf])
 
-      state_smem[buf] = state.astype(state_smem.dtype)
+      return buf
+
+    def hand_over(buf):
       plgpu.commit_smem()
       plgpu.barrier_arrive(state_ready.at[buf])
+
+    def publish(m, state):
+      """S_m out to the output warpgroup."""
+      buf = claim(m)
+      state_smem[buf] = state.astype(state_smem.dtype)
+      hand_over(buf)
+
+    def decay_exponents(slot, rows, first, last):
+      """Per-chunk factors over rows [first, last] of a chunk (log2 units): key_j = c_j - c_last and the
+      state's c_{first - 1} - c_last, each minus _SEGMENT_EXPONENT per segment start after row j (after row
+      first - 1). rows: the chunk's factor rows in shared memory."""
+      cum_end = vectors_smem[slot, _CUM, last]
+      key_exponent = jnp.minimum(rows[_CUM] - cum_end, 0.0)
+      state_exponent = (0.0 if first == 0 else vectors_smem[slot, _CUM, first - 1]) - cum_end
+      if has_segments:
+        runs_end = vectors_smem[slot, _RUNS, last]
+        key_exponent = key_exponent - _SEGMENT_EXPONENT * jnp.maximum(runs_end - rows[_RUNS], 0.0)
+        runs_before = 0.0 if first == 0 else vectors_smem[slot, _RUNS, first - 1]
+        state_exponent = state_exponent - _SEGMENT_EXPONENT * (runs_end - runs_before)
+      return key_exponent, state_exponent
 
     # Per-head factors are at hand: S_n goes out first thing in chunk n. Per-chunk
     # factors: S_{n+1} goes out as soon as it exists, at the end of chunk n, before
@@ -279,13 +308,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       if has_decay:
         if per_chunk:
           # key_j = 2^(c_j - c_end), state = 2^-c_end, both zero across a segment start.
-          rows = chunk_factor_rows(n)
-          cum_end = vectors_smem[slot, _CUM, c - 1]
-          key_exponent, state_exponent = jnp.minimum(rows[_CUM] - cum_end, 0.0), -cum_end
-          if has_segments:
-            runs_end = vectors_smem[slot, _RUNS, c - 1]
-            key_exponent = key_exponent - _SEGMENT_EXPONENT * (runs_end - rows[_RUNS])
-            state_exponent = state_exponent - _SEGMENT_EXPONENT * runs_end
+          key_exponent, state_exponent = decay_exponents(slot, chunk_factor_rows(n), 0, c - 1)
           key, state_decay = jnp.exp2(key_exponent), jnp.exp2(state_exponent)
         else:
           key, state_decay = head_factors
@@ -303,14 +326,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
           plgpu.commit_smem()
           values = vk_smem.transpose((1, 0))
       decayed = state_t if state_decay is None else state_t * state_decay
-      if register_state:  # the product accumulates onto the decayed state
-        new_state = _accumulate(decayed, values, k_smem.at[slot])
-      else:
-        def update_product(acc):
-          plgpu.wgmma(acc, values, k_smem.at[slot])
-          return acc[...]
-
-        new_state = decayed + pl.run_scoped(update_product, plgpu.ACC(state_t.shape, _F32))
+      new_state = _update(decayed, values, k_smem.at[slot], in_registers=register_state)
       plgpu.barrier_arrive(released.at[slot])
       if per_chunk:
         @pl.when(n + 1 < num_chunks)
@@ -322,21 +338,16 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       """Chunk n of the delta rule, by its sub-chunks of `delta_chunk` rows (those of W and U_v): U^T = U_v^T -
       S^T W^T, then S^T <- a S^T + (key * U^T) k. Every product spans the chunk (wgmma's K is at least 64):
       the selector zeroes U^T outside the sub-chunk. S_n and the chunk's U^T go out together."""
-      slot, buf = slot_of(n), lax.rem(n, _PUBLISHED)
+      slot = slot_of(n)
       rows = chunk_factor_rows(n)
       for loaded in (w_loaded, v_loaded, k_loaded):
         plgpu.barrier_wait(loaded.at[slot])
-
-      @pl.when(n >= _PUBLISHED)
-      def _():
-        plgpu.barrier_wait(state_read.at[buf])
-
+      buf = claim(n)
       state_in = state_t.astype(state_smem.dtype)
       state_smem[buf] = state_in
       values_v = v_smem.at[slot].transpose((1, 0))[...].astype(_F32)  # U_v^T [BLOCK_E, C]
       chunk_values = None
       for sub, selector in enumerate(selectors):
-        last = (sub + 1) * delta_chunk - 1
         if not register_state:
           state_in_smem[...] = state_in
           plgpu.commit_smem()
@@ -349,34 +360,17 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         if selector is not None:
           values_t = values_t * lax.broadcast_in_dim(selector, (be, c), (1,))
         chunk_values = values_t if chunk_values is None else chunk_values + values_t
-        # Over the sub-chunk: key_j = 2^(c_j - c_end), the state's decay 2^(c_before - c_end), both zero across
-        # a segment start (key_j is not needed outside the sub-chunk: U^T is zero there).
-        cum_end = vectors_smem[slot, _CUM, last]
-        key_exponent = jnp.minimum(rows[_CUM] - cum_end, 0.0)
-        state_exponent = (0.0 if sub == 0 else vectors_smem[slot, _CUM, sub * delta_chunk - 1]) - cum_end
-        if has_segments:
-          runs_end = vectors_smem[slot, _RUNS, last]
-          key_exponent = key_exponent - _SEGMENT_EXPONENT * jnp.maximum(runs_end - rows[_RUNS], 0.0)
-          runs_before = 0.0 if sub == 0 else vectors_smem[slot, _RUNS, sub * delta_chunk - 1]
-          state_exponent = state_exponent - _SEGMENT_EXPONENT * (runs_end - runs_before)
-        key = lax.broadcast_in_dim(jnp.exp2(key_exponent), (be, c), (1,))
-        scaled = (values_t * key).astype(v_smem.dtype)
-        decayed = state_t * jnp.exp2(state_exponent)
-        if register_state:
-          state_t = _accumulate(decayed, scaled, k_smem.at[slot])
-        else:
+        # Over the sub-chunk (key_j is not needed outside it: U^T is zero there).
+        key_exponent, state_exponent = decay_exponents(slot, rows, sub * delta_chunk, (sub + 1) * delta_chunk - 1)
+        scaled = (values_t * lax.broadcast_in_dim(jnp.exp2(key_exponent), (be, c), (1,))).astype(v_smem.dtype)
+        if not register_state:
           vk_smem[...] = scaled
           plgpu.commit_smem()
-
-          def update_product(acc):
-            plgpu.wgmma(acc, vk_smem, k_smem.at[slot])
-            return acc[...]
-
-          state_t = decayed + pl.run_scoped(update_product, plgpu.ACC(state_t.shape, _F32))
+          scaled = vk_smem
+        state_t = _update(state_t * jnp.exp2(state_exponent), scaled, k_smem.at[slot], in_registers=register_state)
         state_in = state_t.astype(state_smem.dtype)
       values_smem[buf] = chunk_values.astype(values_smem.dtype)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(state_ready.at[buf])
+      hand_over(buf)
       plgpu.barrier_arrive(released.at[slot])
       return state_t
 
