@@ -439,3 +439,48 @@ def test_pallas_low_precision_gradients(decay, kernel_mode):
   _, grads_ref = value_and_grads("reference")(*args)
   for name, g, g_ref in zip(ARG_NAMES, grads, grads_ref):
     assert g.dtype == g_ref.dtype and rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", [Case(t=150, d=48, decay=None, segments=True),
+                                  Case(t=100, d=64, rates="extreme", beta="edges"),
+                                  Case(t=70, d=40, decay="token", segments=True)], ids=str)
+@pytest.mark.parametrize("aligned_keys", [False, True])
+def test_inverse_kernel_matches_float64(case, dtype, aligned_keys, kernel_mode):
+  """Each 64-token chunk's T = (I + A)^{-1} from `pallas_triton.inverse` (the warp-specialised forward's) against
+  numpy's float64 inverse of A's definition: random keys, and keys near one direction (large entries of T)."""
+  from lightning_jax.ops.delta_attention import pallas_triton as pt
+  _, k, _, beta, decay, _, ids = make_inputs(case, seed=11)
+  if aligned_keys:
+    k = k * 0.3 + jnp.ones_like(k)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  k = k.astype(dtype)
+  c = 64
+  starts = None if ids is None else jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], 1)
+  g = pt.gate_logs(decay, seq_len=case.t, dim_k=case.d, chunk_size=c)
+  _, kp, _, beta_rows, gates = pt.padded_operands(k, k, k, beta, starts, g, chunk_size=c)
+  got = np.asarray(jax.jit(lambda: pt.inverse(kp, beta_rows, gates, config=lj.DeltaConfig(chunk_size=c),
+                                              interpret=kernel_mode))().astype(jnp.float32), np.float64)
+  tp = got.shape[2]
+  k64 = np.zeros((case.b, tp, case.h, case.d))
+  k64[:, :case.t] = np.asarray(k.astype(jnp.float32), np.float64)  # the kernel's operand rounding, then exact
+  beta64 = np.zeros((case.b, tp, case.h))
+  beta64[:, :case.t] = np.asarray(beta, np.float64)
+  rates = np.zeros((case.b, tp, case.h))
+  if decay is not None:
+    rates[:, :case.t] = np.asarray(decay, np.float64)
+  seg = np.zeros((case.b, tp), np.int64)
+  seg[:, :case.t] = 0 if ids is None else np.asarray(ids)
+  worst = 0.0
+  for bi in range(case.b):
+    for hi in range(case.h):
+      for start in range(0, tp, c):
+        rows = slice(start, start + c)
+        gate = -np.cumsum(rates[bi, rows, hi])
+        pairs = k64[bi, rows, hi] @ k64[bi, rows, hi].T * np.exp(gate[:, None] - gate[None, :])
+        same = seg[bi, rows][:, None] == seg[bi, rows][None, :]
+        a = np.where(np.tri(c, k=-1, dtype=bool) & same, beta64[bi, rows, hi][:, None] * pairs, 0.0)
+        want = np.linalg.inv(np.eye(c) + a)
+        worst = max(worst, np.max(np.abs(got[bi, hi, rows] - want)) / max(1.0, np.max(np.abs(want))))
+  # bfloat16: T's own rounding is 4e-3 of its largest entry; the float16 products add up to 7e-3 (aligned keys)
+  assert worst < (1e-5 if dtype == jnp.float32 else 1e-2), worst

@@ -245,28 +245,28 @@ def test_factors_fold_the_scale_and_decay():
 
 
 # The delta rule's mode: DeltaNet and Gated DeltaNet, packed, from and to states, rates from 1e-7 to 1e4 and beta
-# at 0 and 2, W and U_v of 16-, 32- (the default) and 64-token chunks, T, D and E off the chunk and the blocks.
+# at 0 and 2, T, D and E off the chunk and the blocks.
 DELTA_CASES = [
-    (DeltaCase(b=2, t=150, h=2, d=64, e=48, decay="token", segments=True), 32),
-    (DeltaCase(b=1, t=130, h=2, d=40, e=64, decay=None, initial_state=False), 64),
-    (DeltaCase(b=1, t=100, h=1, d=64, e=72, decay="token", rates="extreme", beta="edges"), 16),
-    (DeltaCase(b=2, t=300, h=3, d=128, e=100, decay="token", segments=True), 32),
-    (DeltaCase(b=1, t=200, h=2, d=100, e=128, decay=None, segments=True), 32),
-    (DeltaCase(b=1, t=1, h=1, d=16, e=16), 32),  # one token: a chunk of padding
+    DeltaCase(b=2, t=150, h=2, d=64, e=48, decay="token", segments=True),
+    DeltaCase(b=1, t=130, h=2, d=40, e=64, decay=None, initial_state=False),
+    DeltaCase(b=1, t=100, h=1, d=64, e=72, decay="token", rates="extreme", beta="edges"),
+    DeltaCase(b=2, t=300, h=3, d=128, e=100, decay="token", segments=True),
+    DeltaCase(b=1, t=200, h=2, d=100, e=128, decay=None, segments=True),
+    DeltaCase(b=1, t=1, h=1, d=16, e=16),  # one token: a chunk of padding
 ]
 
 
 # K = 128 compiled only: like the lightning kernel's with a state (INTERPRETED_STATE_CONFIG), the interpreter hangs
 # there with the delta rule's extra buffers on the 2-core CI machine (the lowering test below covers K = 128).
-DELTA_PARAMS = [pytest.param(case, chunk_size, *mode.values, marks=mode.marks, id=f"{case}-{chunk_size}-{mode.id}")
-                for case, chunk_size in DELTA_CASES for mode in (WS_MODES if case.d <= 64 else WS_MODES[1:])]
+DELTA_PARAMS = [pytest.param(case, *mode.values, marks=mode.marks, id=f"{case}-{mode.id}")
+                for case in DELTA_CASES for mode in (WS_MODES if case.d <= 64 else WS_MODES[1:])]
 
 
-@pytest.mark.parametrize("case,chunk_size,mode", DELTA_PARAMS)
-def test_delta_warp_specialized_matches_oracle(case, chunk_size, mode):
+@pytest.mark.parametrize("case,mode", DELTA_PARAMS)
+def test_delta_warp_specialized_matches_oracle(case, mode):
   q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=zlib.crc32(f"{case}ws".encode()))
   q, k, v = (x.astype(BF16) for x in (q, k, v))
-  config = lj.DeltaConfig(chunk_size=chunk_size, warp_specialized=True)
+  config = lj.DeltaConfig(warp_specialized=True)
   call = lambda **kw: lj.delta_attention(q, k, v, beta, decay, initial_state=s0, segment_ids=ids,  # noqa: E731
                                          return_final_state=True, **kw)
   o, final = jax.jit(lambda: call(impl="pallas", config=config, interpret=mode == "interpret"))()
@@ -276,24 +276,27 @@ def test_delta_warp_specialized_matches_oracle(case, chunk_size, mode):
 
 
 @needs_ws_jax
-@pytest.mark.parametrize("dim_k,dim_v,chunk_size,gated,with_states", [
-    (128, 128, 32, True, True), (64, 64, 32, False, False), (128, 64, 64, True, False), (64, 128, 16, True, True)])
-def test_delta_warp_specialized_lowers_for_cuda(dim_k, dim_v, chunk_size, gated, with_states):
+@pytest.mark.parametrize("dim_k,dim_v,gated,segments,with_states", [
+    (128, 128, True, True, True), (64, 64, False, False, False), (128, 64, True, False, False),
+    (64, 128, True, True, True)])
+def test_delta_warp_specialized_lowers_for_cuda(dim_k, dim_v, gated, segments, with_states):
   """The delta mode lowers as the GPU compiles it (wgmma's operand shapes and layouts), from any backend."""
   q = jax.ShapeDtypeStruct((2, 192, 3, dim_k), BF16)
   v = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
-  gates = (jax.ShapeDtypeStruct((2, 3, 192), F32) if gated else None, jax.ShapeDtypeStruct((2, 192), jnp.int32))
+  gates = (jax.ShapeDtypeStruct((2, 3, 192), F32) if gated else None,
+           jax.ShapeDtypeStruct((2, 192), jnp.int32) if segments else None)
+  delta = pallas_mosaic_gpu.DeltaRule(jax.ShapeDtypeStruct((2, 3, 192, 64), BF16), jax.ShapeDtypeStruct((2, 3, 192), F32))
   s0 = jax.ShapeDtypeStruct((2, 3, 1, dim_v, dim_k), F32) if with_states else None
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2, delta=True)
-  fn = jax.jit(lambda q, k, w, v, s0, gates: pallas_mosaic_gpu.forward_padded(
-      q, k, v, None, s0, chunk_gates=gates, w=w, w_chunk_size=chunk_size, scale=0.125, seq_len=150,
-      return_final_state=with_states, num_stages=cfg.num_stages))
-  exported = jax.export.export(fn, platforms=["cuda"])(q, q, q, v, s0, gates)
+  fn = jax.jit(lambda q, k, v, s0, gates, delta: pallas_mosaic_gpu.forward_padded(
+      q, k, v, None, s0, chunk_gates=gates, delta=delta, scale=0.125, seq_len=150, return_final_state=with_states,
+      num_stages=cfg.num_stages))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, s0, gates, delta)
   assert "delta_warp_specialized" in exported.mlir_module()
 
 
 def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
-  # W in the ring and U^T beside each published state: 2 stages at D = 128, 4 at D = 64.
+  # The inverse in the ring and U^T beside each published state: 2 stages at D = 128, 4 at D = 64.
   assert heuristics.resolve_warp_specialized(None, dim_k=128, itemsize=2, delta=True).num_stages == 2
   assert heuristics.resolve_warp_specialized(None, dim_k=64, itemsize=2, delta=True).num_stages == 4
   q, k, v, beta, _, _, _ = delta_inputs(DeltaCase(b=1, t=40, h=2, d=32, e=32, decay=None), seed=3)
@@ -303,8 +306,6 @@ def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
       # float32 inputs (or jax < 0.11)
       ((q, k, v, beta), forced, r"warp_specialized=True\): the warp-specialised forward needs"),
       ((q.astype(BF16), k.astype(BF16), v.astype(BF16), beta, rates), forced, "scalar decay per token or none"),
-      ((q.astype(BF16), k.astype(BF16), v.astype(BF16), beta), lj.DeltaConfig(chunk_size=128, warp_specialized=True),
-       "chunk_size to divide 64"),
   ]:
     with pytest.raises(ValueError, match=match):
       lj.delta_attention(*args, impl="pallas", config=config, interpret=True)

@@ -60,10 +60,11 @@ class DeltaConfig:
   """Blocks of the delta attention kernels (`default_config` picks them per call).
 
   Attributes:
-    chunk_size: tokens per chunk of the forward (a power of two >= 16). 32 was
-      1.2-1.6x faster than 64 for all three forms on an H200 (B2 H32 T8K
-      D128, bf16): the prepare kernel's serial chain of 16-row blocks halves;
-      KDA's default is 16 (one block per chunk).
+    chunk_size: tokens per chunk of the Triton forward (a power of two >=
+      16). 32 was 1.2-1.6x faster than 64 for all three forms on an H200 (B2
+      H32 T8K D128, bf16): the prepare kernel's serial chain of 16-row blocks
+      halves; KDA's default is 16 (one block per chunk). The
+      warp-specialised forward chunks by 64 whatever it says.
     backward_chunk_size: tokens per chunk of the backward, which recomputes
       everything and so may chunk differently (a power of two >= 16).
     block_e: value columns per sweep program and per step of the gradient
@@ -79,14 +80,15 @@ class DeltaConfig:
       16-token chunks, where the states it reads are 4x a chunk's inputs at
       D = E = 128; the split kernels take 64-token chunks.
     num_warps, num_stages: Triton's, for every kernel.
-    prepare_warps: Triton's warps of the forward's prepare kernel (None:
-      num_warps; the backward's prepare, at backward_chunk_size, takes
-      num_warps).
-    warp_specialized: the forward's sweep on the warp-specialised Mosaic GPU
-      kernel (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256, a
-      scalar decay per token or none, chunk_size dividing 64) after the
-      prepare kernel. None: wherever it runs compiled; True: required
-      (ValueError where it cannot run); False: the Triton sweep.
+    prepare_warps: Triton's warps of the Triton forward's prepare kernel
+      (None: num_warps; the backward's prepare, at backward_chunk_size, and
+      the warp-specialised forward's `inverse` take num_warps).
+    warp_specialized: the forward on the warp-specialised Mosaic GPU kernel
+      (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256, a scalar
+      decay per token or none), which takes each 64-token chunk's inverse
+      from the `inverse` kernel instead of W and U_v from prepare. None:
+      wherever it runs compiled; True: required (ValueError where it cannot
+      run); False: the Triton sweep.
   """
   chunk_size: int = 32
   backward_chunk_size: int = 64
@@ -489,6 +491,40 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
       p_ref[_block(i), _block(j)] = scale * p_ij
 
 
+def _inverse_kernel(k_ref, beta_ref, g_ref, runs_ref, t_ref, *, exact):
+  """One chunk's T = (I + A)^{-1} by whole [C, C] tiles (a scalar gate or none; `inverse`).
+
+  A = beta_t k_t k_s e^{g_t - g_s} (s < t, one segment) is one product; then
+  inverses of diagonal blocks of size s merge into blocks of size 2s,
+  X <- X - X (L X) with L the off-diagonal s-blocks of A, from s = 1 (X = I)
+  to C / 2: each step writes exact blocks of the inverse, so no intermediate
+  exceeds them (powers of A, as in `_unit_lower_inverse`, may), and every
+  product spans the tile on the matrix units (2 log2(C) - 2 of them).
+  """
+  c = k_ref.shape[0]
+  # float16 operands for 16-bit inputs: bfloat16's 8 bits made T 5x less accurate with keys near one direction
+  # (7e-3 against 3.5e-2 of its largest entry, tests/test_delta_ops.py), at the same speed; A's entries are at most 2
+  # for keys of norm at most 1.
+  dtype = _F32 if exact else jnp.float16
+  k = k_ref[...]
+  pairs = triton_lowering.dot(k, k, trans_b=True, exact=exact)
+  a = pairs * beta_ref[...][:, None].astype(_F32) * _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=False)
+  t = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+  s = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+
+  def links(size):  # A's lower-left (size/2)-blocks within each diagonal size-block
+    half = size // 2
+    return jnp.where((t // size == s // size) & (t % size >= half) & (s % size < half), a, 0.0)
+
+  x = jnp.where(t == s, 1.0, 0.0) - links(2)
+  size = 4
+  while size <= c:
+    linked = triton_lowering.dot(links(size).astype(dtype), x.astype(dtype), exact=exact)
+    x = x - triton_lowering.dot(x.astype(dtype), linked.astype(dtype), exact=exact)
+    size *= 2
+  t_ref[...] = x.astype(t_ref.dtype)
+
+
 def _pair_factors(g_ref, runs_ref, *, start, size, inclusive):
   """[size, size] float32 e^{g_t - g_s} for the pairs (t, s) of rows [start, start + size) that interact (s <= t,
   or s < t, in one segment), else 0: a scalar gate's (or no gate's) factors of a whole chunk's pair products."""
@@ -882,6 +918,21 @@ def prepare(q, k, v, beta, gates_: Gates, *, scale, with_inverse=False, config: 
       compiler_params=triton_lowering.compiler_params(num_warps=config.prepare_warps or config.num_warps,
                                                       num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_prepare")(q, k, v, beta, gates_.g, gates_.runs)
+
+
+def inverse(k, beta, gates_: Gates, *, config: DeltaConfig, interpret):
+  """Each chunk's T = (I + A)^{-1} [B, H, Tp, C] in the input dtype (`_inverse_kernel`), from padded k [B, Tp, H,
+  Dp] and beta [B, H, Tp]: what `prepare(..., with_inverse=True)` writes as T, for a scalar gate or none."""
+  b, tp, h, dp = k.shape
+  c = config.chunk_size
+  if gates_.g is not None and gates_.g.ndim == 4:
+    raise ValueError("inverse takes a scalar gate per token or none; per key channel, prepare writes T")
+  return pl.pallas_call(
+      functools.partial(_inverse_kernel, exact=k.dtype == _F32), grid=(b, h, tp // c),
+      in_specs=[_chunk_rows_spec(c, dp), _head_rows(c), *_gate_specs(gates_, c, dp, per_chunk=True)],
+      out_specs=_head_rows(c, c), out_shape=manual_axes.struct((b, h, tp, c), k.dtype, k),
+      compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret, name="delta_attention_inverse")(k, beta, gates_.g, gates_.runs)
 
 
 def _state_specs(b, h, n, dp, be):

@@ -41,10 +41,10 @@ Compiled, left operands of wgmma stay in registers where that measured faster
 (`_register_operands`); interpreted, they are staged in shared memory.
 
 The delta rule's forward (`delta_attention.warp_specialized`) runs the same
-kernel in its delta mode (`forward_padded`'s `w`): v holds U_v, the memory
-warpgroup also loads W, and the state warpgroup forms each chunk's
-pseudo-values U = U_v - W S before its update and publishes them with S_n
-for the output warpgroup, which multiplies them in place of v.
+kernel in its delta mode (`forward_padded`'s `delta`): the memory warpgroup
+also loads each chunk's inverse T = (I + A)^{-1}, and the state warpgroup forms
+its pseudo-values U = T beta (V - K_g S) before its update and publishes them
+with S_n for the output warpgroup, which multiplies them in place of v.
 
 Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 """
@@ -52,6 +52,7 @@ Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -91,30 +92,44 @@ def decay_factors(decay, heads: int, *, scale: float, last_rows: int = CHUNK_SIZ
   return scale * full.intra, vectors
 
 
-# Rows of the per-head factors (`decay_factors`) and of a chunk's (`chunk_factors`).
+# Rows of the per-head factors (`decay_factors`) and of a chunk's (`chunk_factors`; the delta rule's beta comes
+# last: compiled, a ref takes no negative index).
 _ROW, _KEY, _STATE, _LAST_KEY, _LAST_STATE = range(5)
 _CUM, _RUNS = 0, 1
 # Subtracted per segment start in an exponent (log2 units): 2^-1e4 is 0 in float32.
 _SEGMENT_EXPONENT = 1.0e4
 
 
-def chunk_factors(cumdecay, runs):
+def chunk_factors(cumdecay, runs, beta=None):
   """Per-chunk factors of per-token rates and segment starts, [B, H, N, F, C] float32.
 
-  Rows: the cumulative rates (`_CUM`, log2 units) and, with segments (F = 2),
-  the segment-start counts (`_RUNS`): the inputs of
-  `chunk_common.token_decay_factors`, which the kernel computes from them.
+  Rows: the cumulative rates (`_CUM`, log2 units), with segments the
+  segment-start counts (`_RUNS`): the inputs of
+  `chunk_common.token_decay_factors`, which the kernel computes from them;
+  and last the delta rule's beta, where given.
 
   Args:
     cumdecay: [B, H, Tp] float32 (`chunk_common.token_chunk_gates`, forward).
     runs: [B, Tp] int32 segment-start counts, or None (no segments).
+    beta: [B, H, Tp] float32 or None.
   """
   b, h, tp = cumdecay.shape
-  cum = cumdecay.reshape(b, h, tp // CHUNK_SIZE, 1, CHUNK_SIZE)
-  if runs is None:
-    return cum
-  run_counts = jnp.broadcast_to(runs.reshape(b, 1, tp // CHUNK_SIZE, 1, CHUNK_SIZE).astype(_F32), cum.shape)
-  return jnp.concatenate([cum, run_counts], axis=3)
+  rows = lambda x: x.reshape(b, -1, tp // CHUNK_SIZE, 1, CHUNK_SIZE).astype(_F32)  # noqa: E731
+  cum = rows(cumdecay)
+  factors = [cum] + ([] if runs is None else [jnp.broadcast_to(rows(runs), cum.shape)])
+  factors += [] if beta is None else [rows(beta)]
+  return factors[0] if len(factors) == 1 else jnp.concatenate(factors, axis=3)
+
+
+class DeltaRule(NamedTuple):
+  """The delta rule's operands of `forward_padded` (`delta_attention.chunk` has the algebra).
+
+  inverse: [B, H, Tp, C] each chunk's T = (I + A)^{-1}, gates included, in the
+    input dtype (`delta_attention.pallas_triton.prepare` at CHUNK_SIZE tokens).
+  beta: [B, H, Tp] float32, zero on padded rows.
+  """
+  inverse: jax.Array
+  beta: jax.Array
 
 
 def _smem(shape, dtype):
@@ -140,14 +155,10 @@ def _update(init, a, b, *, in_registers):
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, per_chunk,
             has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state, register_scores,
-            delta_chunk):
+            delta):
   refs = list(refs)
-  # The delta rule (`delta_chunk` tokens per chunk of its W and U_v, v_ref holding U_v): W [B, Tp, H, K] and,
-  # with several sub-chunks per chunk, their selectors [C / delta_chunk, C] (1 on the sub-chunk's rows, else 0).
-  delta = delta_chunk is not None
-  sub_chunks = CHUNK_SIZE // delta_chunk if delta else 1
-  w_ref = refs.pop(0) if delta else None
-  selectors_ref = refs.pop(0) if sub_chunks > 1 else None
+  # The delta rule: each chunk's inverse T [B, H, Tp, C] (its beta comes with the per-chunk factors).
+  inverse_ref = refs.pop(0) if delta else None
   # Per-head factors with packed sequences: each chunk's segment-start counts [B, N, 1, C].
   head_segments = has_segments and not per_chunk
   runs_ref = refs.pop(0) if head_segments else None
@@ -156,11 +167,11 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   final_ref = refs.pop(0) if has_final else None
   buffers, barriers = refs
   q_smem, k_smem, v_smem, state_smem, (out_smem, intra_smem), vectors_smem, *buffers = buffers
-  # The delta rule: the ring's W tiles, the published U^T [_PUBLISHED, BLOCK_E, C] and the selectors.
-  w_smem, values_smem = (buffers.pop(0), buffers.pop(0)) if delta else (None, None)
-  selectors_smem = buffers.pop(0) if sub_chunks > 1 else None
+  # The delta rule: the ring's T tiles and the published U^T [_PUBLISHED, BLOCK_E, C].
+  inverse_smem, values_smem = (buffers.pop(0), buffers.pop(0)) if delta else (None, None)
   # Left operands of wgmma staged in shared memory where they do not stay in registers (`_register_operands`):
-  # the weighted scores, key * v (the delta rule: key * U^T [BLOCK_E, C], and the state S^T [BLOCK_E, K]).
+  # the weighted scores, key * v (the delta rule: beta (V - K_g S)^T, then key * U^T, [BLOCK_E, C], and the
+  # state S^T [BLOCK_E, K]).
   scores_smem = None if register_scores else buffers.pop(0)
   vk_smem = None if register_state else buffers.pop(0)
   state_in_smem = buffers.pop(0) if delta and not register_state else None
@@ -170,7 +181,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   runs_smem, runs_by_column = buffers if head_segments else (None, None)
   q_loaded, k_loaded, v_loaded, released, state_ready, state_read, factors_loaded = barriers[:7]
   barriers = list(barriers[7:])
-  w_loaded = barriers.pop(0) if delta else None
+  inverse_loaded = barriers.pop(0) if delta else None
   chunk_factors_loaded = barriers.pop(0) if per_chunk or has_segments else None
   if has_initial or has_final:
     # The float32 initial/final state shares memory with the published states:
@@ -201,8 +212,6 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
     if per_chunk:  # the scaled causal mask; the rest comes with each chunk
       plgpu.copy_gmem_to_smem(intra_ref, intra_smem, factors_loaded.at[0])
-      if sub_chunks > 1:
-        plgpu.copy_gmem_to_smem(selectors_ref, selectors_smem, factors_loaded.at[1])
     else:
       plgpu.copy_gmem_to_smem(intra_ref.at[head], intra_smem, factors_loaded.at[0])
       plgpu.copy_gmem_to_smem(vectors_ref.at[head], vectors_smem, factors_loaded.at[1])
@@ -213,7 +222,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], k_loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, cols], v_smem.at[slot], v_loaded.at[slot])
       if delta:
-        plgpu.copy_gmem_to_smem(w_ref.at[batch, rows, head], w_smem.at[slot], w_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(inverse_ref.at[batch, head, rows], inverse_smem.at[slot], inverse_loaded.at[slot])
       if per_chunk:
         for factors_smem in (vectors_smem, factors_by_column):
           plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, first_chunk + n], factors_smem.at[slot],
@@ -254,10 +263,6 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
                               initial_loaded.at[0])
     if has_decay and not per_chunk:
       plgpu.barrier_wait(factors_loaded.at[1])
-    selectors = [None]
-    if sub_chunks > 1:
-      plgpu.barrier_wait(factors_loaded.at[1])
-      selectors = [selectors_smem[j] for j in range(sub_chunks)]
 
     def claim(m):
       """The publishing buffer of chunk m, once the output warpgroup is done with chunk m - _PUBLISHED's."""
@@ -279,18 +284,17 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       state_smem[buf] = state.astype(state_smem.dtype)
       hand_over(buf)
 
-    def decay_exponents(slot, rows, first, last):
-      """Per-chunk factors over rows [first, last] of a chunk (log2 units): key_j = c_j - c_last and the
-      state's c_{first - 1} - c_last, each minus _SEGMENT_EXPONENT per segment start after row j (after row
-      first - 1). rows: the chunk's factor rows in shared memory."""
-      cum_end = vectors_smem[slot, _CUM, last]
+    def decay_exponents(slot, rows):
+      """Per-chunk factors of the update (log2 units): key_j = c_j - c_end and the state's -c_end, each minus
+      _SEGMENT_EXPONENT per segment start after row j (in the chunk). rows: the chunk's factor rows in shared
+      memory."""
+      cum_end = vectors_smem[slot, _CUM, c - 1]
       key_exponent = jnp.minimum(rows[_CUM] - cum_end, 0.0)
-      state_exponent = (0.0 if first == 0 else vectors_smem[slot, _CUM, first - 1]) - cum_end
+      state_exponent = -cum_end
       if has_segments:
-        runs_end = vectors_smem[slot, _RUNS, last]
+        runs_end = vectors_smem[slot, _RUNS, c - 1]
         key_exponent = key_exponent - _SEGMENT_EXPONENT * jnp.maximum(runs_end - rows[_RUNS], 0.0)
-        runs_before = 0.0 if first == 0 else vectors_smem[slot, _RUNS, first - 1]
-        state_exponent = state_exponent - _SEGMENT_EXPONENT * (runs_end - runs_before)
+        state_exponent = state_exponent - _SEGMENT_EXPONENT * runs_end
       return key_exponent, state_exponent
 
     # Per-head factors are at hand: S_n goes out first thing in chunk n. Per-chunk
@@ -308,7 +312,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       if has_decay:
         if per_chunk:
           # key_j = 2^(c_j - c_end), state = 2^-c_end, both zero across a segment start.
-          key_exponent, state_exponent = decay_exponents(slot, chunk_factor_rows(n), 0, c - 1)
+          key_exponent, state_exponent = decay_exponents(slot, chunk_factor_rows(n))
           key, state_decay = jnp.exp2(key_exponent), jnp.exp2(state_exponent)
         else:
           key, state_decay = head_factors
@@ -335,42 +339,50 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       return new_state
 
     def delta_body(n, state_t):
-      """Chunk n of the delta rule, by its sub-chunks of `delta_chunk` rows (those of W and U_v): U^T = U_v^T -
-      S^T W^T, then S^T <- a S^T + (key * U^T) k. Every product spans the chunk (wgmma's K is at least 64):
-      the selector zeroes U^T outside the sub-chunk. S_n and the chunk's U^T go out together."""
+      """Chunk n of the delta rule: U^T = beta (V - K_g S)^T T^T (K_g = e^g K, zero on rows after a segment
+      start), then S^T <- a S^T + (key * U^T) k. S_n and the chunk's U^T go out together, before the update."""
       slot = slot_of(n)
       rows = chunk_factor_rows(n)
-      for loaded in (w_loaded, v_loaded, k_loaded):
+      for loaded in (k_loaded, v_loaded, inverse_loaded):
         plgpu.barrier_wait(loaded.at[slot])
       buf = claim(n)
       state_in = state_t.astype(state_smem.dtype)
       state_smem[buf] = state_in
-      values_v = v_smem.at[slot].transpose((1, 0))[...].astype(_F32)  # U_v^T [BLOCK_E, C]
-      chunk_values = None
-      for sub, selector in enumerate(selectors):
-        if not register_state:
-          state_in_smem[...] = state_in
-          plgpu.commit_smem()
+      if not register_state:
+        state_in_smem[...] = state_in
+        plgpu.commit_smem()
 
-        def projection(acc):
-          plgpu.wgmma(acc, state_in if register_state else state_in_smem, w_smem.at[slot].transpose((1, 0)))
-          return acc[...]
+      def projection(acc):  # (K S)^T
+        plgpu.wgmma(acc, state_in if register_state else state_in_smem, k_smem.at[slot].transpose((1, 0)))
+        return acc[...]
 
-        values_t = values_v - pl.run_scoped(projection, plgpu.ACC((be, c), _F32))
-        if selector is not None:
-          values_t = values_t * lax.broadcast_in_dim(selector, (be, c), (1,))
-        chunk_values = values_t if chunk_values is None else chunk_values + values_t
-        # Over the sub-chunk (key_j is not needed outside it: U^T is zero there).
-        key_exponent, state_exponent = decay_exponents(slot, rows, sub * delta_chunk, (sub + 1) * delta_chunk - 1)
-        scaled = (values_t * lax.broadcast_in_dim(jnp.exp2(key_exponent), (be, c), (1,))).astype(v_smem.dtype)
-        if not register_state:
-          vk_smem[...] = scaled
-          plgpu.commit_smem()
-          scaled = vk_smem
-        state_t = _update(state_t * jnp.exp2(state_exponent), scaled, k_smem.at[slot], in_registers=register_state)
-        state_in = state_t.astype(state_smem.dtype)
-      values_smem[buf] = chunk_values.astype(values_smem.dtype)
+      by_column = lambda x: lax.broadcast_in_dim(x, (be, c), (1,))  # noqa: E731
+      beta = rows[vectors_smem.shape[-2] - 1]
+      row_exponent = -rows[_CUM]
+      if has_segments:
+        row_exponent = row_exponent - _SEGMENT_EXPONENT * rows[_RUNS]
+      projected = pl.run_scoped(projection, plgpu.ACC((be, c), _F32))
+      values = v_smem.at[slot].transpose((1, 0))[...].astype(_F32)
+      corrected = (values * by_column(beta) - projected * by_column(beta * jnp.exp2(row_exponent))).astype(v_smem.dtype)
+      if not register_state:
+        vk_smem[...] = corrected
+        plgpu.commit_smem()
+        corrected = vk_smem
+
+      def pseudo_values(acc):  # U^T = corrected T^T
+        plgpu.wgmma(acc, corrected, inverse_smem.at[slot].transpose((1, 0)))
+        return acc[...]
+
+      values_t = pl.run_scoped(pseudo_values, plgpu.ACC((be, c), _F32))
+      values_smem[buf] = values_t.astype(values_smem.dtype)
       hand_over(buf)
+      key_exponent, state_exponent = decay_exponents(slot, rows)
+      scaled = (values_t * by_column(jnp.exp2(key_exponent))).astype(v_smem.dtype)
+      if not register_state:
+        vk_smem[...] = scaled
+        plgpu.commit_smem()
+        scaled = vk_smem
+      state_t = _update(state_t * jnp.exp2(state_exponent), scaled, k_smem.at[slot], in_registers=register_state)
       plgpu.barrier_arrive(released.at[slot])
       return state_t
 
@@ -521,24 +533,23 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool
   interpreted: the Mosaic GPU interpreter's wgmma reads shared memory alone and
   has no initialised accumulator, so there staging tiles (allocated only for
   staged operands) hold the same operands, and the update is added after the
-  product. The delta rule's chain keeps its left operands, the state and
-  key * U^T, in registers at every K: both come from its accumulators.
+  product. The delta rule's chain keeps its left operands, the state,
+  beta (V - K_g S)^T and key * U^T, in registers at every K: all come from
+  its accumulators.
   """
   compiled = not interpret
   return dict(register_state=compiled and (dim_k > 64 or delta),
               register_scores=compiled and (per_chunk or dim_k > 64))
 
 
-def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None, w=None,
-                   w_chunk_size: int | None = None, scale: float, seq_len: int, return_final_state: bool = False,
+def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None,
+                   delta: DeltaRule | None = None, scale: float, seq_len: int, return_final_state: bool = False,
                    num_stages: int, num_slices: int = 1, interpret: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
 
-  With `w`, the delta rule's (`delta_attention.chunk`): v holds U_v and w
-  W, both of chunks of `w_chunk_size` tokens, and the state chain computes
-  each sub-chunk's U = U_v - W S before its update, S <- a S + K_C^T U; the
-  output is scale (Q_g S_n + P U) of CHUNK_SIZE chunks (U, the pseudo-values,
-  does not depend on the chunking).
+  With `delta`, the delta rule's (`delta_attention.chunk`): the state chain
+  computes each chunk's pseudo-values U = T beta (V - K_g S) before its
+  update, S <- a S + K_C^T U, and the output is scale (Q_g S_n + P U).
 
   Args:
     q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; bf16 or fp16, Tp a multiple of
@@ -552,8 +563,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       runs [B, Tp] int32 or None), with decay None.
     chunk_runs: None, or with a per-head rate (or none) the segment-start
       counts of packed sequences, [B, Tp] int32 (`token_chunk_gates`' runs).
-    w: None, or the delta rule's W [B, Tp, H, K] (with chunk_gates and one slice).
-    w_chunk_size: tokens per chunk of w and v, a divisor of CHUNK_SIZE >= 16 (with w).
+    delta: None, or the delta rule's operands (with chunk_gates and one slice).
     initial_state: None, or the transposed state before each slice, [B, H,
       num_slices, V, K] float32.
     seq_len: the number of real tokens T (with one slice, Tp - CHUNK_SIZE < T <= Tp).
@@ -581,10 +591,11 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                      f"got {initial_state.shape}")
   if chunk_gates is not None and (decay is not None or chunk_runs is not None):
     raise ValueError("give decay (per head) and chunk_runs, or chunk_gates (per token), not both")
-  delta = w is not None
-  if delta and (chunk_gates is None or num_slices != 1 or w.shape != q.shape or w_chunk_size not in (16, 32, 64)):
-    raise ValueError(f"the delta rule takes chunk_gates, one slice, w shaped like q {q.shape} and w_chunk_size in "
-                     f"(16, 32, 64); got {chunk_gates is not None}, {num_slices}, {w.shape}, {w_chunk_size}")
+  if delta is not None and (chunk_gates is None or num_slices != 1 or delta.inverse.shape != (b, h, tp, c)
+                            or delta.beta.shape != (b, h, tp)):
+    raise ValueError(f"the delta rule takes chunk_gates, one slice, an inverse [B, H, Tp, C] = {(b, h, tp, c)} and "
+                     f"beta [B, H, Tp]; got {chunk_gates is not None}, {num_slices}, {delta.inverse.shape}, "
+                     f"{delta.beta.shape}")
   num_chunks = tp // c // num_slices
   # The last chunk's own factors serve the final state alone (one slice).
   last_rows = seq_len - (tp // c - 1) * c if num_slices == 1 else c
@@ -594,7 +605,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     if cumdecay is None:
       cumdecay = jnp.zeros((b, h, tp), _F32)
     intra = scale * chunk_common.causal_mask(c, reverse=False).astype(_F32)
-    vectors = chunk_factors(cumdecay, runs)
+    vectors = chunk_factors(cumdecay, runs, None if delta is None else delta.beta)
     factor_smem = (plgpu.SMEM((num_stages,) + vectors.shape[-2:], _F32),) * 2
   else:
     intra, vectors = decay_factors(decay, h, scale=scale, last_rows=last_rows)
@@ -606,17 +617,13 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   state_smem = _smem((_PUBLISHED, be, dim_k), dtype)
   if with_states:  # the same bytes as the published states (see `WarpSpecializedConfig`)
     state_smem = plgpu.RefUnion(state_smem, _smem((be, dim_k), _F32))
-  registers = _register_operands(dim_k, per_chunk, interpret, delta)
-  staged_state = (_smem((be, c), dtype), _smem((be, dim_k), dtype)) if delta else (_smem((c, be), dtype),)
+  is_delta = delta is not None
+  registers = _register_operands(dim_k, per_chunk, interpret, is_delta)
+  staged_state = (_smem((be, c), dtype), _smem((be, dim_k), dtype)) if is_delta else (_smem((c, be), dtype),)
   staged = ((() if registers["register_scores"] else (_smem((c, c), dtype),))
             + (() if registers["register_state"] else staged_state))
-  # The delta rule's W ring, published U^T and sub-chunk selectors.
-  sub_chunks = c // w_chunk_size if delta else 1
-  selectors = ()
-  if sub_chunks > 1:
-    selectors = ((jnp.arange(c)[None, :] // w_chunk_size == jnp.arange(sub_chunks)[:, None]).astype(_F32),)
-  delta_smem = ((_smem((num_stages, c, dim_k), dtype), _smem((_PUBLISHED, be, c), dtype))
-                + tuple(plgpu.SMEM(x.shape, _F32) for x in selectors)) if delta else ()
+  # The delta rule's ring of inverses and its published U^T.
+  delta_smem = (_smem((num_stages, c, c), dtype), _smem((_PUBLISHED, be, c), dtype)) if is_delta else ()
   scratch = (
       # The [C, C] float32 factors are read once, before the first output is staged in the same bytes.
       (_smem((num_stages, c, dim_k), dtype), _smem((num_stages, c, dim_k), dtype),
@@ -626,12 +633,12 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
        plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
        plgpu.Barrier(num_barriers=_PUBLISHED), plgpu.Barrier(num_barriers=_PUBLISHED), plgpu.Barrier(num_barriers=2))
-      + ((plgpu.Barrier(num_barriers=num_stages),) if delta else ())
+      + ((plgpu.Barrier(num_barriers=num_stages),) if is_delta else ())
       + ((plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),) if per_chunk or chunk_runs is not None else ())
       + ((plgpu.Barrier(num_barriers=1),) if initial_state is not None else ()),
   )
   runs = () if chunk_runs is None else (chunk_runs.reshape(b, tp // c, 1, c).astype(_F32),)
-  inputs = (intra, vectors, q, k, v) + ((w,) if delta else ()) + selectors + runs + (
+  inputs = (intra, vectors, q, k, v) + ((delta.inverse,) if is_delta else ()) + runs + (
       () if initial_state is None else (initial_state,))
   out_type = manual_axes.struct((b, tp, h, dim_v), dtype, *inputs)
   if return_final_state:
@@ -640,8 +647,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                              per_chunk=per_chunk, has_decay=per_chunk or decay is not None or chunk_runs is not None,
                              has_segments=chunk_runs is not None or (per_chunk and chunk_gates[1] is not None),
                              has_initial=initial_state is not None, has_final=return_final_state,
-                             last_rows=last_rows, scale=scale, delta_chunk=w_chunk_size if delta else None,
-                             **registers)
+                             last_rows=last_rows, scale=scale, delta=is_delta, **registers)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
@@ -653,7 +659,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       # approx_math: exp2 as the one ex2.approx instruction (relative error ~2^-22), not a library routine.
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
-      kernel_name="delta_warp_specialized" if delta else "lightning_warp_specialized",
+      kernel_name="delta_warp_specialized" if is_delta else "lightning_warp_specialized",
   )(*inputs)
 
 
