@@ -447,8 +447,8 @@ def test_pallas_low_precision_gradients(decay, kernel_mode):
                                   Case(t=70, d=40, decay="token", segments=True)], ids=str)
 @pytest.mark.parametrize("aligned_keys", [False, True])
 def test_inverse_kernel_matches_float64(case, dtype, aligned_keys, kernel_mode):
-  """Each 64-token chunk's T = (I + A)^{-1} from `pallas_triton.inverse` (the warp-specialised forward's) against
-  numpy's float64 inverse of A's definition: random keys, and keys near one direction (large entries of T)."""
+  """Each 64-token chunk's T Diag(beta), T = (I + A)^{-1}, from `pallas_triton.inverse` (the warp-specialised
+  forward's) against numpy's float64 inverse of A's definition: random keys, and keys near one direction."""
   from lightning_jax.ops.delta_attention import pallas_triton as pt
   _, k, _, beta, decay, _, ids = make_inputs(case, seed=11)
   if aligned_keys:
@@ -480,7 +480,7 @@ def test_inverse_kernel_matches_float64(case, dtype, aligned_keys, kernel_mode):
         pairs = k64[bi, rows, hi] @ k64[bi, rows, hi].T * np.exp(gate[:, None] - gate[None, :])
         same = seg[bi, rows][:, None] == seg[bi, rows][None, :]
         a = np.where(np.tri(c, k=-1, dtype=bool) & same, beta64[bi, rows, hi][:, None] * pairs, 0.0)
-        want = np.linalg.inv(np.eye(c) + a)
+        want = np.linalg.inv(np.eye(c) + a) * beta64[bi, rows, hi][None, :]
         worst = max(worst, np.max(np.abs(got[bi, hi, rows] - want)) / max(1.0, np.max(np.abs(want))))
   # bfloat16: T's own rounding is 4e-3 of its largest entry; the float16 products add up to 7e-3 (aligned keys)
   assert worst < (1e-5 if dtype == jnp.float32 else 1e-2), worst

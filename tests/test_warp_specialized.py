@@ -285,13 +285,13 @@ def test_delta_warp_specialized_lowers_for_cuda(dim_k, dim_v, gated, segments, w
   v = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
   gates = (jax.ShapeDtypeStruct((2, 3, 192), F32) if gated else None,
            jax.ShapeDtypeStruct((2, 192), jnp.int32) if segments else None)
-  delta = pallas_mosaic_gpu.DeltaRule(jax.ShapeDtypeStruct((2, 3, 192, 64), BF16), jax.ShapeDtypeStruct((2, 3, 192), F32))
+  inverse = jax.ShapeDtypeStruct((2, 3, 192, 64), BF16)
   s0 = jax.ShapeDtypeStruct((2, 3, 1, dim_v, dim_k), F32) if with_states else None
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2, delta=True)
-  fn = jax.jit(lambda q, k, v, s0, gates, delta: pallas_mosaic_gpu.forward_padded(
-      q, k, v, None, s0, chunk_gates=gates, delta=delta, scale=0.125, seq_len=150, return_final_state=with_states,
-      num_stages=cfg.num_stages))
-  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, s0, gates, delta)
+  fn = jax.jit(lambda q, k, v, s0, gates, inverse: pallas_mosaic_gpu.forward_padded(
+      q, k, v, None, s0, chunk_gates=gates, delta_inverse=inverse, scale=0.125, seq_len=150,
+      return_final_state=with_states, num_stages=cfg.num_stages))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, s0, gates, inverse)
   assert "delta_warp_specialized" in exported.mlir_module()
 
 

@@ -86,7 +86,7 @@ class DeltaConfig:
     warp_specialized: the forward on the warp-specialised Mosaic GPU kernel
       (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256, a scalar
       decay per token or none), which takes each 64-token chunk's inverse
-      from the `inverse` kernel instead of W and U_v from prepare. None:
+      (times beta) from the `inverse` kernel instead of W and U_v from prepare. None:
       wherever it runs compiled; True: required (ValueError where it cannot
       run); False: the Triton sweep.
   """
@@ -492,14 +492,15 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
 
 
 def _inverse_kernel(k_ref, beta_ref, g_ref, runs_ref, t_ref, *, exact):
-  """One chunk's T = (I + A)^{-1} by whole [C, C] tiles (a scalar gate or none; `inverse`).
+  """One chunk's T' = (I + A)^{-1} Diag(beta) by whole [C, C] tiles (a scalar gate or none; `inverse`).
 
   A = beta_t k_t k_s e^{g_t - g_s} (s < t, one segment) is one product; then
   inverses of diagonal blocks of size s merge into blocks of size 2s,
   X <- X - X (L X) with L the off-diagonal s-blocks of A, from s = 1 (X = I)
   to C / 2: each step writes exact blocks of the inverse, so no intermediate
   exceeds them (powers of A, as in `_unit_lower_inverse`, may), and every
-  product spans the tile on the matrix units (2 log2(C) - 2 of them).
+  product spans the tile on the matrix units (2 log2(C) - 2 of them). Then
+  column s is scaled by beta_s.
   """
   c = k_ref.shape[0]
   # float16 operands for 16-bit inputs: bfloat16's 8 bits made T 5x less accurate with keys near one direction
@@ -508,7 +509,8 @@ def _inverse_kernel(k_ref, beta_ref, g_ref, runs_ref, t_ref, *, exact):
   dtype = _F32 if exact else jnp.float16
   k = k_ref[...]
   pairs = triton_lowering.dot(k, k, trans_b=True, exact=exact)
-  a = pairs * beta_ref[...][:, None].astype(_F32) * _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=False)
+  beta = beta_ref[...].astype(_F32)
+  a = pairs * beta[:, None] * _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=False)
   t = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
   s = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
 
@@ -522,7 +524,7 @@ def _inverse_kernel(k_ref, beta_ref, g_ref, runs_ref, t_ref, *, exact):
     linked = triton_lowering.dot(links(size).astype(dtype), x.astype(dtype), exact=exact)
     x = x - triton_lowering.dot(x.astype(dtype), linked.astype(dtype), exact=exact)
     size *= 2
-  t_ref[...] = x.astype(t_ref.dtype)
+  t_ref[...] = (x * beta[None, :]).astype(t_ref.dtype)
 
 
 def _pair_factors(g_ref, runs_ref, *, start, size, inclusive):
@@ -921,8 +923,8 @@ def prepare(q, k, v, beta, gates_: Gates, *, scale, with_inverse=False, config: 
 
 
 def inverse(k, beta, gates_: Gates, *, config: DeltaConfig, interpret):
-  """Each chunk's T = (I + A)^{-1} [B, H, Tp, C] in the input dtype (`_inverse_kernel`), from padded k [B, Tp, H,
-  Dp] and beta [B, H, Tp]: what `prepare(..., with_inverse=True)` writes as T, for a scalar gate or none."""
+  """Each chunk's T' = T Diag(beta) [B, H, Tp, C] in the input dtype (`_inverse_kernel`), from padded k [B, Tp, H,
+  Dp] and beta [B, H, Tp], with T what `prepare(..., with_inverse=True)` writes, for a scalar gate or none."""
   b, tp, h, dp = k.shape
   c = config.chunk_size
   if gates_.g is not None and gates_.g.ndim == 4:

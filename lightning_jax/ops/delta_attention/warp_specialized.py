@@ -1,10 +1,10 @@
 """The delta rule's forward on sm90: the Triton prepare kernel's inverses, then the warp-specialised sweep.
 
 The Triton `pallas_triton.inverse` kernel writes every 64-token chunk's
-T = (I + A)^{-1}; the Mosaic GPU kernel of
+T' = (I + A)^{-1} Diag(beta); the Mosaic GPU kernel of
 `lightning_attention.pallas_mosaic_gpu`, in its delta mode, walks the chunks
 with three warpgroups: the memory warpgroup loads q, k, v and T ahead, the
-state warpgroup computes each chunk's U = T beta (V - K_g S) and
+state warpgroup computes each chunk's U = T' (V - K_g S) and
 S <- a S + K_C^T U, and the output warpgroup O = scale (Q_g S_n + P U) from
 the U it publishes. So W and U_v never cross HBM, and the output products
 leave the serial chain, which the Triton sweep's one instruction stream
@@ -73,7 +73,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True)
   result = pallas_mosaic_gpu.forward_padded(
       qp, kp, pad(v, ep), None, initial_state, chunk_gates=(cumdecay, runs),
-      delta=pallas_mosaic_gpu.DeltaRule(inverse, beta_rows), scale=scale, seq_len=t,
+      delta_inverse=inverse, scale=scale, seq_len=t,
       return_final_state=with_final_state, num_stages=cfg.num_stages, interpret=interpret)
   o, final_state = result if with_final_state else (result, None)
   if final_state is not None:

@@ -222,8 +222,7 @@ class WarpSpecializedConfig:
     """The compiled kernel's: the load ring, the published states, the outputs (x2), the factors.
 
     With `delta` (the delta rule's mode): each chunk's inverse [C, C] in the
-    ring and U^T [C, BLOCK_E] beside every published state, no staged operand,
-    and the per-chunk factors' beta row.
+    ring and U^T [C, BLOCK_E] beside every published state, no staged operand.
 
     The float32 initial/final state shares the published states' memory, and
     the [C, C] float32 factors the staged outputs' (read once before the first
@@ -231,16 +230,16 @@ class WarpSpecializedConfig:
     (counted); at K = 128 they stay in registers (interpreted kernels stage
     them at every K: the interpreter has no shared-memory budget). The kernel's
     tiles are BLOCK_E values wide whatever `sweep.dim_v`. The factor rows: [5,
-    C] float32 per head once or per chunk in every slot of the ring (the
-    delta rule's: twice three rows), and with packed sequences per head, two
-    [C] segment-start rows per slot (counted here, the largest).
+    C] float32 per head once or per chunk in every slot of the ring, and with
+    packed sequences per head, two [C] segment-start rows per slot (counted
+    here, the larger).
     """
     c, be, dim_k, itemsize = self.CHUNK_SIZE, self.BLOCK_E, sweep.dim_k, sweep.itemsize
     ring = self.num_stages * c * (2 * dim_k + be + (c if delta else 0)) * itemsize
     published = self.PUBLISHED_STATES * be * (dim_k + (c if delta else 0)) * itemsize
     outputs_or_factors = max(2 * c * be * itemsize, 4 * c * c)
     staged_operands = (c * c + c * be) * itemsize if dim_k <= 64 and not delta else 0
-    factor_rows = max((6 if delta else 5) * self.num_stages, 5 + 2 * self.num_stages)
+    factor_rows = max(5 * self.num_stages, 5 + 2 * self.num_stages)
     return ring + published + outputs_or_factors + staged_operands + 4 * factor_rows * c
 
 

@@ -41,10 +41,11 @@ Compiled, left operands of wgmma stay in registers where that measured faster
 (`_register_operands`); interpreted, they are staged in shared memory.
 
 The delta rule's forward (`delta_attention.warp_specialized`) runs the same
-kernel in its delta mode (`forward_padded`'s `delta`): the memory warpgroup
-also loads each chunk's inverse T = (I + A)^{-1}, and the state warpgroup forms
-its pseudo-values U = T beta (V - K_g S) before its update and publishes them
-with S_n for the output warpgroup, which multiplies them in place of v.
+kernel in its delta mode (`forward_padded`'s `delta_inverse`): the memory
+warpgroup also loads each chunk's T' = (I + A)^{-1} Diag(beta), and the state
+warpgroup forms its pseudo-values U = T' (V - K_g S) before its update and
+publishes them with S_n for the output warpgroup, which multiplies them in
+place of v.
 
 Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 """
@@ -52,7 +53,6 @@ Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,44 +92,30 @@ def decay_factors(decay, heads: int, *, scale: float, last_rows: int = CHUNK_SIZ
   return scale * full.intra, vectors
 
 
-# Rows of the per-head factors (`decay_factors`) and of a chunk's (`chunk_factors`; the delta rule's beta comes
-# last: compiled, a ref takes no negative index).
+# Rows of the per-head factors (`decay_factors`) and of a chunk's (`chunk_factors`).
 _ROW, _KEY, _STATE, _LAST_KEY, _LAST_STATE = range(5)
 _CUM, _RUNS = 0, 1
 # Subtracted per segment start in an exponent (log2 units): 2^-1e4 is 0 in float32.
 _SEGMENT_EXPONENT = 1.0e4
 
 
-def chunk_factors(cumdecay, runs, beta=None):
+def chunk_factors(cumdecay, runs):
   """Per-chunk factors of per-token rates and segment starts, [B, H, N, F, C] float32.
 
-  Rows: the cumulative rates (`_CUM`, log2 units), with segments the
-  segment-start counts (`_RUNS`): the inputs of
-  `chunk_common.token_decay_factors`, which the kernel computes from them;
-  and last the delta rule's beta, where given.
+  Rows: the cumulative rates (`_CUM`, log2 units) and, with segments (F = 2),
+  the segment-start counts (`_RUNS`): the inputs of
+  `chunk_common.token_decay_factors`, which the kernel computes from them.
 
   Args:
     cumdecay: [B, H, Tp] float32 (`chunk_common.token_chunk_gates`, forward).
     runs: [B, Tp] int32 segment-start counts, or None (no segments).
-    beta: [B, H, Tp] float32 or None.
   """
   b, h, tp = cumdecay.shape
-  rows = lambda x: x.reshape(b, -1, tp // CHUNK_SIZE, 1, CHUNK_SIZE).astype(_F32)  # noqa: E731
-  cum = rows(cumdecay)
-  factors = [cum] + ([] if runs is None else [jnp.broadcast_to(rows(runs), cum.shape)])
-  factors += [] if beta is None else [rows(beta)]
-  return factors[0] if len(factors) == 1 else jnp.concatenate(factors, axis=3)
-
-
-class DeltaRule(NamedTuple):
-  """The delta rule's operands of `forward_padded` (`delta_attention.chunk` has the algebra).
-
-  inverse: [B, H, Tp, C] each chunk's T = (I + A)^{-1}, gates included, in the
-    input dtype (`delta_attention.pallas_triton.prepare` at CHUNK_SIZE tokens).
-  beta: [B, H, Tp] float32, zero on padded rows.
-  """
-  inverse: jax.Array
-  beta: jax.Array
+  cum = cumdecay.reshape(b, h, tp // CHUNK_SIZE, 1, CHUNK_SIZE)
+  if runs is None:
+    return cum
+  run_counts = jnp.broadcast_to(runs.reshape(b, 1, tp // CHUNK_SIZE, 1, CHUNK_SIZE).astype(_F32), cum.shape)
+  return jnp.concatenate([cum, run_counts], axis=3)
 
 
 def _smem(shape, dtype):
@@ -157,7 +143,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
             has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state, register_scores,
             delta):
   refs = list(refs)
-  # The delta rule: each chunk's inverse T [B, H, Tp, C] (its beta comes with the per-chunk factors).
+  # The delta rule: each chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, C].
   inverse_ref = refs.pop(0) if delta else None
   # Per-head factors with packed sequences: each chunk's segment-start counts [B, N, 1, C].
   head_segments = has_segments and not per_chunk
@@ -170,8 +156,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   # The delta rule: the ring's T tiles and the published U^T [_PUBLISHED, BLOCK_E, C].
   inverse_smem, values_smem = (buffers.pop(0), buffers.pop(0)) if delta else (None, None)
   # Left operands of wgmma staged in shared memory where they do not stay in registers (`_register_operands`):
-  # the weighted scores, key * v (the delta rule: beta (V - K_g S)^T, then key * U^T, [BLOCK_E, C], and the
-  # state S^T [BLOCK_E, K]).
+  # the weighted scores, key * v (the delta rule: -(K_g S)^T, then key * U^T, [BLOCK_E, C], and the state
+  # S^T [BLOCK_E, K]).
   scores_smem = None if register_scores else buffers.pop(0)
   vk_smem = None if register_state else buffers.pop(0)
   state_in_smem = buffers.pop(0) if delta and not register_state else None
@@ -339,8 +325,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       return new_state
 
     def delta_body(n, state_t):
-      """Chunk n of the delta rule: U^T = beta (V - K_g S)^T T^T (K_g = e^g K, zero on rows after a segment
-      start), then S^T <- a S^T + (key * U^T) k. S_n and the chunk's U^T go out together, before the update."""
+      """Chunk n of the delta rule: U^T = (V - K_g S)^T T'^T (K_g = e^g K, zero on rows after a segment start),
+      then S^T <- a S^T + (key * U^T) k. S_n and the chunk's U^T go out together, before the update."""
       slot = slot_of(n)
       rows = chunk_factor_rows(n)
       for loaded in (k_loaded, v_loaded, inverse_loaded):
@@ -357,20 +343,23 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         return acc[...]
 
       by_column = lambda x: lax.broadcast_in_dim(x, (be, c), (1,))  # noqa: E731
-      beta = rows[vectors_smem.shape[-2] - 1]
       row_exponent = -rows[_CUM]
       if has_segments:
         row_exponent = row_exponent - _SEGMENT_EXPONENT * rows[_RUNS]
       projected = pl.run_scoped(projection, plgpu.ACC((be, c), _F32))
-      values = v_smem.at[slot].transpose((1, 0))[...].astype(_F32)
-      corrected = (values * by_column(beta) - projected * by_column(beta * jnp.exp2(row_exponent))).astype(v_smem.dtype)
+      correction = (projected * by_column(-jnp.exp2(row_exponent))).astype(v_smem.dtype)
       if not register_state:
-        vk_smem[...] = corrected
+        vk_smem[...] = correction
         plgpu.commit_smem()
-        corrected = vk_smem
+        correction = vk_smem
+      inverse_t = inverse_smem.at[slot].transpose((1, 0))
 
-      def pseudo_values(acc):  # U^T = corrected T^T
-        plgpu.wgmma(acc, corrected, inverse_smem.at[slot].transpose((1, 0)))
+      # U^T = V^T T'^T + correction T'^T. V^T is read transposed from shared memory by wgmma: loaded into
+      # registers instead, the kernel faulted (CUDA_ERROR_ILLEGAL_INSTRUCTION) at D = 64 with 2 or 4 ring
+      # stages (H200, B4 H32 T 1K-4K; PERFORMANCE.md, "Delta attention").
+      def pseudo_values(acc):
+        plgpu.wgmma(acc, v_smem.at[slot].transpose((1, 0)), inverse_t)
+        plgpu.wgmma(acc, correction, inverse_t)
         return acc[...]
 
       values_t = pl.run_scoped(pseudo_values, plgpu.ACC((be, c), _F32))
@@ -533,9 +522,8 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool
   interpreted: the Mosaic GPU interpreter's wgmma reads shared memory alone and
   has no initialised accumulator, so there staging tiles (allocated only for
   staged operands) hold the same operands, and the update is added after the
-  product. The delta rule's chain keeps its left operands, the state,
-  beta (V - K_g S)^T and key * U^T, in registers at every K: all come from
-  its accumulators.
+  product. The delta rule's chain keeps its left operands in registers at
+  every K (the state, -(K_g S)^T, key * U^T): all come from its accumulators.
   """
   compiled = not interpret
   return dict(register_state=compiled and (dim_k > 64 or delta),
@@ -543,12 +531,12 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool
 
 
 def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None,
-                   delta: DeltaRule | None = None, scale: float, seq_len: int, return_final_state: bool = False,
+                   delta_inverse=None, scale: float, seq_len: int, return_final_state: bool = False,
                    num_stages: int, num_slices: int = 1, interpret: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
 
-  With `delta`, the delta rule's (`delta_attention.chunk`): the state chain
-  computes each chunk's pseudo-values U = T beta (V - K_g S) before its
+  With `delta_inverse`, the delta rule's (`delta_attention.chunk`): the state
+  chain computes each chunk's pseudo-values U = T' (V - K_g S) before its
   update, S <- a S + K_C^T U, and the output is scale (Q_g S_n + P U).
 
   Args:
@@ -563,7 +551,9 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       runs [B, Tp] int32 or None), with decay None.
     chunk_runs: None, or with a per-head rate (or none) the segment-start
       counts of packed sequences, [B, Tp] int32 (`token_chunk_gates`' runs).
-    delta: None, or the delta rule's operands (with chunk_gates and one slice).
+    delta_inverse: None, or the delta rule's T' = (I + A)^{-1} Diag(beta) of
+      each chunk, [B, H, Tp, C] in the input dtype
+      (`delta_attention.pallas_triton.inverse`; with chunk_gates and one slice).
     initial_state: None, or the transposed state before each slice, [B, H,
       num_slices, V, K] float32.
     seq_len: the number of real tokens T (with one slice, Tp - CHUNK_SIZE < T <= Tp).
@@ -591,11 +581,10 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                      f"got {initial_state.shape}")
   if chunk_gates is not None and (decay is not None or chunk_runs is not None):
     raise ValueError("give decay (per head) and chunk_runs, or chunk_gates (per token), not both")
-  if delta is not None and (chunk_gates is None or num_slices != 1 or delta.inverse.shape != (b, h, tp, c)
-                            or delta.beta.shape != (b, h, tp)):
-    raise ValueError(f"the delta rule takes chunk_gates, one slice, an inverse [B, H, Tp, C] = {(b, h, tp, c)} and "
-                     f"beta [B, H, Tp]; got {chunk_gates is not None}, {num_slices}, {delta.inverse.shape}, "
-                     f"{delta.beta.shape}")
+  is_delta = delta_inverse is not None
+  if is_delta and (chunk_gates is None or num_slices != 1 or delta_inverse.shape != (b, h, tp, c)):
+    raise ValueError(f"the delta rule takes chunk_gates, one slice and delta_inverse [B, H, Tp, C] = {(b, h, tp, c)}; "
+                     f"got {chunk_gates is not None}, {num_slices}, {delta_inverse.shape}")
   num_chunks = tp // c // num_slices
   # The last chunk's own factors serve the final state alone (one slice).
   last_rows = seq_len - (tp // c - 1) * c if num_slices == 1 else c
@@ -605,7 +594,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     if cumdecay is None:
       cumdecay = jnp.zeros((b, h, tp), _F32)
     intra = scale * chunk_common.causal_mask(c, reverse=False).astype(_F32)
-    vectors = chunk_factors(cumdecay, runs, None if delta is None else delta.beta)
+    vectors = chunk_factors(cumdecay, runs)
     factor_smem = (plgpu.SMEM((num_stages,) + vectors.shape[-2:], _F32),) * 2
   else:
     intra, vectors = decay_factors(decay, h, scale=scale, last_rows=last_rows)
@@ -617,7 +606,6 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   state_smem = _smem((_PUBLISHED, be, dim_k), dtype)
   if with_states:  # the same bytes as the published states (see `WarpSpecializedConfig`)
     state_smem = plgpu.RefUnion(state_smem, _smem((be, dim_k), _F32))
-  is_delta = delta is not None
   registers = _register_operands(dim_k, per_chunk, interpret, is_delta)
   staged_state = (_smem((be, c), dtype), _smem((be, dim_k), dtype)) if is_delta else (_smem((c, be), dtype),)
   staged = ((() if registers["register_scores"] else (_smem((c, c), dtype),))
@@ -638,7 +626,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       + ((plgpu.Barrier(num_barriers=1),) if initial_state is not None else ()),
   )
   runs = () if chunk_runs is None else (chunk_runs.reshape(b, tp // c, 1, c).astype(_F32),)
-  inputs = (intra, vectors, q, k, v) + ((delta.inverse,) if is_delta else ()) + runs + (
+  inputs = (intra, vectors, q, k, v) + ((delta_inverse,) if is_delta else ()) + runs + (
       () if initial_state is None else (initial_state,))
   out_type = manual_axes.struct((b, tp, h, dim_v), dtype, *inputs)
   if return_final_state:
