@@ -446,9 +446,11 @@ def test_pallas_low_precision_gradients(decay, kernel_mode):
                                   Case(t=100, d=64, rates="extreme", beta="edges"),
                                   Case(t=70, d=40, decay="token", segments=True)], ids=str)
 @pytest.mark.parametrize("aligned_keys", [False, True])
-def test_inverse_kernel_matches_float64(case, dtype, aligned_keys, kernel_mode):
-  """Each 64-token chunk's T Diag(beta), T = (I + A)^{-1}, from `pallas_triton.inverse` (the warp-specialised
-  forward's) against numpy's float64 inverse of A's definition: random keys, and keys near one direction."""
+@pytest.mark.parametrize("kernel", ["inverse", "prepare"])
+def test_inverse_matches_float64(kernel, case, dtype, aligned_keys, kernel_mode):
+  """Each 64-token chunk's T = (I + A)^{-1} against numpy's float64 inverse of A's definition, with random keys
+  and keys near one direction: `pallas_triton.inverse`'s T Diag(beta) (the warp-specialised forward's) and
+  `prepare`'s T (the split backward's, by 16-row blocks)."""
   from lightning_jax.ops.delta_attention import pallas_triton as pt
   _, k, _, beta, decay, _, ids = make_inputs(case, seed=11)
   if aligned_keys:
@@ -459,8 +461,13 @@ def test_inverse_kernel_matches_float64(case, dtype, aligned_keys, kernel_mode):
   starts = None if ids is None else jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], 1)
   g = pt.gate_logs(decay, seq_len=case.t, dim_k=case.d, chunk_size=c)
   _, kp, _, beta_rows, gates = pt.padded_operands(k, k, k, beta, starts, g, chunk_size=c)
-  got = np.asarray(jax.jit(lambda: pt.inverse(kp, beta_rows, gates, config=lj.DeltaConfig(chunk_size=c),
-                                              interpret=kernel_mode))().astype(jnp.float32), np.float64)
+  config = lj.DeltaConfig(chunk_size=c)
+  if kernel == "inverse":
+    call = lambda: pt.inverse(kp, beta_rows, gates, config=config, interpret=kernel_mode)  # noqa: E731
+  else:
+    call = lambda: pt.prepare(kp, kp, kp, beta_rows, gates, scale=1.0, with_inverse=True, config=config,  # noqa: E731
+                              interpret=kernel_mode)[3]
+  got = np.asarray(jax.jit(call)().astype(jnp.float32), np.float64)
   tp = got.shape[2]
   k64 = np.zeros((case.b, tp, case.h, case.d))
   k64[:, :case.t] = np.asarray(k.astype(jnp.float32), np.float64)  # the kernel's operand rounding, then exact
@@ -480,7 +487,7 @@ def test_inverse_kernel_matches_float64(case, dtype, aligned_keys, kernel_mode):
         pairs = k64[bi, rows, hi] @ k64[bi, rows, hi].T * np.exp(gate[:, None] - gate[None, :])
         same = seg[bi, rows][:, None] == seg[bi, rows][None, :]
         a = np.where(np.tri(c, k=-1, dtype=bool) & same, beta64[bi, rows, hi][:, None] * pairs, 0.0)
-        want = np.linalg.inv(np.eye(c) + a) * beta64[bi, rows, hi][None, :]
+        want = np.linalg.inv(np.eye(c) + a) * (beta64[bi, rows, hi][None, :] if kernel == "inverse" else 1.0)
         worst = max(worst, np.max(np.abs(got[bi, hi, rows] - want)) / max(1.0, np.max(np.abs(want))))
   # bfloat16: T's own rounding is 4e-3 of its largest entry; the float16 products add up to 7e-3 (aligned keys)
   assert worst < (1e-5 if dtype == jnp.float32 else 1e-2), worst

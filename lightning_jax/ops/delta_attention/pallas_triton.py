@@ -396,16 +396,32 @@ def _pair_blocks_vjp(d_pairs, xs, ys, y_ref, g_ref, *, dtype, exact):
   return dxs, dys
 
 
-def _unit_lower_inverse(a):
-  """(I + a)^{-1} for a strictly lower [16, 16] float32 a: sum_n (-a)^n as (I + X)(I + X^2)(I + X^4)(I + X^8)."""
-  eye = jnp.where(jax.lax.broadcasted_iota(jnp.int32, a.shape, 0) == jax.lax.broadcasted_iota(jnp.int32, a.shape, 1),
-                  1.0, 0.0)
-  power = -a
-  inverse = eye + power
-  for _ in range(int(math.log2(BLOCK)) - 1):
-    power = triton_lowering.dot(power, power, exact=True)
-    inverse = inverse + triton_lowering.dot(inverse, power, exact=True)
-  return inverse
+def _unit_lower_inverse(a, *, dtype=_F32, exact=True):
+  """(I + a)^{-1} for a strictly lower [n, n] float32 a (n a power of two), by whole tiles.
+
+  Inverses of diagonal blocks of size s merge into blocks of size 2s,
+  X <- X - X (L X) with L the lower-left s-blocks of a in each 2s-block, from
+  s = 1 (X = I) to n / 2: 2 log2(n) - 2 products with `dtype` operands. Each
+  step writes exact blocks of the inverse, so no intermediate exceeds them;
+  the powers of a (the Neumann product (I - a)(I + a^2)(I + a^4)...) do, and
+  lost 3.5e-4 of T's largest entry in float32 with keys near one direction,
+  where the merges lose 1e-6 (tests/test_delta_ops.py).
+  """
+  n = a.shape[0]
+  t = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  s = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+  def links(size):  # a's lower-left (size/2)-blocks within each diagonal size-block
+    half = size // 2
+    return jnp.where((t // size == s // size) & (t % size >= half) & (s % size < half), a, 0.0)
+
+  x = jnp.where(t == s, 1.0, 0.0) - links(2)
+  size = 4
+  while size <= n:
+    linked = triton_lowering.dot(links(size).astype(dtype), x.astype(dtype), exact=exact)
+    x = x - triton_lowering.dot(x.astype(dtype), linked.astype(dtype), exact=exact)
+    size *= 2
+  return x
 
 
 def _chunk_inverse(q, k, beta, k_ref, g_ref, runs_ref, *, exact):
@@ -492,38 +508,17 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
 
 
 def _inverse_kernel(k_ref, beta_ref, g_ref, runs_ref, t_ref, *, exact):
-  """One chunk's T' = (I + A)^{-1} Diag(beta) by whole [C, C] tiles (a scalar gate or none; `inverse`).
-
-  A = beta_t k_t k_s e^{g_t - g_s} (s < t, one segment) is one product; then
-  inverses of diagonal blocks of size s merge into blocks of size 2s,
-  X <- X - X (L X) with L the off-diagonal s-blocks of A, from s = 1 (X = I)
-  to C / 2: each step writes exact blocks of the inverse, so no intermediate
-  exceeds them (powers of A, as in `_unit_lower_inverse`, may), and every
-  product spans the tile on the matrix units (2 log2(C) - 2 of them). Then
-  column s is scaled by beta_s.
-  """
+  """One chunk's T' = (I + A)^{-1} Diag(beta) by whole [C, C] tiles (a scalar gate or none; `inverse`): A in one
+  product, then `_unit_lower_inverse` over the whole chunk, then column s scaled by beta_s."""
   c = k_ref.shape[0]
+  k = k_ref[...]
+  beta = beta_ref[...].astype(_F32)
+  a = (triton_lowering.dot(k, k, trans_b=True, exact=exact) * beta[:, None]
+       * _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=False))
   # float16 operands for 16-bit inputs: bfloat16's 8 bits made T 5x less accurate with keys near one direction
   # (7e-3 against 3.5e-2 of its largest entry, tests/test_delta_ops.py), at the same speed; A's entries are at most 2
   # for keys of norm at most 1.
-  dtype = _F32 if exact else jnp.float16
-  k = k_ref[...]
-  pairs = triton_lowering.dot(k, k, trans_b=True, exact=exact)
-  beta = beta_ref[...].astype(_F32)
-  a = pairs * beta[:, None] * _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=False)
-  t = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-  s = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-
-  def links(size):  # A's lower-left (size/2)-blocks within each diagonal size-block
-    half = size // 2
-    return jnp.where((t // size == s // size) & (t % size >= half) & (s % size < half), a, 0.0)
-
-  x = jnp.where(t == s, 1.0, 0.0) - links(2)
-  size = 4
-  while size <= c:
-    linked = triton_lowering.dot(links(size).astype(dtype), x.astype(dtype), exact=exact)
-    x = x - triton_lowering.dot(x.astype(dtype), linked.astype(dtype), exact=exact)
-    size *= 2
+  x = _unit_lower_inverse(a, dtype=_F32 if exact else jnp.float16, exact=exact)
   t_ref[...] = (x * beta[None, :]).astype(t_ref.dtype)
 
 
