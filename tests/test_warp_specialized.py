@@ -275,6 +275,28 @@ def test_delta_warp_specialized_matches_oracle(case, mode):
   assert rel_err(o, o_ref) < TOL[BF16] and rel_err(final, final_ref) < TOL[BF16]
 
 
+@pytest.mark.parametrize("mode", WS_MODES[1:])
+@pytest.mark.parametrize("num_chunks", range(1, 9))
+@pytest.mark.parametrize("op,dim", [("lightning", 64), ("lightning", 128), ("delta", 64), ("delta", 128)])
+def test_compiled_at_every_short_chunk_count(op, dim, num_chunks, mode):
+  """Per-token rates over 1 to 8 chunks, compiled: the memory warpgroup's loops are unrolled differently at each
+  count, and with registers rebalanced between the warpgroups ptxas once faulted at some counts (PERFORMANCE.md)."""
+  t = num_chunks * pallas_mosaic_gpu.CHUNK_SIZE - 5
+  if op == "lightning":
+    rng = np.random.default_rng(num_chunks)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, t, 2, dim)), BF16) for _ in range(3))
+    decay = jnp.asarray(rng.uniform(0.001, 0.3, size=(1, t, 2)), F32)
+    call = lambda **kw: lj.lightning_attention(q, k, v, decay, **kw)  # noqa: E731
+    o = call(impl="pallas", variant="warp_specialized")
+  else:
+    case = DeltaCase(b=1, t=t, h=2, d=dim, e=dim, initial_state=False)
+    q, k, v, beta, decay, _, _ = delta_inputs(case, seed=num_chunks)
+    q, k, v = (x.astype(BF16) for x in (q, k, v))
+    call = lambda **kw: lj.delta_attention(q, k, v, beta, decay, **kw)  # noqa: E731
+    o = call(impl="pallas", config=lj.DeltaConfig(warp_specialized=True))
+  assert rel_err(o, jax.jit(lambda: call(impl="reference"))()) < TOL[BF16]
+
+
 @needs_ws_jax
 @pytest.mark.parametrize("dim_k,dim_v,gated,segments,with_states", [
     (128, 128, True, True, True), (64, 64, False, False, False), (128, 64, True, False, False),

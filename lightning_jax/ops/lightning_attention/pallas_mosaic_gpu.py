@@ -69,9 +69,13 @@ from lightning_jax.ops.lightning_attention.config import PallasOptions, WarpSpec
 CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
 BLOCK_E = WarpSpecializedConfig.BLOCK_E
 _F32 = jnp.float32
-# Registers per thread: the memory warpgroup gives its share to the two that
-# compute (3 x 128 threads share 64K registers).
-_MEMORY_REGISTERS, _COMPUTE_REGISTERS = 40, 232
+# No warpgroup rebalances its registers (setmaxnreg): all three keep the 168 per
+# thread of a 384-thread CTA. With the memory warpgroup cut to 40 (and 24, 56, 72
+# tried), ptxas (CUDA 13.0) left values of the shared prologue in registers above
+# the cut in some kernels of both modes (one compiled sweep: 4 of 224 variants at
+# 40; e.g. R164 after a cut to 40), which faults with CUDA_ERROR_ILLEGAL_INSTRUCTION.
+# At 168 none of the 224 spills; on an H200 the forwards took the same time
+# within 2%, DeltaNet at B1 H16 T32K D128 4% more (PERFORMANCE.md, "Delta attention").
 _PUBLISHED = WarpSpecializedConfig.PUBLISHED_STATES
 
 
@@ -195,7 +199,6 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
   @pl.when(wg == 0)
   def _memory():
-    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
     if per_chunk:  # the scaled causal mask; the rest comes with each chunk
       plgpu.copy_gmem_to_smem(intra_ref, intra_smem, factors_loaded.at[0])
     else:
@@ -243,7 +246,6 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
   @pl.when(wg == 1)
   def _state_chain():
-    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     if has_initial:
       plgpu.copy_gmem_to_smem(initial_ref.at[batch, head, sequence_slice, cols], state_f32_smem,
                               initial_loaded.at[0])
@@ -354,9 +356,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         correction = vk_smem
       inverse_t = inverse_smem.at[slot].transpose((1, 0))
 
-      # U^T = V^T T'^T + correction T'^T. V^T is read transposed from shared memory by wgmma: loaded into
-      # registers instead, the kernel faulted (CUDA_ERROR_ILLEGAL_INSTRUCTION) at D = 64 with 2 or 4 ring
-      # stages (H200, B4 H32 T 1K-4K; PERFORMANCE.md, "Delta attention").
+      # U^T = V^T T'^T + correction T'^T, V^T read transposed from shared memory by wgmma (no register copy).
       def pseudo_values(acc):
         plgpu.wgmma(acc, v_smem.at[slot].transpose((1, 0)), inverse_t)
         plgpu.wgmma(acc, correction, inverse_t)
@@ -410,7 +410,6 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
   @pl.when(wg == 2)
   def _outputs():
-    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     plgpu.barrier_wait(factors_loaded.at[0])
     intra = intra_smem[...]  # per chunk: the scaled causal mask
     plgpu.commit_smem()  # every thread has read it before the first output overwrites it
