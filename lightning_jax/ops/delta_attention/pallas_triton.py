@@ -3,8 +3,8 @@
 Forward, two passes:
   prepare, grid (B, H, N), every chunk in parallel: the gated pair products A
     and P in 16-row blocks, T = (I + A)^{-1} block by block (each diagonal
-    block by the product (I - X)(I + X^2)(I + X^4)(I + X^8), X = -A_ii, then
-    forward substitution between blocks, all in float32), and
+    block by merging inverses of 1, 2, 4 and 8 rows, `_unit_lower_inverse`,
+    then forward substitution between blocks, all in float32), and
     W = T beta K_g, U_v = T beta V. Writes W [B, T, H, D], U_v [B, T, H, E]
     (the input dtype) and, with per-key-channel gates, P [B, H, T, C]
     (float32, scale included).
@@ -12,6 +12,9 @@ Forward, two passes:
     [D, block_e] on chip: U = U_v - W S, O = scale Q_g S + P U,
     S <- Diag(e^{g_C}) S + K_C^T U. With a scalar gate (or none) it forms P
     itself: one [C, D] x [D, C] product, cheaper than a float32 round trip.
+On sm90 the forward is `inverse` instead, grid (B, H, N): each chunk's
+T' = (I + A)^{-1} Diag(beta) over whole [C, C] tiles, from which the
+warp-specialised sweep (`warp_specialized`) forms U itself.
 
 Backward (`backward`), recomputing instead of storing: prepare again; the
 sweep again, writing the state before every chunk S_n instead of outputs;
