@@ -446,11 +446,11 @@ def test_pallas_low_precision_gradients(decay, kernel_mode):
                                   Case(t=100, d=64, rates="extreme", beta="edges"),
                                   Case(t=70, d=40, decay="token", segments=True)], ids=str)
 @pytest.mark.parametrize("aligned_keys", [False, True])
-@pytest.mark.parametrize("kernel", ["inverse", "prepare"])
+@pytest.mark.parametrize("kernel", ["inverse", "prepare", "prepare_by_tiles"])
 def test_inverse_matches_float64(kernel, case, dtype, aligned_keys, kernel_mode):
   """Each 64-token chunk's T = (I + A)^{-1} against numpy's float64 inverse of A's definition, with random keys
-  and keys near one direction: `pallas_triton.inverse`'s T Diag(beta) (the warp-specialised forward's) and
-  `prepare`'s T (the split backward's, by 16-row blocks)."""
+  and keys near one direction: `pallas_triton.inverse`'s T Diag(beta) (the warp-specialised forward's),
+  `prepare`'s T (by 16-row blocks) and `prepare_by_tiles`' (the split backward's, whole tiles)."""
   from lightning_jax.ops.delta_attention import pallas_triton as pt
   _, k, _, beta, decay, _, ids = make_inputs(case, seed=11)
   if aligned_keys:
@@ -464,9 +464,11 @@ def test_inverse_matches_float64(kernel, case, dtype, aligned_keys, kernel_mode)
   config = lj.DeltaConfig(chunk_size=c)
   if kernel == "inverse":
     call = lambda: pt.inverse(kp, beta_rows, gates, config=config, interpret=kernel_mode)  # noqa: E731
-  else:
+  elif kernel == "prepare":
     call = lambda: pt.prepare(kp, kp, kp, beta_rows, gates, scale=1.0, with_inverse=True, config=config,  # noqa: E731
                               interpret=kernel_mode)[3]
+  else:
+    call = lambda: pt.prepare_by_tiles(kp, kp, beta_rows, gates, config=config, interpret=kernel_mode)[2]  # noqa: E731
   got = np.asarray(jax.jit(call)().astype(jnp.float32), np.float64)
   tp = got.shape[2]
   k64 = np.zeros((case.b, tp, case.h, case.d))

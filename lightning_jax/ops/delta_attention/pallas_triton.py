@@ -510,9 +510,10 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
       p_ref[_block(i), _block(j)] = scale * p_ij
 
 
-def _inverse_kernel(k_ref, beta_ref, g_ref, runs_ref, t_ref, *, exact):
-  """One chunk's T' = (I + A)^{-1} Diag(beta) by whole [C, C] tiles (a scalar gate or none; `inverse`): A in one
-  product, then `_unit_lower_inverse` over the whole chunk, then column s scaled by beta_s."""
+def _tiles_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref, t_ref, *, exact):
+  """One chunk by whole [C, C] tiles, for a scalar gate or none: A in one product, then T = (I + A)^{-1} by
+  `_unit_lower_inverse` over the whole chunk. Without v (`inverse`): T' = T Diag(beta). With v (`prepare_by_tiles`):
+  T, W = T beta K_g and U_v = T beta V, each product one [C, C] x [C, D] tile."""
   c = k_ref.shape[0]
   k = k_ref[...]
   beta = beta_ref[...].astype(_F32)
@@ -522,7 +523,14 @@ def _inverse_kernel(k_ref, beta_ref, g_ref, runs_ref, t_ref, *, exact):
   # (7e-3 against 3.5e-2 of its largest entry, tests/test_delta_ops.py), at the same speed; A's entries are at most 2
   # for keys of norm at most 1.
   x = _unit_lower_inverse(a, dtype=_F32 if exact else jnp.float16, exact=exact)
-  t_ref[...] = (x * beta[None, :]).astype(t_ref.dtype)
+  if v_ref is None:
+    t_ref[...] = (x * beta[None, :]).astype(t_ref.dtype)
+    return
+  t_ref[...] = x.astype(t_ref.dtype)
+  row_decay, _ = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
+  product = lambda rows: triton_lowering.dot(x.astype(k.dtype), rows.astype(k.dtype), exact=exact)  # noqa: E731
+  w_ref[...] = product(k.astype(_F32) * (row_decay * beta[:, None])).astype(w_ref.dtype)
+  u_ref[...] = product(v_ref[...].astype(_F32) * beta[:, None]).astype(u_ref.dtype)
 
 
 def _pair_factors(g_ref, runs_ref, *, start, size, inclusive):
@@ -920,19 +928,37 @@ def prepare(q, k, v, beta, gates_: Gates, *, scale, with_inverse=False, config: 
       interpret=interpret, name="delta_attention_prepare")(q, k, v, beta, gates_.g, gates_.runs)
 
 
-def inverse(k, beta, gates_: Gates, *, config: DeltaConfig, interpret):
-  """Each chunk's T' = T Diag(beta) [B, H, Tp, C] in the input dtype (`_inverse_kernel`), from padded k [B, Tp, H,
-  Dp] and beta [B, H, Tp], with T what `prepare(..., with_inverse=True)` writes, for a scalar gate or none."""
+def _by_tiles(k, v, beta, gates_: Gates, *, config: DeltaConfig, interpret):
+  """`_tiles_kernel` over every chunk: (W, U_v, T) with v, else (None, None, T')."""
   b, tp, h, dp = k.shape
   c = config.chunk_size
   if gates_.g is not None and gates_.g.ndim == 4:
-    raise ValueError("inverse takes a scalar gate per token or none; per key channel, prepare writes T")
+    raise ValueError("the whole-tile kernel takes a scalar gate per token or none; per key channel, prepare writes T")
+  struct = lambda shape: manual_axes.struct(shape, k.dtype, k)  # noqa: E731
+  rows_specs, rows_shapes = [None, None], [None, None]  # W and U_v, with v
+  if v is not None:
+    rows_specs = [_chunk_rows_spec(c, dp), _chunk_rows_spec(c, v.shape[-1])]
+    rows_shapes = [struct(k.shape), struct(v.shape)]
   return pl.pallas_call(
-      functools.partial(_inverse_kernel, exact=k.dtype == _F32), grid=(b, h, tp // c),
-      in_specs=[_chunk_rows_spec(c, dp), _head_rows(c), *_gate_specs(gates_, c, dp, per_chunk=True)],
-      out_specs=_head_rows(c, c), out_shape=manual_axes.struct((b, h, tp, c), k.dtype, k),
+      functools.partial(_tiles_kernel, exact=k.dtype == _F32), grid=(b, h, tp // c),
+      in_specs=[_chunk_rows_spec(c, dp), rows_specs[1], _head_rows(c), *_gate_specs(gates_, c, dp, per_chunk=True)],
+      out_specs=[*rows_specs, _head_rows(c, c)], out_shape=[*rows_shapes, struct((b, h, tp, c))],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret, name="delta_attention_inverse")(k, beta, gates_.g, gates_.runs)
+      interpret=interpret, name="delta_attention_inverse" if v is None else "delta_attention_prepare_by_tiles",
+  )(k, v, beta, gates_.g, gates_.runs)
+
+
+def inverse(k, beta, gates_: Gates, *, config: DeltaConfig, interpret):
+  """Each chunk's T' = T Diag(beta) [B, H, Tp, C] in the input dtype (`_tiles_kernel`), from padded k [B, Tp, H,
+  Dp] and beta [B, H, Tp], with T what `prepare(..., with_inverse=True)` writes, for a scalar gate or none."""
+  return _by_tiles(k, None, beta, gates_, config=config, interpret=interpret)[2]
+
+
+def prepare_by_tiles(k, v, beta, gates_: Gates, *, config: DeltaConfig, interpret):
+  """`prepare(..., with_inverse=True)`'s (W, U_v, T) by whole [C, C] tiles (`_tiles_kernel`), for a scalar gate or
+  none: the split backward's, where D and E <= 128 (its [C, D] tiles stay whole; larger dims take `prepare`).
+  k: [B, Tp, H, Dp]; v: [B, Tp, H, Ep]; beta: [B, H, Tp]."""
+  return tuple(_by_tiles(k, v, beta, gates_, config=config, interpret=interpret))
 
 
 def _state_specs(b, h, n, dp, be):
@@ -1130,7 +1156,10 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c)
   kernels = dict(scale=scale, config=config, interpret=interpret)
-  w, u, p, tri = prepare(qp, kp, vp, beta_rows, gates_, with_inverse=split, **kernels)
+  if split and max(dp, ep) <= 128:  # by whole tiles (`prepare_by_tiles`)
+    (w, u, tri), p = prepare_by_tiles(kp, vp, beta_rows, gates_, config=config, interpret=interpret), None
+  else:
+    w, u, p, tri = prepare(qp, kp, vp, beta_rows, gates_, with_inverse=split, **kernels)
   _, _, states, values = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep),
                                with_outputs=False, with_final_state=False, with_states=True, with_values=split,
                                **kernels)
