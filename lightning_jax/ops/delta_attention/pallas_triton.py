@@ -23,7 +23,8 @@ sweep again, writing the state before every chunk S_n instead of outputs;
 G_n and dO it recomputes the chunk's terms and takes their vjp (the module
 docstring of `vjp` has the algebra) down to dq, dk, dv, dbeta and the
 cotangent of g. With a scalar gate or none (`DeltaConfig.split_backward`)
-that last step is split and tiled over D and E: prepare also writes T, the
+that last step is split and tiled over D and E: prepare also writes T (where
+D and E <= 128 `prepare_by_tiles` forms W, U_v and T by whole tiles), the
 sweeps also write U and dU, `qk_gradients` (grid (B, H, N D / block_d))
 takes the products with S_n and G_n and `wy_gradients` (grid (B, H, N)) the
 rest through T.
