@@ -9,8 +9,9 @@ run its passes on their IR up to the shared-memory allocation, for sm80, sm86,
 sm89, sm90, sm100 and sm120:
 
 - `--op delta`: every kernel of `delta_attention`'s Pallas path, forward and
-  backward, per form, dtype and padded D, in the H200's config and in each
-  target's own `default_config`;
+  backward (E = 256, and for the split backward also E = 128, where W, U_v and
+  T come by whole tiles), per form, dtype and padded D, in the H200's config
+  and in each target's own `default_config`;
 - `--op lightning`: every kernel `lightning_attention` lowers (the chunk_loop
   and parallel variants, forward and gradients) in the blocks its heuristics
   pick on each target.
@@ -122,6 +123,10 @@ def delta_kernels(form: str, dtype, dim: int, config: pallas_triton.DeltaConfig)
       "backward": lambda q, v, beta, decay, state, starts: pallas_triton.backward(
           q, q, v, beta, decay, starts, state, v, state, **kwargs),
   }
+  if config.splits_backward(per_channel_gate=ndim == 4) and dim <= 128:
+    # E = 128: the split backward's W, U_v and T by whole tiles (`prepare_by_tiles`, D and E <= 128).
+    passes["backward_e128"] = lambda q, v, beta, decay, state, starts: pallas_triton.backward(
+        q, q, v[..., :128], beta, decay, starts, state[..., :128], v[..., :128], state[..., :128], **kwargs)
   return {f"{name}/{kernel['name']}": kernel for name, fn in passes.items()
           for kernel in lowered_kernels(fn, q, v, beta, decay, state, starts)}
 
