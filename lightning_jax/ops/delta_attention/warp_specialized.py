@@ -1,4 +1,4 @@
-"""The delta rule's forward on sm90: the Triton prepare kernel's inverses, then the warp-specialised sweep.
+"""The delta rule's forward on sm90: the Triton inverse kernel, then the warp-specialised sweep.
 
 The Triton `pallas_triton.inverse` kernel writes every 64-token chunk's
 T' = (I + A)^{-1} Diag(beta); the Mosaic GPU kernel of
