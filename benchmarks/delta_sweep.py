@@ -86,12 +86,10 @@ def _kernel_fns(config, scale, dp):
     dop = chunk_common.pad_tokens_and_features(do, num_tokens=qp.shape[1], dim=vp.shape[-1])
     if not config.splits_backward(per_channel_gate=decay is not None and decay.ndim == 4):
       return pt.chunk_gradients(qp, kp, vp, br, gates, states, states, dop, **bwd)
-    # The split kernels, on stand-ins of the same shapes for T, W, U_v, U and dU.
-    dq, dk, dw, _ = pt.qk_gradients(qp, kp, gates, states, states, vp, dop, dop, **bwd)
+    # The tile kernel, on stand-ins of the same shapes for T, U and dU.
     b, tp, h, _ = qp.shape
-    tri = jnp.zeros((b, h, tp, config.backward_chunk_size), jnp.float32)
-    return dq, pt.wy_gradients(kp, vp, br, gates, tri, kp, vp, dw, dop, dk, config=bwd["config"],
-                               interpret=bwd["interpret"])
+    tri = jnp.zeros((b, h, tp, config.backward_chunk_size), qp.dtype)
+    return pt.tile_gradients(qp, kp, vp, br, gates, tri, states, states, vp, dop, dop, **bwd)
 
   def op_fwd(q, k, v, beta, decay, do, states):
     return lj.delta_attention(q, k, v, beta, decay, impl="pallas", config=config)
@@ -144,7 +142,7 @@ def main(argv=None):
     dp = lightning_config.padded_dim(d)
     for form in args.forms.split(","):
       sets = [_inputs(jax.random.PRNGKey(s), b, t, h, d, form) for s in range(2)]
-      base = pt.default_config(per_channel_gate=form == "kda", dtype=jnp.bfloat16, dim_k=d, compute_capability=cc,
+      base = pt.default_config(per_channel_gate=form == "kda", scalar_gate=form == "gated_deltanet", dtype=jnp.bfloat16, dim_k=d, compute_capability=cc,
                                batch_heads=b * h, num_sms=num_sms)
       jobs, states = [], {}  # states: per backward chunk size, one array per input set
       for name, fields in _parse_configs(args.configs):

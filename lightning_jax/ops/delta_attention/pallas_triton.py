@@ -23,11 +23,12 @@ sweep again, writing the state before every chunk S_n instead of outputs;
 G_n and dO it recomputes the chunk's terms and takes their vjp (the module
 docstring of `vjp` has the algebra) down to dq, dk, dv, dbeta and the
 cotangent of g. With a scalar gate or none (`DeltaConfig.split_backward`)
-that last step is split and tiled over D and E: prepare also writes T (where
-D and E <= 128 `prepare_by_tiles` forms W, U_v and T by whole tiles), the
-sweeps also write U and dU, `qk_gradients` (grid (B, H, N D / block_d))
-takes the products with S_n and G_n and `wy_gradients` (grid (B, H, N)) the
-rest through T.
+the backward chunks by 64 tokens and that last step takes whole [C, C]
+tiles: prepare also writes T (where D and E <= 128 `prepare_by_tiles` forms
+W, U_v and T by whole tiles), the sweeps also write U and dU, and
+`tile_gradients` (grid (B, H, N)) takes dA from the value columns alone
+(-(T^T dU) U^T), then walks the key columns for the products with S_n and
+G_n.
 
 The gates arrive as chunk-local cumulative log decays g (`chunk.chunk_gates`):
 [B, H, T] for a scalar per token, [B, H, T, D] per key channel (KDA), with
@@ -73,16 +74,16 @@ class DeltaConfig:
       everything and so may chunk differently (a power of two >= 16).
     block_e: value columns per sweep program and per step of the gradient
       kernels' loops over E (a power of two >= 16; clipped to E).
-    block_d: key columns per program and per loop step of the split
-      backward's gradient kernels (a power of two >= 16; clipped to D).
-    split_backward: the backward's per-chunk gradients in two kernels tiled
-      over D and E (`_qk_gradients_kernel`, `_wy_gradients_kernel`; a scalar
-      gate or none), or in one kernel per chunk (`_chunk_gradients_kernel`,
+    block_d: key columns per loop step of the split backward's gradient
+      kernel (a power of two >= 16; clipped to D).
+    split_backward: the backward's per-chunk gradients by whole [C, C]
+      tiles, walking D and E (`_tile_gradients_kernel`; a scalar gate or
+      none), or by 16-row blocks (`_chunk_gradients_kernel`,
       which KDA's per-key-channel gates need: their pair products go by
       16-row blocks). None: split unless the gates are per key channel. The
       one kernel holds a chunk's whole [C, D] cotangents and spills past
       16-token chunks, where the states it reads are 4x a chunk's inputs at
-      D = E = 128; the split kernels take 64-token chunks.
+      D = E = 128; the tile kernel takes 64-token chunks.
     num_warps, num_stages: Triton's, for every kernel.
     prepare_warps: Triton's warps of the Triton forward's prepare kernel
       (None: num_warps; the backward's prepare, at backward_chunk_size, and
@@ -150,7 +151,8 @@ _DEEP_PIPELINE_BUDGET = 227 * 1024
 
 
 def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capability=None, dim_v: int | None = None,
-                   batch_heads: int = 0, num_sms: int = heuristics.DEFAULT_NUM_SMS) -> DeltaConfig:
+                   batch_heads: int = 0, num_sms: int = heuristics.DEFAULT_NUM_SMS,
+                   scalar_gate: bool = False) -> DeltaConfig:
   """The blocks for one call: the H200's (B2 H32 T8K D128, bf16), smaller where a device's shared memory needs
   or where the sweeps' grid would leave the GPU half idle.
 
@@ -181,13 +183,19 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   4 (Gated DeltaNet D128 0.377 -> 0.332 ms, DeltaNet D64 0.479 -> 0.419,
   Gated DeltaNet D64 0.532 -> 0.458), level at DeltaNet D128 (0.293 ->
   0.297), and with 8 warps 40-80% more.
+  The backward's `_tile_gradients_kernel` takes 64 key columns per step,
+  32 with a decay per token (`scalar_gate`, Gated DeltaNet) at padded D >=
+  128: on an H200 (B2 H32 T8K D128, bf16, in-process) the gate's extra sums
+  made 64 columns spill, and the kernel took 1.40 ms against 1.15 at 32
+  (fwd+bwd 2.74 against 2.47); DeltaNet's took 2.10 ms fwd+bwd at 64 against
+  2.46 at 32, and at D64 64 won for both forms (D256 is unmeasured).
   `batch_heads` = B H (0: unknown, no change); `dim_v` = E (default D).
   """
   dp = lightning_config.padded_dim(dim_k)
   itemsize = jnp.dtype(dtype).itemsize
   budget = lightning_config.shared_memory_budget(compute_capability)
   config = DeltaConfig(chunk_size=16 if per_channel_gate else 32, backward_chunk_size=16 if per_channel_gate else 64,
-                       block_e=32 if itemsize * dp > 512 else 64,
+                       block_e=32 if itemsize * dp > 512 else 64, block_d=32 if scalar_gate and dp >= 128 else 64,
                        num_stages=3 if itemsize == 2 and budget >= _DEEP_PIPELINE_BUDGET else 2,
                        prepare_warps=2 if itemsize == 2 and not per_channel_gate and dp <= 128
                        and compute_capability == (9, 0) else None)
@@ -723,62 +731,21 @@ def _chunk_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, stat
       dg_ref[_block(i), :] = dg_i
 
 
-def _qk_gradients_kernel(q_ref, k_ref, g_ref, runs_ref, states_ref, d_next_ref, u_ref, du_ref, do_ref, dq_ref, dk_ref,
-                         dw_ref, dg_ref, *, scale, block_e, exact):
-  """One chunk's cotangents on one block of key columns (the split backward, scalar gates; `vjp` has the algebra).
+def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref, states_ref, d_next_ref, u_ref,
+                           du_ref, do_ref, dq_ref, dk_ref, dv_ref, d_beta_ref, dg_ref, *, scale, block_d, block_e,
+                           exact):
+  """One chunk's input cotangents by whole [C, C] tiles (a scalar gate or none; `vjp` has the algebra).
 
-  q_ref, k_ref: [C, bd] (the block's columns); states_ref, d_next_ref: S_n
-  and G_n's [bd, Ep] rows; u_ref, du_ref, do_ref: U, dU and dO [C, Ep].
-  Walking the value columns: dQ_g = dO S_n^T, dK_C = U G_n^T, dW = -dU
-  S_n^T and dP = dO U^T. Writes dq (whole: q enters only Q_g and P), dk's
-  share through P and K_C (float32), dW, and dg's share of these uses of the
-  columns (q dq - k dk) and of g_C (the last row's) through K_C and through
-  the state decay a_n = e^{g_C} (da_n = sum G_n * S_n over the block's rows).
-  """
-  c, bd = k_ref.shape
-  dtype = k_ref.dtype
-  dot = functools.partial(triton_lowering.dot, exact=exact)
-  zeros = lambda *shape: jnp.zeros(shape, _F32)  # noqa: E731
-
-  def body(ei, acc):
-    d_q_gated, d_k_end, d_w, d_p, d_state_decay = acc
-    cols = pl.ds(pl.multiple_of(ei * block_e, block_e), block_e)
-    state, d_next, u, du, do = (ref[:, cols] for ref in (states_ref, d_next_ref, u_ref, du_ref, do_ref))
-    if dg_ref is not None:  # by columns: Triton's sm100 passes failed on a full reduction to a scalar here
-      d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * d_next.astype(_F32), axis=0, keepdims=True)
-    return (d_q_gated + dot(do, state, trans_b=True), d_k_end + dot(u, d_next, trans_b=True),
-            d_w - dot(du, state, trans_b=True), d_p + dot(do, u, trans_b=True), d_state_decay)
-
-  d_q_gated, d_k_end, d_w, d_p, d_state_decay = jax.lax.fori_loop(
-      0, u_ref.shape[-1] // block_e, body, (zeros(c, bd), zeros(c, bd), zeros(c, bd), zeros(c, c), zeros(1, block_e)))
-  row_decay, to_end = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
-  d_pairs = (scale * d_p * _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=True)).astype(dtype)
-  q, k = q_ref[...], k_ref[...]
-  dq = scale * row_decay * d_q_gated + dot(d_pairs, k)
-  dk = dot(d_pairs, q, trans_a=True) + to_end * d_k_end
-  dq_ref[...] = dq.astype(dq_ref.dtype)
-  dk_ref[...] = dk
-  dw_ref[...] = d_w.astype(dw_ref.dtype)
-  if dg_ref is not None:  # [1, 1] sums (see above); g_C's share goes to the last row's first column
-    last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
-    # The last row's e^{g_C}, 0 where a segment starts in the chunk: the state decay a_n.
-    state_decay = jnp.sum(jnp.where(last_row, row_decay, 0.0), axis=0, keepdims=True)
-    g_end = (jnp.sum(jnp.sum(k.astype(_F32) * (to_end * d_k_end), axis=0, keepdims=True), axis=1, keepdims=True)
-             + state_decay * jnp.sum(d_state_decay, axis=1, keepdims=True))
-    first_column = jax.lax.broadcasted_iota(jnp.int32, (c, bd), 1) == 0
-    dg_ref[...] = jnp.sum(q.astype(_F32) * dq - k.astype(_F32) * dk + jnp.where(last_row & first_column, g_end, 0.0),
-                          axis=1)
-
-
-def _wy_gradients_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref, w_ref, u_ref, dw_ref, du_ref, dk_in_ref,
-                         dk_ref, dv_ref, d_beta_ref, dg_ref, *, block_d, block_e, exact):
-  """One chunk's cotangents through its WY form (the split backward, scalar gates; `vjp` has the algebra).
-
-  From T [C, C] (`prepare`), W, U_v, dW, dU and dk's share so far (`_qk_gradients_kernel`):
-  dX = T^T [dW, dU], dA = -dX [W, U_v]^T on the strictly lower pairs of a
-  segment, then A_ts = beta_t (k_t . k_s) f_ts (f: the gate's pair factors)
-  passes it to the keys' rows and columns. Writes dk, dv, dbeta and dg's
-  share (float32).
+  q_ref, k_ref: [C, Dp]; v_ref, u_ref, du_ref, do_ref: V, U (the sweep's),
+  dU (`state_cotangents`') and dO [C, Ep]; t_ref: T [C, C] (`prepare`);
+  states_ref, d_next_ref: S_n and G_n [Dp, Ep]. W enters only U = U_v - W S_n,
+  so dW = -dU S_n^T, and with Z = T^T dU the pair products' cotangent
+  dA = -(T^T dW) W^T - Z U_v^T is -Z U^T (U_v - W S_n = U): the value
+  columns alone give dA, dP = dO U^T, dv = beta Z and dbeta's share
+  through U_v. Then block_d key columns at a time, walking E: dQ_g = dO
+  S_n^T, dK_C = U G_n^T and dW, which give dq, dk and dg's share of these
+  columns (q dq - k dk, plus the last row's g_C through K_C and the state
+  decay a_n = e^{g_C}). Nothing of size [C, D] crosses HBM but the results.
   """
   c, dp = k_ref.shape
   dtype = k_ref.dtype
@@ -786,44 +753,77 @@ def _wy_gradients_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref, w_ref, 
   zeros = lambda *shape: jnp.zeros(shape, _F32)  # noqa: E731
   tri = t_ref[...].astype(dtype)
   beta = beta_ref[...][:, None]
-  row_decay, _ = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
+  row_decay, to_end = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
+  value_columns = lambda ei: pl.ds(pl.multiple_of(ei * block_e, block_e), block_e)  # noqa: E731
   key_columns = lambda di: pl.ds(pl.multiple_of(di * block_d, block_d), block_d)  # noqa: E731
 
-  def keys(di, acc):  # the key pairs, and dA and dbeta through W
-    pairs, d_a, d_beta = acc
-    cols = key_columns(di)
-    k = k_ref[:, cols]
-    d_x = dot(tri, dw_ref[:, cols], trans_a=True)
-    return (pairs + dot(k, k, trans_b=True), d_a - dot(d_x.astype(dtype), w_ref[:, cols], trans_b=True),
-            d_beta + jnp.sum(k.astype(_F32) * row_decay * d_x, axis=1))
+  def values(ei, acc):
+    d_p, d_a, d_beta = acc
+    cols = value_columns(ei)
+    u = u_ref[:, cols]
+    z = dot(tri, du_ref[:, cols], trans_a=True)
+    dv_ref[:, cols] = (beta * z).astype(dv_ref.dtype)
+    return (d_p + dot(do_ref[:, cols], u, trans_b=True), d_a - dot(z.astype(dtype), u, trans_b=True),
+            d_beta + jnp.sum(v_ref[:, cols].astype(_F32) * z, axis=1))
 
-  def values(ei, acc):  # dv, and dA and dbeta through U_v
-    d_a, d_beta = acc
-    cols = pl.ds(pl.multiple_of(ei * block_e, block_e), block_e)
-    d_x = dot(tri, du_ref[:, cols], trans_a=True)
-    dv_ref[:, cols] = (beta * d_x).astype(dv_ref.dtype)
-    return (d_a - dot(d_x.astype(dtype), u_ref[:, cols], trans_b=True),
-            d_beta + jnp.sum(v_ref[:, cols].astype(_F32) * d_x, axis=1))
-
-  pairs, d_a, d_beta = jax.lax.fori_loop(0, dp // block_d, keys, (zeros(c, c), zeros(c, c), zeros(c)))
-  d_a, d_beta = jax.lax.fori_loop(0, v_ref.shape[-1] // block_e, values, (d_a, d_beta))
-  # A_ts = beta_t pairs_ts f_ts (f: the pair factors, 0 where pairs do not interact), so dA's masked part counts.
+  d_p, d_a, d_beta = jax.lax.fori_loop(0, v_ref.shape[-1] // block_e, values, (zeros(c, c), zeros(c, c), zeros(c)))
+  # A_ts = beta_t (k_t . k_s) f_ts (f: the pair factors, 0 where pairs do not interact), so dA's masked part counts.
   factors = _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=False)
-  d_beta_ref[...] = d_beta + jnp.sum(d_a * pairs * factors, axis=1)
-  d_pairs = (beta * d_a * factors).astype(dtype)
+  key_pairs = jax.lax.fori_loop(0, dp // block_d, lambda di, pairs: pairs + dot(k_ref[:, key_columns(di)],
+                                                                                  k_ref[:, key_columns(di)],
+                                                                                  trans_b=True), zeros(c, c))
+  d_beta = d_beta + jnp.sum(d_a * key_pairs * factors, axis=1)
+  d_key_pairs = (beta * d_a * factors).astype(dtype)
+  d_query_pairs = (scale * d_p * _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=True)).astype(dtype)
+  with_gate = dg_ref is not None
+  last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
 
-  def key_gradients(di, dg):
-    cols = key_columns(di)
-    k = k_ref[:, cols]
-    # T^T dW again, as in `keys`: one [C, C] x [C, block_d] product, where keeping it would hold [C, D] float32.
-    through_w = beta * row_decay * dot(tri, dw_ref[:, cols], trans_a=True)
-    rows, columns = dot(d_pairs, k), dot(d_pairs, k, trans_a=True)
-    dk_ref[:, cols] = (dk_in_ref[:, cols] + through_w + rows + columns).astype(dk_ref.dtype)
-    return dg + jnp.sum(k.astype(_F32) * (through_w + rows - columns), axis=1)
+  def keys(di, acc):
+    d_beta, dg, g_end, d_state_decay = acc
+    key_cols = key_columns(di)
 
-  dg = jax.lax.fori_loop(0, dp // block_d, key_gradients, zeros(c))
-  if dg_ref is not None:
-    dg_ref[...] = dg
+    def along_values(ei, acc):
+      d_q_gated, d_k_end, d_w, d_state_decay = acc
+      cols = value_columns(ei)
+      state, d_next = states_ref[key_cols, cols], d_next_ref[key_cols, cols]
+      if with_gate:
+        d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * d_next.astype(_F32), axis=0, keepdims=True)
+      return (d_q_gated + dot(do_ref[:, cols], state, trans_b=True),
+              d_k_end + dot(u_ref[:, cols], d_next, trans_b=True),
+              d_w - dot(du_ref[:, cols], state, trans_b=True), d_state_decay)
+
+    d_q_gated, d_k_end, d_w, d_state_decay = jax.lax.fori_loop(
+        0, v_ref.shape[-1] // block_e, along_values, (zeros(c, block_d), zeros(c, block_d), zeros(c, block_d),
+                                                      d_state_decay))
+    q, k = q_ref[:, key_cols], k_ref[:, key_cols]
+    k32 = k.astype(_F32)
+    dq = scale * row_decay * d_q_gated + dot(d_query_pairs, k)
+    dq_ref[:, key_cols] = dq.astype(dq_ref.dtype)
+    d_k_gated = dot(tri, d_w.astype(dtype), trans_a=True)  # T^T dW: the cotangent of beta K_g
+    d_beta = d_beta + jnp.sum(k32 * row_decay * d_k_gated, axis=1)
+    # k's uses by the sign of g in their factors (two [C, block_d] sums live at a time, not five: registers):
+    # beta K_g's and A's rows (e^{+g}); K_C's, P's columns and A's columns (e^{-g}).
+    rising = beta * row_decay * d_k_gated + dot(d_key_pairs, k)
+    through_end = to_end * d_k_end
+    if with_gate:
+      dg = dg + jnp.sum(q.astype(_F32) * dq, axis=1)
+      g_end = g_end + jnp.sum(jnp.sum(k32 * through_end, axis=0, keepdims=True), axis=1, keepdims=True)
+    falling = through_end + dot(d_query_pairs, q, trans_a=True) + dot(d_key_pairs, k, trans_a=True)
+    dk_ref[:, key_cols] = (rising + falling).astype(dk_ref.dtype)
+    if with_gate:
+      dg = dg + jnp.sum(k32 * (rising - falling), axis=1)
+    return d_beta, dg, g_end, d_state_decay
+
+  d_beta, dg, g_end, d_state_decay = jax.lax.fori_loop(0, dp // block_d, keys, (d_beta, zeros(c), zeros(1, 1), zeros(1, block_e)))
+  d_beta_ref[...] = d_beta
+  if with_gate:  # g_C's share (through K_C and the state decay a_n) goes to the last row
+    # da_n = sum G_n * S_n, a pass of its own over the tiles just read (from L2): inside the loop above its
+    # float32 copies of both tiles made Gated DeltaNet's kernel spill at D = 128. By columns: Triton's sm100
+    # passes failed on a full reduction to a scalar.
+    # The last row's e^{g_C}, 0 where a segment starts in the chunk: the state decay a_n.
+    state_decay = jnp.sum(jnp.where(last_row, row_decay, 0.0), axis=0, keepdims=True)
+    g_end = g_end + state_decay * jnp.sum(d_state_decay, axis=1, keepdims=True)
+    dg_ref[...] = dg + jnp.sum(jnp.where(last_row, g_end, 0.0), axis=1)
 
 
 class Gates(NamedTuple):
@@ -1057,58 +1057,34 @@ def chunk_gradients(q, k, v, beta, gates_: Gates, states, d_next, do, *, scale, 
                                                                     d_next, do)
 
 
-def qk_gradients(q, k, gates_: Gates, states, d_next, u, du, do, *, scale, config: DeltaConfig, interpret):
-  """`_qk_gradients_kernel` over the grid (B, H, N Dp / block_d) on padded operands: (dq [B, Tp, H, Dp] in the input
-  dtype, dk's share [B, Tp, H, Dp] float32, dW [B, Tp, H, Dp] in the input dtype, dg's share [Dp / block_d, B, H,
-  Tp] float32 or None)."""
-  b, tp, h, dp = q.shape
-  ep = u.shape[-1]
-  c = config.chunk_size
-  bd = min(config.block_d, dp)
-  nk = dp // bd
-  keys = pl.BlockSpec((None, c, None, bd), lambda bi, hi, i: (bi, i // nk, hi, i % nk))
-  values = pl.BlockSpec((None, c, None, ep), lambda bi, hi, i: (bi, i // nk, hi, 0))
-  state_rows = pl.BlockSpec((None, None, bd, ep), lambda bi, hi, i: (bi, hi, i, 0))  # chunk i // nk, block i % nk
-  g_spec = None if gates_.g is None else pl.BlockSpec((None, None, c), lambda bi, hi, i: (bi, hi, i // nk))
-  runs_spec = None if gates_.runs is None else pl.BlockSpec((None, c), lambda bi, hi, i: (bi, i // nk))
-  struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, u)  # noqa: E731
-  return pl.pallas_call(
-      functools.partial(_qk_gradients_kernel, scale=scale, block_e=min(config.block_e, ep), exact=q.dtype == _F32),
-      grid=(b, h, tp // c * nk),
-      in_specs=[keys, keys, g_spec, runs_spec, state_rows, state_rows, values, values, values],
-      out_specs=[keys, keys, keys,
-                 None if gates_.g is None else pl.BlockSpec((None, None, None, c),
-                                                            lambda bi, hi, i: (i % nk, bi, hi, i // nk))],
-      out_shape=[struct((b, tp, h, dp), q.dtype), struct((b, tp, h, dp), _F32), struct((b, tp, h, dp), q.dtype),
-                 None if gates_.g is None else struct((nk, b, h, tp), _F32)],
-      compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret, name="delta_attention_qk_gradients")(q, k, gates_.g, gates_.runs, states, d_next, u, du,
-                                                                 do)
+def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do, *, scale, config: DeltaConfig,
+                   interpret):
+  """`_tile_gradients_kernel` over the grid (B, H, N) on padded operands: (dq, dk [B, Tp, H, Dp], dv [B, Tp, H,
+  Ep] in the input dtype, dbeta [B, H, Tp] float32, dg [B, H, Tp] float32 (every share) or None).
 
-
-def wy_gradients(k, v, beta, gates_: Gates, tri, w, u, dw, du, dk, *, config: DeltaConfig, interpret):
-  """`_wy_gradients_kernel` over the grid (B, H, N) on padded operands: (dk [B, Tp, H, Dp], dv [B, Tp, H, Ep] in
-  the input dtype, dbeta [B, H, Tp] float32, dg's share [B, H, Tp] float32 or None).
-
-  tri: T [B, H, Tp, C] (`prepare`); w, u: W, U_v; dw, dk: `qk_gradients`'; du: dU (`state_cotangents`).
+  tri: T [B, H, Tp, C] (`prepare`); states, d_next: S_n (`sweep`) and G_n
+  (`state_cotangents`) [B, H, N Dp, Ep]; u, du: U (`sweep`) and dU
+  (`state_cotangents`) [B, Tp, H, Ep]; do: [B, Tp, H, Ep].
   """
-  b, tp, h, dp = k.shape
+  b, tp, h, dp = q.shape
   ep = v.shape[-1]
   c = config.chunk_size
-  struct = lambda shape, dtype: manual_axes.struct(shape, dtype, k, v)  # noqa: E731
+  struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, v)  # noqa: E731
   keys, values = _chunk_rows_spec(c, dp), _chunk_rows_spec(c, ep)
+  chunk_state = pl.BlockSpec((None, None, dp, ep), lambda bi, hi, ni: (bi, hi, ni, 0))
   g_spec, runs_spec = _gate_specs(gates_, c, dp, per_chunk=True)
   return pl.pallas_call(
-      functools.partial(_wy_gradients_kernel, block_d=min(config.block_d, dp), block_e=min(config.block_e, ep),
-                        exact=k.dtype == _F32),
+      functools.partial(_tile_gradients_kernel, scale=scale, block_d=min(config.block_d, dp),
+                        block_e=min(config.block_e, ep), exact=q.dtype == _F32),
       grid=(b, h, tp // c),
-      in_specs=[keys, values, _head_rows(c), g_spec, runs_spec, _head_rows(c, c), keys, values, keys, values, keys],
-      out_specs=[keys, values, _head_rows(c), g_spec],
-      out_shape=[struct((b, tp, h, dp), k.dtype), struct((b, tp, h, ep), k.dtype), struct((b, h, tp), _F32),
-                 None if gates_.g is None else struct((b, h, tp), _F32)],
+      in_specs=[keys, keys, values, _head_rows(c), g_spec, runs_spec, _head_rows(c, c), chunk_state, chunk_state,
+                values, values, values],
+      out_specs=[keys, keys, values, _head_rows(c), g_spec],
+      out_shape=[struct((b, tp, h, dp), q.dtype), struct((b, tp, h, dp), q.dtype), struct((b, tp, h, ep), q.dtype),
+                 struct((b, h, tp), _F32), None if gates_.g is None else struct((b, h, tp), _F32)],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret, name="delta_attention_wy_gradients")(k, v, beta, gates_.g, gates_.runs, tri, w, u, dw,
-                                                                 du, dk)
+      interpret=interpret, name="delta_attention_tile_gradients")(q, k, v, beta, gates_.g, gates_.runs, tri, states,
+                                                                   d_next, u, du, do)
 
 
 def padded_operands(q, k, v, beta, segment_starts, g, *, chunk_size):
@@ -1168,10 +1144,8 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   d_next, d_initial, d_values = state_cotangents(qp, kp, w, p, gates_, dop, chunk_common.pad_state(d_final, dp, ep),
                                                  with_value_cotangents=split, **kernels)
   if split:
-    dq, dk, dw, dg_keys = qk_gradients(qp, kp, gates_, states, d_next, values, d_values, dop, **kernels)
-    dk, dv, d_beta, dg = wy_gradients(kp, vp, beta_rows, gates_, tri, w, u, dw, d_values, dk, config=config,
-                                      interpret=interpret)
-    dg = None if dg is None else dg + jnp.sum(dg_keys, axis=0)
+    dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, gates_, tri, states, d_next, values, d_values,
+                                            dop, **kernels)
   else:
     dq, dk, dv, d_beta, dg = chunk_gradients(qp, kp, vp, beta_rows, gates_, states, d_next, dop, **kernels)
   d_decay = None

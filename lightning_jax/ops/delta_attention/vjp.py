@@ -10,12 +10,13 @@ notation; Y = [W, U_v] = T X, X = [beta K_g, beta V], T = (I + A)^{-1}):
 With G_n = dL/dS_{n+1}, a reverse sweep (`state_cotangents`) gives
 dU = P^T dO + K_C G_n and dL/dS_n = Diag(a_n) G_n + Q_g^T dO - W^T dU, and
 writes the G_n. Then every chunk in parallel (`chunk_gradients`, or with a
-scalar gate or none the split `qk_gradients` and `wy_gradients`, which read T
-from prepare, U from the sweep and dU from the reverse sweep):
+scalar gate or none `tile_gradients`, which reads T from prepare, U from the
+sweep and dU from the reverse sweep):
 
     dQ_g = dO S_n^T,  dW = -dU S_n^T,  dK_C = U G_n^T,  dP = dO U^T,
     da_n = sum_e G_n * S_n,  dX = T^T [dW, dU],  dA = -dX Y^T (strictly lower),
 
+where, as W enters only U, dA = -(T^T dU) U^T (`tile_gradients` takes it so);
 and the pair products A_ts = beta_t sum_d k_td k_sd e^{g_td - g_sd} and
 P_ts = scale sum_d q_td k_sd e^{g_td - g_sd} pass their cotangents to the rows
 (dx_t = sum_s dM_ts y_s e^{g_t - g_s}) and the columns (dy_s likewise). The
