@@ -5,7 +5,7 @@
 For each shape (bf16), form (DeltaNet, Gated DeltaNet, KDA) and config, it
 compiles and times each Pallas kernel of `pallas_triton` on its own (prepare,
 the forward sweep, the backward's state sweep, state_cotangents, and
-chunk_gradients: the per-chunk gradient kernels, split or not; each row also
+chunk_gradients: the per-chunk gradient kernel, by tiles or not; each row also
 runs what feeds that kernel: the gates' jnp and, for the sweeps, prepare) and
 the op through `delta_attention` (forward, and forward plus backward of every
 input), and prints one JSON row per timing. Configs are
@@ -142,8 +142,9 @@ def main(argv=None):
     dp = lightning_config.padded_dim(d)
     for form in args.forms.split(","):
       sets = [_inputs(jax.random.PRNGKey(s), b, t, h, d, form) for s in range(2)]
-      base = pt.default_config(per_channel_gate=form == "kda", scalar_gate=form == "gated_deltanet", dtype=jnp.bfloat16, dim_k=d, compute_capability=cc,
-                               batch_heads=b * h, num_sms=num_sms)
+      base = pt.default_config(per_channel_gate=form == "kda", scalar_gate=form == "gated_deltanet",
+                               dtype=jnp.bfloat16, dim_k=d, compute_capability=cc, batch_heads=b * h,
+                               num_sms=num_sms)
       jobs, states = [], {}  # states: per backward chunk size, one array per input set
       for name, fields in _parse_configs(args.configs):
         try:

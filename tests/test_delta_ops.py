@@ -366,7 +366,8 @@ def test_default_config_fits_every_device():
   for capability, form, dtype, dim in grid:
     cc = divmod(capability, 10)
     choose = lambda cc: pallas_triton.default_config(  # noqa: E731
-        per_channel_gate=form == "kda", dtype=jnp.dtype(dtype), dim_k=dim, compute_capability=cc)
+        per_channel_gate=form == "kda", scalar_gate=form == "gated_deltanet", dtype=jnp.dtype(dtype), dim_k=dim,
+        compute_capability=cc)
     key = (capability, form, dtype, dim, tuple(dataclasses.asdict(choose(cc))[f] for f in fields))
     assert key in measured, f"no measurement of {key}: run python -m benchmarks.shared_memory"
     assert measured[key] <= lightning_config.shared_memory_budget(cc), (key, measured[key])
@@ -412,6 +413,19 @@ def test_default_config_prepare_warps_where_measured():
   assert warps(dim=256) is warps(dtype=jnp.float32) is warps(per_channel_gate=True) is warps(cc=(8, 0)) is None
   with pytest.raises(ValueError, match="prepare_warps must be None or a power of two"):
     lj.DeltaConfig(prepare_warps=3)
+
+
+def test_default_config_key_columns_where_measured():
+  """The backward's tile gradient kernel steps 32 key columns with a per-token decay at padded D >= 128 (the gated
+  kernel spilled at 64 and ran slower on an H200), else 64."""
+  from lightning_jax.ops.delta_attention import pallas_triton
+
+  def block_d(dim, scalar_gate, cc=(9, 0)):
+    return pallas_triton.default_config(per_channel_gate=False, scalar_gate=scalar_gate, dtype=jnp.bfloat16,
+                                        dim_k=dim, compute_capability=cc).block_d
+
+  assert block_d(128, True) == block_d(100, True) == block_d(256, True) == block_d(128, True, cc=(8, 0)) == 32
+  assert block_d(128, False) == block_d(64, True) == block_d(64, False) == 64
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

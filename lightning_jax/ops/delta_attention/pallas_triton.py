@@ -130,16 +130,20 @@ class DeltaConfig:
 
 # float32 operands: what shrinks, by (padded D at least, budget at most), and the largest backward chunk there.
 # Triton's allocation of every kernel, forward and backward, on sm80 to sm120 (`benchmarks/shared_memory.py`,
-# `benchmarks/tuning/delta-shared-memory.json`): 16-bit operands fit every device with the H200's blocks, and
-# float32 up to D = 64; past that the value columns, the pipeline, and at D = 256 on 99 KiB devices the chunk
-# and the warps (the gradient kernel's tiles) shrink. The backward's reverse sweep holds [C, D] float32 tiles of
-# q, k and W: at 64-token chunks they overflow D = 256 on every device (237,568 B on sm90) and D = 128 on the
-# 99 KiB devices (122,880 B). A chunk cap never raises a form's own backward chunk (KDA's 16).
+# `benchmarks/tuning/delta-shared-memory.json`): 16-bit operands fit every device with the H200's blocks at
+# the device's pipeline depth (`_DEEP_PIPELINE_BUDGET`), and
+# float32 up to D = 64 but on the 99 KiB devices, where the tile gradient kernel's pipelined [64, 64] float32
+# loads took 163,840 B at D = 64 (114,688 at D = 16) and take 90,112 with 32 key and value columns; past D = 64
+# the value columns, the pipeline, and at D = 256 on 99 KiB devices the chunk and the warps (the gradient
+# kernel's tiles) shrink. The backward's reverse sweep holds [C, D] float32 tiles of q, k and W: at 64-token
+# chunks they overflow D = 256 on every device (237,568 B on sm90) and D = 128 on the 99 KiB devices (122,880
+# B). A chunk cap never raises a form's own backward chunk (KDA's 16).
 _FLOAT32_STEPS = (
     ((256, 99 * 1024), dict(chunk_size=16, block_e=16, num_stages=1, num_warps=2), 16),
     ((256, 163 * 1024), dict(block_e=32, num_stages=1), 32),
     ((256, math.inf), dict(), 32),
     ((128, 99 * 1024), dict(block_e=32, num_stages=1), 32),
+    ((16, 99 * 1024), dict(block_e=32, block_d=32), 64),
 )
 
 
@@ -786,7 +790,7 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
       d_q_gated, d_k_end, d_w, d_state_decay = acc
       cols = value_columns(ei)
       state, d_next = states_ref[key_cols, cols], d_next_ref[key_cols, cols]
-      if with_gate:
+      if with_gate:  # da_n = sum G_n * S_n; by columns: Triton's sm100 passes failed on a full reduction to a scalar
         d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * d_next.astype(_F32), axis=0, keepdims=True)
       return (d_q_gated + dot(do_ref[:, cols], state, trans_b=True),
               d_k_end + dot(u_ref[:, cols], d_next, trans_b=True),
@@ -814,12 +818,10 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
       dg = dg + jnp.sum(k32 * (rising - falling), axis=1)
     return d_beta, dg, g_end, d_state_decay
 
-  d_beta, dg, g_end, d_state_decay = jax.lax.fori_loop(0, dp // block_d, keys, (d_beta, zeros(c), zeros(1, 1), zeros(1, block_e)))
+  d_beta, dg, g_end, d_state_decay = jax.lax.fori_loop(0, dp // block_d, keys,
+                                                        (d_beta, zeros(c), zeros(1, 1), zeros(1, block_e)))
   d_beta_ref[...] = d_beta
   if with_gate:  # g_C's share (through K_C and the state decay a_n) goes to the last row
-    # da_n = sum G_n * S_n, a pass of its own over the tiles just read (from L2): inside the loop above its
-    # float32 copies of both tiles made Gated DeltaNet's kernel spill at D = 128. By columns: Triton's sm100
-    # passes failed on a full reduction to a scalar.
     # The last row's e^{g_C}, 0 where a segment starts in the chunk: the state decay a_n.
     state_decay = jnp.sum(jnp.where(last_row, row_decay, 0.0), axis=0, keepdims=True)
     g_end = g_end + state_decay * jnp.sum(d_state_decay, axis=1, keepdims=True)
