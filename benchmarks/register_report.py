@@ -49,8 +49,7 @@ def main(argv=None):
   p.add_argument("--dim", type=int, default=128, help="D = padded D (E is 256)")
   p.add_argument("--config", default="", help="DeltaConfig fields over the sm90 default: field=value,...")
   args = p.parse_args(argv)
-  config = pallas_triton.default_config(per_channel_gate=args.form == "kda", scalar_gate=args.form == "gated_deltanet",
-                                        dtype=jnp.bfloat16, dim_k=args.dim,
+  config = pallas_triton.default_config(per_channel_gate=args.form == "kda", dtype=jnp.bfloat16, dim_k=args.dim,
                                         compute_capability=(9, 0))
   config = dataclasses.replace(config, **{k: delta_sweep.config_value(v)
                                           for k, v in (kv.split("=") for kv in args.config.split(",") if kv)})

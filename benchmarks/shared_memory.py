@@ -239,8 +239,7 @@ def measure_delta(targets, forms, dtypes, dims, log=print) -> list[dict]:
     for dtype_name in dtypes:
       for dim in dims:
         def choose(capability, form=form, dtype_name=dtype_name, dim=dim):
-          return pallas_triton.default_config(per_channel_gate=FORMS[form] == 4, scalar_gate=FORMS[form] == 3,
-                                              dtype=DTYPES[dtype_name],
+          return pallas_triton.default_config(per_channel_gate=FORMS[form] == 4, dtype=DTYPES[dtype_name],
                                               dim_k=dim, compute_capability=capability)
 
         h200, irs = choose((9, 0)), {}

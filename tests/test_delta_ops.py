@@ -366,7 +366,7 @@ def test_default_config_fits_every_device():
   for capability, form, dtype, dim in grid:
     cc = divmod(capability, 10)
     choose = lambda cc: pallas_triton.default_config(  # noqa: E731
-        per_channel_gate=form == "kda", scalar_gate=form == "gated_deltanet", dtype=jnp.dtype(dtype), dim_k=dim,
+        per_channel_gate=form == "kda", dtype=jnp.dtype(dtype), dim_k=dim,
         compute_capability=cc)
     key = (capability, form, dtype, dim, tuple(dataclasses.asdict(choose(cc))[f] for f in fields))
     assert key in measured, f"no measurement of {key}: run python -m benchmarks.shared_memory"
@@ -415,17 +415,23 @@ def test_default_config_prepare_warps_where_measured():
     lj.DeltaConfig(prepare_warps=3)
 
 
-def test_default_config_key_columns_where_measured():
-  """The backward's tile gradient kernel steps 32 key columns with a per-token decay at padded D >= 128 (the gated
-  kernel spilled at 64 and ran slower on an H200), else 64."""
+def test_default_config_gradient_kernel_where_measured():
+  """The backward's tile gradient kernel steps 64 key and value columns whatever the sweeps' block_e, and pipelines 2
+  deep where the sweeps take 3 (16-bit, sm90 and sm100), else as deep as the sweeps (H200 measurements); an explicit
+  gradient_stages is checked."""
   from lightning_jax.ops.delta_attention import pallas_triton
 
-  def block_d(dim, scalar_gate, cc=(9, 0)):
-    return pallas_triton.default_config(per_channel_gate=False, scalar_gate=scalar_gate, dtype=jnp.bfloat16,
-                                        dim_k=dim, compute_capability=cc).block_d
+  def config(dim=128, dtype=jnp.bfloat16, cc=(9, 0), batch_heads=0):
+    return pallas_triton.default_config(per_channel_gate=False, dtype=dtype, dim_k=dim, compute_capability=cc,
+                                        batch_heads=batch_heads)
 
-  assert block_d(128, True) == block_d(100, True) == block_d(256, True) == block_d(128, True, cc=(8, 0)) == 32
-  assert block_d(128, False) == block_d(64, True) == block_d(64, False) == 64
+  assert config(batch_heads=32).block_e == 32 and config(batch_heads=32).block_d == 64
+  assert config().block_d == config(dim=64).block_d == config(dim=256).block_d == config(cc=(8, 0)).block_d == 64
+  assert (config().num_stages, config().gradient_stages) == (config(cc=(10, 0)).num_stages, 2) == (3, 2)
+  assert config(cc=(8, 0)).gradient_stages is config(dtype=jnp.float32).gradient_stages is None
+  for bad in (0, 1.5, True):
+    with pytest.raises(ValueError, match="gradient_stages must be None or an int >= 1"):
+      lj.DeltaConfig(gradient_stages=bad)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -1,5 +1,6 @@
 """variant="warp_specialized": the Mosaic GPU forward against the oracles, its lowering, its limits, auto's choice;
-and its delta-rule mode, the forward of `delta_attention` on sm90.
+its delta-rule mode, the forward of `delta_attention` on sm90; and the delta rule's warp-specialised reverse sweep,
+in its backward.
 
 Its kernel runs in the Mosaic GPU interpreter on the CPU (jax >= 0.11) and
 compiled on an sm90 GPU; the gradients come from the chunk_loop sweeps.
@@ -13,11 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import BF16, F16, F32, TOL, WS_JAX, WS_MODES, Case, check_against_oracle, needs_ws_jax, on_sm90, rel_err
+from test_delta_ops import ARG_NAMES as DELTA_ARG_NAMES
 from test_delta_ops import Case as DeltaCase
 from test_delta_ops import make_inputs as delta_inputs
+from test_delta_ops import value_and_grads as delta_value_and_grads
 from test_packed import EXTREME_RATES, Packing, check_packed
 
 import lightning_jax as lj
+from lightning_jax.ops.delta_attention import pallas_mosaic_gpu as delta_mosaic
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu
 from lightning_jax.ops.lightning_attention import reference
@@ -273,6 +277,51 @@ def test_delta_warp_specialized_matches_oracle(case, mode):
   o_ref, final_ref = jax.jit(lambda: call(impl="reference"))()
   assert o.dtype == BF16 and final.dtype == F32
   assert rel_err(o, o_ref) < TOL[BF16] and rel_err(final, final_ref) < TOL[BF16]
+
+
+# The backward's reverse sweep on its warp-specialised kernel (`delta_attention.pallas_mosaic_gpu`): the op's gradients
+# with warp_specialized=True against the oracle's, bf16 inputs; interpreted on the packed and the extreme case
+# (D <= 64; each runs the whole backward in the interpreters). Not the one-token case: there the rate's gradient is a
+# sum of terms that cancel within the rounding of the state, stored in bf16 for the gradient kernel (0.2 relative
+# error on the Triton sweeps too).
+DELTA_GRADIENT_PARAMS = [
+    pytest.param(case, *mode.values, marks=mode.marks, id=f"{case}-{mode.id}")
+    for i, case in enumerate(DELTA_CASES[:-1]) for mode in (WS_MODES if i in (0, 2) else WS_MODES[1:])]
+
+
+@pytest.mark.parametrize("case,mode", DELTA_GRADIENT_PARAMS)
+def test_delta_warp_specialized_gradients_match_oracle(case, mode):
+  q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=zlib.crc32(f"{case}ws-grad".encode()))
+  q, k, v = (x.astype(BF16) for x in (q, k, v))
+  cot = jax.random.split(jax.random.key(zlib.crc32(str(case).encode())), 2)
+  args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape),
+          jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
+  _, grads = delta_value_and_grads("pallas", config=lj.DeltaConfig(warp_specialized=True),
+                                   interpret=mode == "interpret")(*args)
+  _, grads_ref = delta_value_and_grads("reference")(*args)
+  for name, g, g_ref in zip(DELTA_ARG_NAMES, grads, grads_ref):
+    assert (g is None) == (g_ref is None), name
+    if g_ref is not None:
+      assert g.dtype == g_ref.dtype and rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
+
+
+@needs_ws_jax
+@pytest.mark.parametrize("dim_k,dim_v,gated,segments,with_final", [
+    (128, 128, True, True, True), (64, 64, False, False, False), (128, 192, False, True, False)])
+def test_delta_state_cotangents_lower_for_cuda(dim_k, dim_v, gated, segments, with_final):
+  """The reverse sweep lowers as the GPU compiles it (2 ring slots at K = 128 and 3 at K = 64 within sm90's shared
+  memory, wgmma's operands), from any backend."""
+  assert delta_mosaic.num_stages(dim_k=128, itemsize=2) == 2 and delta_mosaic.num_stages(dim_k=64, itemsize=2) == 3
+  q = jax.ShapeDtypeStruct((2, 192, 3, dim_k), BF16)
+  do = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
+  gates = (jax.ShapeDtypeStruct((2, 3, 192), F32) if gated else None,
+           jax.ShapeDtypeStruct((2, 192), jnp.int32) if segments else None)
+  d_final = jax.ShapeDtypeStruct((2, 3, dim_v, dim_k), F32) if with_final else None
+  fn = jax.jit(lambda q, k, w, do, gates, d_final: delta_mosaic.state_cotangents(q, k, w, do, gates, d_final,
+                                                                                 scale=0.125))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, q, do, gates, d_final)
+  assert "delta_state_cotangents_warp_specialized" in exported.mlir_module()
+  assert [o.shape for o in exported.out_avals] == [(2, 3, 3, dim_v, dim_k), (2, 3, dim_v, dim_k), (2, 3, dim_v, 192)]
 
 
 @pytest.mark.parametrize("mode", WS_MODES[1:])

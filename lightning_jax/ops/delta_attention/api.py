@@ -185,8 +185,7 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     if impl == "pallas":
       per_channel_gate = decay is not None and decay.ndim == 4
       config = config or pallas_triton.default_config(
-          per_channel_gate=per_channel_gate, scalar_gate=decay is not None and decay.ndim == 3, dtype=q.dtype,
-          dim_k=q.shape[-1], dim_v=v.shape[-1],
+          per_channel_gate=per_channel_gate, dtype=q.dtype, dim_k=q.shape[-1], dim_v=v.shape[-1],
           compute_capability=cc, batch_heads=q.shape[0] * q.shape[2], num_sms=heuristics.num_sms(device))
       interpret = lightning_api.pallas_interpret(interpret, cc, q)
       cannot = warp_specialized.unsupported(dim_k=q.shape[-1], dim_v=v.shape[-1], dtype=q.dtype,

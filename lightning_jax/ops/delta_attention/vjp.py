@@ -1,4 +1,5 @@
-"""`jax.custom_vjp` of the Pallas path: the Triton forward, and a Triton backward that recomputes.
+"""`jax.custom_vjp` of the Pallas path: the Triton forward, and a Triton backward that recomputes (on sm90 the
+forward's sweep and the backward's reverse sweep are warp-specialised Mosaic GPU kernels).
 
 Residuals are the inputs: nothing of size O(T D E) is kept. The backward
 (`pallas_triton.backward`) runs the prepare kernel and the state sweep again,

@@ -8,7 +8,8 @@ state warpgroup computes each chunk's U = T' (V - K_g S) and
 S <- a S + K_C^T U, and the output warpgroup O = scale (Q_g S_n + P U) from
 the U it publishes. So W and U_v never cross HBM, and the output products
 leave the serial chain, which the Triton sweep's one instruction stream
-cannot do. The backward stays on the Triton kernels, which recompute.
+cannot do. The backward recomputes on the Triton kernels, but for its reverse
+sweep, on its own warp-specialised kernel (`pallas_mosaic_gpu`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The warp-specialised forward sweep in Pallas Mosaic GPU (Hopper, sm90).
 
-Every Mosaic-GPU-specific import of the package lives in this file, beside the
-Triton kernels of `pallas_triton`. It computes the forward pass only, from an
-optional initial state and optionally returning the final one; the backward
-pass stays with the Triton sweeps.
+Every Mosaic-GPU-specific import of the package lives in this file and in
+`delta_attention.pallas_mosaic_gpu` (the delta rule's reverse sweep, built
+from this file's pieces), beside the Triton kernels of `pallas_triton`. It
+computes the forward pass only, from an optional initial state and optionally
+returning the final one; the backward pass stays with the Triton sweeps.
 
 One CTA per (head, batch and slice of the sequence, block of 64 value columns)
 walks the chunks of 64 tokens of its slice in order (the whole sequence unless
@@ -98,7 +99,7 @@ def decay_factors(decay, heads: int, *, scale: float, last_rows: int = CHUNK_SIZ
 
 # Rows of the per-head factors (`decay_factors`) and of a chunk's (`chunk_factors`).
 _ROW, _KEY, _STATE, _LAST_KEY, _LAST_STATE = range(5)
-_CUM, _RUNS = 0, 1
+CUM, RUNS = 0, 1
 # Subtracted per segment start in an exponent (log2 units): 2^-1e4 is 0 in float32.
 _SEGMENT_EXPONENT = 1.0e4
 
@@ -106,8 +107,8 @@ _SEGMENT_EXPONENT = 1.0e4
 def chunk_factors(cumdecay, runs):
   """Per-chunk factors of per-token rates and segment starts, [B, H, N, F, C] float32.
 
-  Rows: the cumulative rates (`_CUM`, log2 units) and, with segments (F = 2),
-  the segment-start counts (`_RUNS`): the inputs of
+  Rows: the cumulative rates (`CUM`, log2 units) and, with segments (F = 2),
+  the segment-start counts (`RUNS`): the inputs of
   `chunk_common.token_decay_factors`, which the kernel computes from them.
 
   Args:
@@ -122,25 +123,96 @@ def chunk_factors(cumdecay, runs):
   return jnp.concatenate([cum, run_counts], axis=3)
 
 
-def _smem(shape, dtype):
-  # Rows of 128 bytes (64 bf16 elements), swizzled: the layout wgmma reads.
+def swizzled_smem(shape, dtype):
+  """Shared memory in rows of 128 bytes (64 bf16 elements), swizzled: the layout wgmma reads."""
   swizzle_elems = 128 // jnp.dtype(dtype).itemsize
   return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle_elems)),
                                               plgpu.SwizzleTransform(128)))
 
 
-def _update(init, a, b, *, in_registers):
-  """init + a @ b through wgmma: in registers, the accumulator started from init (`ACC.init`, compiled only);
-  else (a staged in shared memory, as the interpreter needs) the product added to init after it."""
+def update(init, *products, in_registers):
+  """init + sum of a @ b over the (a, b) products through wgmma: in registers, the accumulator started from init
+  (`ACC.init`, compiled only); else (the a staged in shared memory, as the interpreter needs) the products added to
+  init after them."""
   if in_registers:
     def accumulate(acc):
-      plgpu.wgmma(acc, a, b)
+      for a, b in products:
+        plgpu.wgmma(acc, a, b)
     return pl.run_state(accumulate)(plgpu.ACC.init(init))
 
   def product(acc):
-    plgpu.wgmma(acc, a, b)
+    for a, b in products:
+      plgpu.wgmma(acc, a, b)
     return acc[...]
   return init + pl.run_scoped(product, plgpu.ACC(init.shape, _F32))
+
+
+def fill_ring(load, released, *, num_chunks: int, num_stages: int):
+  """The memory warpgroup's loop: load(n, slot) issues chunk n's loads into the ring's slot, first num_stages of
+  them, then each once both compute warpgroups released the slot (`released`, one barrier a slot)."""
+  for n in range(min(num_stages, num_chunks)):
+    load(n, n)
+
+  @pl.loop(num_stages, num_chunks)
+  def _refill(n):
+    slot = lax.rem(n, num_stages)
+    plgpu.barrier_wait(released.at[slot])  # both compute warpgroups are done with chunk n - num_stages
+    load(n, slot)
+
+  # Every completed phase of a barrier a warpgroup waits on is observed
+  # before the kernel ends (the GPU interpreter checks it): here the releases
+  # of the last chunks.
+  @pl.loop(max(num_chunks - num_stages, 0), num_chunks)
+  def _drain(n):
+    plgpu.barrier_wait(released.at[lax.rem(n, num_stages)])
+
+
+def update_exponents(rows, *, cum_end, runs_end, has_segments):
+  """A chunk's factors of the state update (log2 units), from its factor rows [F, C] (`chunk_factors`) and their
+  last entries: key_j = c_j - c_end and the state's -c_end, each minus _SEGMENT_EXPONENT per segment start after row
+  j (in the chunk)."""
+  key_exponent = jnp.minimum(rows[CUM] - cum_end, 0.0)
+  state_exponent = -cum_end
+  if has_segments:
+    key_exponent = key_exponent - _SEGMENT_EXPONENT * jnp.maximum(runs_end - rows[RUNS], 0.0)
+    state_exponent = state_exponent - _SEGMENT_EXPONENT * runs_end
+  return key_exponent, state_exponent
+
+
+def row_exponents(rows, *, has_segments):
+  """A chunk's query-row factors (log2 units) from its factor rows: -c_i, driven to -inf past a segment start."""
+  row_exponent = -rows[CUM]
+  if has_segments:
+    row_exponent = row_exponent - _SEGMENT_EXPONENT * rows[RUNS]
+  return row_exponent
+
+
+def pair_weights(intra, rows, columns, *, cum_end, has_segments):
+  """A chunk's [C, C] score factors of per-token rates: intra_ij (the scaled causal mask) times 2^(c_j - c_i),
+  zero across a segment start. rows, columns: the chunk's factor rows, read along the rows and, from their second
+  copy, along the columns of the scores (one load cannot take both layouts)."""
+  c = intra.shape[0]
+  by_row = lambda x: lax.broadcast_in_dim(x, (c, c), (0,))  # noqa: E731
+  by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
+
+  def factorized():
+    # 2^(c_j - c_i) = 2^(m - c_i) 2^(c_j - m), m = c_end / 2: each factor in
+    # [2^-60, 2^60], applied after the mask, so that no entry overflows.
+    mid = 0.5 * cum_end
+    mask = intra
+    if has_segments:
+      mask = jnp.where(by_row(rows[RUNS]) == by_column(columns[RUNS]), intra, 0.0)
+    return mask * by_row(jnp.exp2(mid - rows[CUM])) * by_column(jnp.exp2(columns[CUM] - mid))
+
+  def clamped():
+    # Exponents clamped at 0, so that no entry outside the causal mask
+    # overflows (the mask zeroes them); a segment start drives them to -inf.
+    gap = by_column(columns[CUM]) - by_row(rows[CUM])
+    if has_segments:
+      gap = gap - _SEGMENT_EXPONENT * (by_row(rows[RUNS]) - by_column(columns[RUNS]))
+    return intra * jnp.exp2(jnp.minimum(gap, 0.0))
+
+  return lax.cond(cum_end <= chunk_common.FACTORIZED_MAX_LOG2, factorized, clamped)
 
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, per_chunk,
@@ -221,21 +293,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
           plgpu.copy_gmem_to_smem(runs_ref.at[batch, first_chunk + n], runs_buffer.at[slot],
                                   chunk_factors_loaded.at[slot])
 
-    for n in range(min(num_stages, num_chunks)):
-      load(n, n)
-
-    @pl.loop(num_stages, num_chunks)
-    def _refill(n):
-      slot = slot_of(n)
-      plgpu.barrier_wait(released.at[slot])  # both compute warpgroups are done with chunk n - num_stages
-      load(n, slot)
-
-    # Every completed phase of a barrier a warpgroup waits on is observed
-    # before the kernel ends (the GPU interpreter checks it): here the releases
-    # of the last chunks.
-    @pl.loop(max(num_chunks - num_stages, 0), num_chunks)
-    def _drain(n):
-      plgpu.barrier_wait(released.at[slot_of(n)])
+    fill_ring(load, released, num_chunks=num_chunks, num_stages=num_stages)
 
   def chunk_factor_rows(n):
     """Chunk n's factors in shared memory, [F, C], once loaded (per-chunk factors; per head with segments, its
@@ -273,17 +331,10 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       hand_over(buf)
 
     def decay_exponents(slot, rows):
-      """Per-chunk factors of the update (log2 units): key_j = c_j - c_end and the state's -c_end, each minus
-      _SEGMENT_EXPONENT per segment start after row j (in the chunk). rows: the chunk's factor rows in shared
-      memory."""
-      cum_end = vectors_smem[slot, _CUM, c - 1]
-      key_exponent = jnp.minimum(rows[_CUM] - cum_end, 0.0)
-      state_exponent = -cum_end
-      if has_segments:
-        runs_end = vectors_smem[slot, _RUNS, c - 1]
-        key_exponent = key_exponent - _SEGMENT_EXPONENT * jnp.maximum(runs_end - rows[_RUNS], 0.0)
-        state_exponent = state_exponent - _SEGMENT_EXPONENT * runs_end
-      return key_exponent, state_exponent
+      """`update_exponents` of the chunk in the ring's slot. rows: its factor rows in shared memory."""
+      return update_exponents(rows, cum_end=vectors_smem[slot, CUM, c - 1],
+                              runs_end=vectors_smem[slot, RUNS, c - 1] if has_segments else None,
+                              has_segments=has_segments)
 
     # Per-head factors are at hand: S_n goes out first thing in chunk n. Per-chunk
     # factors: S_{n+1} goes out as soon as it exists, at the end of chunk n, before
@@ -318,7 +369,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
           plgpu.commit_smem()
           values = vk_smem.transpose((1, 0))
       decayed = state_t if state_decay is None else state_t * state_decay
-      new_state = _update(decayed, values, k_smem.at[slot], in_registers=register_state)
+      new_state = update(decayed, (values, k_smem.at[slot]), in_registers=register_state)
       plgpu.barrier_arrive(released.at[slot])
       if per_chunk:
         @pl.when(n + 1 < num_chunks)
@@ -345,11 +396,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         return acc[...]
 
       by_column = lambda x: lax.broadcast_in_dim(x, (be, c), (1,))  # noqa: E731
-      row_exponent = -rows[_CUM]
-      if has_segments:
-        row_exponent = row_exponent - _SEGMENT_EXPONENT * rows[_RUNS]
       projected = pl.run_scoped(projection, plgpu.ACC((be, c), _F32))
-      correction = (projected * by_column(-jnp.exp2(row_exponent))).astype(v_smem.dtype)
+      correction = (projected * by_column(-jnp.exp2(row_exponents(rows, has_segments=has_segments)))).astype(
+          v_smem.dtype)
       if not register_state:
         vk_smem[...] = correction
         plgpu.commit_smem()
@@ -371,7 +420,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         vk_smem[...] = scaled
         plgpu.commit_smem()
         scaled = vk_smem
-      state_t = _update(state_t * jnp.exp2(state_exponent), scaled, k_smem.at[slot], in_registers=register_state)
+      state_t = update(state_t * jnp.exp2(state_exponent), (scaled, k_smem.at[slot]), in_registers=register_state)
       plgpu.barrier_arrive(released.at[slot])
       return state_t
 
@@ -428,13 +477,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         # the rows and, from its second copy, along the columns of the scores
         # (one load cannot take both layouts).
         rows, columns = chunk_factor_rows(n), factors_by_column.at[slot]
-        by_row = lambda x: lax.broadcast_in_dim(x, (c, c), (0,))  # noqa: E731
-        by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
-        cum_end = vectors_smem[slot, _CUM, c - 1]
-        row_exponent = -rows[_CUM]
-        if has_segments:
-          row_exponent = row_exponent - _SEGMENT_EXPONENT * rows[_RUNS]
-        chunk_row = scale * jnp.exp2(row_exponent)
+        cum_end = vectors_smem[slot, CUM, c - 1]
+        chunk_row = scale * jnp.exp2(row_exponents(rows, has_segments=has_segments))
       plgpu.barrier_wait(q_loaded.at[slot])
       plgpu.barrier_wait(k_loaded.at[slot])
       # The scores' factors [C, C] (scale, causal mask, decay, segments), built while q k^T runs on the
@@ -456,24 +500,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       elif not per_chunk:
         weights = lambda: intra  # noqa: E731
       else:
-        def factorized():
-          # 2^(c_j - c_i) = 2^(m - c_i) 2^(c_j - m), m = c_end / 2: each factor in
-          # [2^-60, 2^60], applied after the mask, so that no entry overflows.
-          mid = 0.5 * cum_end
-          mask = intra
-          if has_segments:
-            mask = jnp.where(by_row(rows[_RUNS]) == by_column(columns[_RUNS]), intra, 0.0)
-          return mask * by_row(jnp.exp2(mid - rows[_CUM])) * by_column(jnp.exp2(columns[_CUM] - mid))
-
-        def clamped():
-          # Exponents clamped at 0, so that no entry outside the causal mask
-          # overflows (the mask zeroes them); a segment start drives them to -inf.
-          gap = by_column(columns[_CUM]) - by_row(rows[_CUM])
-          if has_segments:
-            gap = gap - _SEGMENT_EXPONENT * (by_row(rows[_RUNS]) - by_column(columns[_RUNS]))
-          return intra * jnp.exp2(jnp.minimum(gap, 0.0))
-
-        weights = lambda: lax.cond(cum_end <= chunk_common.FACTORIZED_MAX_LOG2, factorized, clamped)  # noqa: E731
+        weights = lambda: pair_weights(intra, rows, columns, cum_end=cum_end, has_segments=has_segments)  # noqa: E731
 
       def weighted_scores(acc):
         plgpu.wgmma(acc, q_smem.at[slot], k_smem.at[slot].transpose((1, 0)))
@@ -602,20 +629,20 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       factor_smem += (plgpu.SMEM((num_stages, 1, c), _F32),) * 2
   dtype = q.dtype
   with_states = initial_state is not None or return_final_state
-  state_smem = _smem((_PUBLISHED, be, dim_k), dtype)
+  state_smem = swizzled_smem((_PUBLISHED, be, dim_k), dtype)
   if with_states:  # the same bytes as the published states (see `WarpSpecializedConfig`)
-    state_smem = plgpu.RefUnion(state_smem, _smem((be, dim_k), _F32))
+    state_smem = plgpu.RefUnion(state_smem, swizzled_smem((be, dim_k), _F32))
   registers = _register_operands(dim_k, per_chunk, interpret, is_delta)
-  staged_state = (_smem((be, c), dtype), _smem((be, dim_k), dtype)) if is_delta else (_smem((c, be), dtype),)
-  staged = ((() if registers["register_scores"] else (_smem((c, c), dtype),))
+  staged_state = (swizzled_smem((be, c), dtype), swizzled_smem((be, dim_k), dtype)) if is_delta else (swizzled_smem((c, be), dtype),)
+  staged = ((() if registers["register_scores"] else (swizzled_smem((c, c), dtype),))
             + (() if registers["register_state"] else staged_state))
   # The delta rule's ring of inverses and its published U^T.
-  delta_smem = (_smem((num_stages, c, c), dtype), _smem((_PUBLISHED, be, c), dtype)) if is_delta else ()
+  delta_smem = (swizzled_smem((num_stages, c, c), dtype), swizzled_smem((_PUBLISHED, be, c), dtype)) if is_delta else ()
   scratch = (
       # The [C, C] float32 factors are read once, before the first output is staged in the same bytes.
-      (_smem((num_stages, c, dim_k), dtype), _smem((num_stages, c, dim_k), dtype),
-       _smem((num_stages, c, be), dtype), state_smem,
-       plgpu.RefUnion(_smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32)), factor_smem[0]) + delta_smem + staged
+      (swizzled_smem((num_stages, c, dim_k), dtype), swizzled_smem((num_stages, c, dim_k), dtype),
+       swizzled_smem((num_stages, c, be), dtype), state_smem,
+       plgpu.RefUnion(swizzled_smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32)), factor_smem[0]) + delta_smem + staged
       + factor_smem[1:],
       (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
        plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),

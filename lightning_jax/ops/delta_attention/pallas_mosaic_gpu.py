@@ -1,0 +1,277 @@
+"""The delta rule's backward state sweep in Pallas Mosaic GPU (Hopper, sm90): the reverse walk, warp-specialised.
+
+`state_cotangents` is `pallas_triton.state_cotangents`' job (its results
+transposed, below) for a scalar gate or none. One CTA per (head, batch, 64
+value columns) walks the 64-token chunks from the last, carrying G^T = (dL/dS
+after the chunk)^T [64, K] float32 in the registers of its state warpgroup,
+with three warpgroups running concurrently:
+
+  memory  TMA loads of each chunk's q, k, W and dO into a ring of
+          `num_stages` slots (and its factor rows, `chunk_factors`);
+  pairs   P = scale (q k^T) * 2^(c_s - c_t) on s <= t within a segment
+          (`pair_weights`), the chunk's [C, C] pair products, published in
+          shared memory: they do not depend on G, so they leave the chain;
+  state   per chunk: G_n^T out (TMA), dU^T = dO^T P + (G^T K^T) Diag(to_end)
+          out (TMA), then G^T <- a G^T + (dO^T Diag(row)) Q - dU^T W. Its
+          left operands (G^T, dO^T Diag(row), dU^T) stay in registers.
+
+(`vjp`'s notation: dU = P^T dO + K_C G_n, dL/dS_n = Diag(a_n) G_n + Q_g^T dO
+- W^T dU.) The serial chain holds two rounds of products a chunk, as the
+forward's; the Triton sweep's one instruction stream also forms P and the
+query products in it.
+
+The state warpgroup stores G_n^T and dU^T from the shared memory it
+publishes them in, so both come out transposed: G^T [B, H, N, Ep, K] and
+dU^T [B, H, Ep, Tp], which `pallas_triton.tile_gradients(transposed=True)`
+reads. Where the kernel runs is `warp_specialized.unsupported` (sm90,
+bf16/fp16, K <= 128); it also runs in the Mosaic GPU interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from lightning_jax.ops.lightning_attention import chunk_common
+from lightning_jax.ops.lightning_attention import manual_axes
+from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu as lightning_mosaic
+from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
+
+CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
+BLOCK_E = WarpSpecializedConfig.BLOCK_E
+_F32 = jnp.float32
+# Pair products the pairs warpgroup may publish ahead of the state chain.
+_PUBLISHED_PAIRS = 2
+# The budget of one CTA's shared memory on sm90 (232448 bytes: a kernel over it fails to launch).
+_SM90_SHARED_MEMORY = 232448
+
+
+def shared_memory_bytes(*, num_stages: int, dim_k: int, itemsize: int, factor_rows: int = 2) -> int:
+  """The kernel's shared memory: the ring (q, k, W [C, K] and dO [C, 64] per slot, the factor rows twice), the scaled
+  causal mask, the published pair products, and G^T and dU^T double-buffered for their stores (the float32 [64, K]
+  initial and final cotangent share G^T's bytes)."""
+  c, be = CHUNK_SIZE, BLOCK_E
+  ring = num_stages * (c * (3 * dim_k + be) * itemsize + 2 * factor_rows * c * 4)
+  stores = 2 * be * (dim_k + c) * itemsize
+  return ring + c * c * 4 + _PUBLISHED_PAIRS * c * c * itemsize + max(stores, be * dim_k * 4 + 2 * be * c * itemsize)
+
+
+def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3) -> int:
+  """The deepest ring of at most `max_stages` that fits sm90 (2 at K = 128 in 16 bits, 3 at K = 64)."""
+  for stages in range(max_stages, 0, -1):
+    if shared_memory_bytes(num_stages=stages, dim_k=dim_k, itemsize=itemsize) <= _SM90_SHARED_MEMORY:
+      return stages
+  raise AssertionError("unreachable: one stage fits sm90 at every K <= 128")
+
+
+def _kernel(intra_ref, vectors_ref, q_ref, k_ref, w_ref, do_ref, *refs, num_chunks, num_stages, has_segments,
+            has_final, scale, in_registers):
+  refs = list(refs)
+  d_final_ref = refs.pop(0) if has_final else None
+  d_next_ref, du_ref, d_initial_ref, buffers, barriers = refs
+  (q_smem, k_smem, w_smem, do_smem, rows_smem, columns_smem, intra_smem, pairs_smem, (g_smem, g_f32_smem), du_smem,
+   *staged) = buffers
+  # Interpreted: the chain's left operand dO^T Diag(row) staged, as Diag(row) dO [C, 64] (G^T and dU^T are read where
+  # they are published).
+  queries_smem = staged[0] if staged else None
+  (q_loaded, k_loaded, w_loaded, do_loaded, factors_loaded, intra_loaded, released, pairs_ready, pairs_read,
+   *barriers) = barriers
+  c, be = CHUNK_SIZE, BLOCK_E
+  head, batch, col = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("value_blocks")
+  cols = pl.ds(col * be, be)
+  wg = lax.axis_index("wg")
+
+  def chunk_of(i):  # the i-th chunk walked: the last first
+    return num_chunks - 1 - i
+
+  def chunk_rows(i):
+    start = chunk_of(i) * c
+    return pl.ds(start if isinstance(start, int) else pl.multiple_of(start, c), c)
+
+  def slot_of(i):
+    return lax.rem(i, num_stages)
+
+  def factor_rows(i):
+    slot = slot_of(i)
+    plgpu.barrier_wait(factors_loaded.at[slot])
+    return rows_smem.at[slot]
+
+  @pl.when(wg == 0)
+  def _memory():
+    plgpu.copy_gmem_to_smem(intra_ref, intra_smem, intra_loaded.at[0])
+
+    def load(i, slot):
+      rows = chunk_rows(i)
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], k_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(w_ref.at[batch, rows, head], w_smem.at[slot], w_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head, cols], do_smem.at[slot], do_loaded.at[slot])
+      for factors_smem in (rows_smem, columns_smem):
+        plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, chunk_of(i)], factors_smem.at[slot],
+                                factors_loaded.at[slot])
+
+    lightning_mosaic.fill_ring(load, released, num_chunks=num_chunks, num_stages=num_stages)
+
+  @pl.when(wg == 1)
+  def _state_chain():
+    if has_final:
+      (final_loaded,) = barriers
+      plgpu.copy_gmem_to_smem(d_final_ref.at[batch, head, cols], g_f32_smem, final_loaded.at[0])
+      plgpu.barrier_wait(final_loaded.at[0])
+      grad_t = g_f32_smem[...]
+      plgpu.commit_smem()  # every thread has read it before the first G^T overwrites it
+    else:
+      grad_t = jnp.zeros((be, q_smem.shape[-1]), _F32)
+    by_column = lambda x: lax.broadcast_in_dim(x, (be, c), (1,))  # noqa: E731
+
+    def body(i, grad_t):
+      slot, buf, pub = slot_of(i), lax.rem(i, 2), lax.rem(i, _PUBLISHED_PAIRS)
+      rows = factor_rows(i)
+      cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
+      runs_end = rows_smem[slot, lightning_mosaic.RUNS, c - 1] if has_segments else None
+      key_exponent, state_exponent = lightning_mosaic.update_exponents(rows, cum_end=cum_end, runs_end=runs_end,
+                                                                       has_segments=has_segments)
+      # -scale 2^-c_t (zero past a segment start): dO^T Diag(row) Q is dO^T Q_g, negated with the state term below.
+      row = -scale * jnp.exp2(lightning_mosaic.row_exponents(rows, has_segments=has_segments))
+      for loaded in (k_loaded, w_loaded, do_loaded, q_loaded):
+        plgpu.barrier_wait(loaded.at[slot])
+      # G_n^T out; the stores of chunk i - 2 have read their buffers (two stores a chunk).
+      plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+      grad_in = grad_t.astype(g_smem.dtype)
+      g_smem[buf] = grad_in
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(g_smem.at[buf], d_next_ref.at[batch, head, chunk_of(i), cols])
+      do_t = do_smem.at[slot].transpose((1, 0))
+      plgpu.barrier_wait(pairs_ready.at[pub])
+
+      def cotangent_products(through_pairs, through_keys):  # dO^T P and G^T K^T
+        plgpu.wgmma(through_pairs, do_t, pairs_smem.at[pub])
+        plgpu.wgmma(through_keys, grad_in if in_registers else g_smem.at[buf], k_smem.at[slot].transpose((1, 0)))
+        return through_pairs[...], through_keys[...]
+
+      through_pairs, through_keys = pl.run_scoped(cotangent_products, plgpu.ACC((be, c), _F32),
+                                                  plgpu.ACC((be, c), _F32))
+      plgpu.barrier_arrive(pairs_read.at[pub])
+      du_t = (through_pairs + through_keys * by_column(jnp.exp2(key_exponent))).astype(du_smem.dtype)
+      du_smem[buf] = du_t
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(du_smem.at[buf], du_ref.at[batch, head, cols, chunk_rows(i)])
+      if in_registers:
+        queries_t = (do_t[...].astype(_F32) * by_column(row)).astype(do_smem.dtype)
+      else:  # staged untransposed, read transposed by wgmma
+        queries_smem[...] = (do_smem[slot].astype(_F32) * row[:, None]).astype(queries_smem.dtype)
+        plgpu.commit_smem()
+        queries_t = queries_smem.transpose((1, 0))
+      # -(G^T before the chunk) = -a G^T - dO^T Q_g + dU^T W, one accumulator.
+      negated = lightning_mosaic.update(
+          grad_t * -jnp.exp2(state_exponent), (queries_t, q_smem.at[slot]),
+          (du_t if in_registers else du_smem.at[buf], w_smem.at[slot]), in_registers=in_registers)
+      plgpu.barrier_arrive(released.at[slot])
+      return -negated
+
+    grad_t = lax.fori_loop(0, num_chunks, body, grad_t)
+    plgpu.wait_smem_to_gmem(0)  # G^T's buffers are free: dL/dS_0^T goes out through their bytes
+    g_f32_smem[...] = grad_t
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(g_f32_smem, d_initial_ref.at[batch, head, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _pairs():
+    plgpu.barrier_wait(intra_loaded.at[0])
+    intra = intra_smem[...]
+
+    @pl.loop(0, num_chunks)
+    def _chunk(i):
+      slot, pub = slot_of(i), lax.rem(i, _PUBLISHED_PAIRS)
+      rows = factor_rows(i)
+      cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
+      plgpu.barrier_wait(q_loaded.at[slot])
+      plgpu.barrier_wait(k_loaded.at[slot])
+
+      def weighted_scores(acc):
+        plgpu.wgmma(acc, q_smem.at[slot], k_smem.at[slot].transpose((1, 0)))
+        weights = lightning_mosaic.pair_weights(intra, rows, columns_smem.at[slot], cum_end=cum_end,
+                                                has_segments=has_segments)
+        return acc[...] * weights
+
+      pairs = pl.run_scoped(weighted_scores, plgpu.ACC((c, c), _F32)).astype(pairs_smem.dtype)
+      plgpu.barrier_arrive(released.at[slot])
+
+      @pl.when(i >= _PUBLISHED_PAIRS)
+      def _():
+        plgpu.barrier_wait(pairs_read.at[pub])
+
+      pairs_smem[pub] = pairs
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(pairs_ready.at[pub])
+
+    @pl.loop(max(num_chunks - _PUBLISHED_PAIRS, 0), num_chunks)
+    def _drain(i):
+      plgpu.barrier_wait(pairs_read.at[lax.rem(i, _PUBLISHED_PAIRS)])
+
+
+def state_cotangents(q, k, w, do, chunk_gates, d_final, *, scale: float, interpret: bool = False):
+  """The reverse sweep on padded operands: (G^T [B, H, N, Ep, K] in the input dtype, G_n^T = (dL/dS after chunk
+  n)^T; dL/dS_0^T [B, H, Ep, K] float32; dU^T [B, H, Ep, Tp] in the input dtype).
+
+  q, k, w: [B, Tp, H, K] (W from `pallas_triton.prepare_by_tiles`); do: [B,
+  Tp, H, Ep]; bf16 or fp16, Tp a multiple of 64, K = 64 or 128, Ep a multiple
+  of 64 (`WarpSpecializedConfig.padded_dims`). chunk_gates: (cumdecay [B, H,
+  Tp] float32 or None, runs [B, Tp] int32 or None) as
+  `chunk_common.token_chunk_gates` gives them for the forward sweep over 64-token
+  chunks. d_final: None or (dL/dS_T)^T [B, H, Ep, K] float32.
+  """
+  b, tp, h, dim_k = q.shape
+  dim_v = do.shape[-1]
+  c, be = CHUNK_SIZE, BLOCK_E
+  if tp % c or dim_k not in (64, 128) or dim_v % be:
+    raise ValueError(f"padded operands: Tp a multiple of {c}, K 64 or 128, Ep a multiple of {be}; got {q.shape}, "
+                     f"{do.shape}")
+  cumdecay, runs = chunk_gates
+  if cumdecay is None:
+    cumdecay = jnp.zeros((b, h, tp), _F32)
+  vectors = lightning_mosaic.chunk_factors(cumdecay, runs)
+  intra = scale * chunk_common.causal_mask(c, reverse=False).astype(_F32)
+  dtype = q.dtype
+  stages = num_stages(dim_k=dim_k, itemsize=dtype.itemsize)
+  in_registers = not interpret  # the interpreter's wgmma reads shared memory alone
+  smem = lightning_mosaic.swizzled_smem
+  ring = lambda width: smem((stages, c, width), dtype)  # noqa: E731
+  factor_rows = vectors.shape[-2]
+  scratch = (
+      (ring(dim_k), ring(dim_k), ring(dim_k), ring(be),
+       plgpu.SMEM((stages, factor_rows, c), _F32), plgpu.SMEM((stages, factor_rows, c), _F32),
+       plgpu.SMEM((c, c), _F32), smem((_PUBLISHED_PAIRS, c, c), dtype),
+       plgpu.RefUnion(smem((2, be, dim_k), dtype), plgpu.SMEM((be, dim_k), _F32)), smem((2, be, c), dtype))
+      + (() if in_registers else (smem((c, be), dtype),)),
+      (plgpu.Barrier(num_barriers=stages),) * 4
+      + (plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=1),
+         plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS),
+         plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS))
+      + ((plgpu.Barrier(num_barriers=1),) if d_final is not None else ()),
+  )
+  inputs = (intra, vectors, q, k, w, do) + (() if d_final is None else (d_final,))
+  n = tp // c
+  out_type = (manual_axes.struct((b, h, n, dim_v, dim_k), dtype, *inputs),
+              manual_axes.struct((b, h, dim_v, tp), dtype, *inputs),
+              manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs))
+  kernel = functools.partial(_kernel, num_chunks=n, num_stages=stages, has_segments=runs is not None,
+                             has_final=d_final is not None, scale=scale, in_registers=in_registers)
+  d_next_t, du_t, d_initial_t = plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(h, b, dim_v // be),
+      grid_names=("heads", "batch", "value_blocks"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else False,
+      kernel_name="delta_state_cotangents_warp_specialized",
+  )(*inputs)
+  return d_next_t, d_initial_t, du_t
