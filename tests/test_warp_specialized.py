@@ -279,7 +279,7 @@ def test_delta_warp_specialized_matches_oracle(case, mode):
   assert rel_err(o, o_ref) < TOL[BF16] and rel_err(final, final_ref) < TOL[BF16]
 
 
-# The backward's reverse sweep on its warp-specialised kernel (`delta_attention.pallas_mosaic_gpu`): the op's gradients
+# The backward's sweeps warp-specialised (`delta_attention.pallas_mosaic_gpu`): the op's gradients
 # with warp_specialized=True against the oracle's, bf16 inputs; interpreted on the packed and the extreme case
 # (D <= 64; each runs the whole backward in the interpreters). Not the one-token case: there the rate's gradient is a
 # sum of terms that cancel within the rounding of the state, stored in bf16 for the gradient kernel (0.2 relative
@@ -305,12 +305,46 @@ def test_delta_warp_specialized_gradients_match_oracle(case, mode):
       assert g.dtype == g_ref.dtype and rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
 
 
+@pytest.mark.parametrize("mode", WS_MODES)
+@pytest.mark.parametrize("gated,segments,with_initial", [(True, True, True), (False, False, False)])
+def test_delta_state_sweep_matches_the_triton_sweep(gated, segments, with_initial, mode):
+  """The backward's warp-specialised state sweep (the forward's kernel storing S_n^T and U^T) against the Triton
+  sweep's S_n and U, bf16, over 3 chunks, K = 64 (the interpreter), E over two value blocks."""
+  from lightning_jax.ops.delta_attention import pallas_triton
+  from lightning_jax.ops.lightning_attention import chunk_common
+
+  b, t, h, d, e = 1, 192, 2, 64, 128
+  rng = np.random.default_rng(7)
+  k = jnp.asarray(rng.normal(size=(b, t, h, d)) / d ** 0.5, BF16)
+  v = jnp.asarray(rng.normal(size=(b, t, h, e)), BF16)
+  beta = jnp.asarray(rng.uniform(0, 2, size=(b, h, t)), F32)
+  rates = jnp.asarray(rng.uniform(0, 0.3, size=(b, t, h)), F32) if gated else None
+  starts = jnp.asarray(np.isin(np.arange(t), [0, 70, 130])[None], bool) if segments else None
+  s0 = jnp.asarray(0.3 * rng.normal(size=(b, h, d, e)), F32) if with_initial else None
+  interpret = mode == "interpret"
+  config = lj.DeltaConfig(chunk_size=64)
+  gates = pallas_triton.gates(pallas_triton.gate_logs(rates, seq_len=t, dim_k=d, chunk_size=64), starts, batch=b,
+                              heads=h, seq_len=t, dim_k=d, chunk_size=64)
+  w, u_v, _ = pallas_triton.prepare_by_tiles(k, v, beta, gates, config=config, interpret=interpret)
+  _, _, states, values = pallas_triton.sweep(k, k, w, u_v, None, gates, s0, scale=1.0, with_outputs=False,
+                                             with_final_state=False, with_states=True, with_values=True,
+                                             config=config, interpret=interpret)
+  _, _, inverse = pallas_triton.prepare_by_tiles(k, None, beta, gates, config=config, interpret=interpret)
+  cumdecay, runs = (None, None) if rates is None and starts is None else chunk_common.token_chunk_gates(
+      rates, starts, chunk_size=64, num_tokens=t, reverse=False)
+  states_t, values_t = delta_mosaic.state_sweep(k, v, inverse, (cumdecay, runs if segments else None),
+                                                None if s0 is None else jnp.swapaxes(s0, -1, -2), interpret=interpret)
+  assert states_t.shape == (b, h, t // 64, e, d) and values_t.shape == (b, h, e, t)
+  assert rel_err(jnp.swapaxes(states_t, -1, -2).reshape(states.shape), states) < TOL[BF16]
+  assert rel_err(jnp.moveaxis(values_t, 3, 1), values) < TOL[BF16]
+
+
 @needs_ws_jax
 @pytest.mark.parametrize("dim_k,dim_v,gated,segments,with_final", [
     (128, 128, True, True, True), (64, 64, False, False, False), (128, 192, False, True, False)])
-def test_delta_state_cotangents_lower_for_cuda(dim_k, dim_v, gated, segments, with_final):
-  """The reverse sweep lowers as the GPU compiles it (2 ring slots at K = 128 and 3 at K = 64 within sm90's shared
-  memory, wgmma's operands), from any backend."""
+def test_delta_backward_sweeps_lower_for_cuda(dim_k, dim_v, gated, segments, with_final):
+  """The backward's warp-specialised sweeps lower as the GPU compiles them (the reverse sweep's 2 ring slots at K =
+  128 and 3 at K = 64 within sm90's shared memory, wgmma's operands), from any backend."""
   assert delta_mosaic.num_stages(dim_k=128, itemsize=2) == 2 and delta_mosaic.num_stages(dim_k=64, itemsize=2) == 3
   q = jax.ShapeDtypeStruct((2, 192, 3, dim_k), BF16)
   do = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
@@ -322,6 +356,11 @@ def test_delta_state_cotangents_lower_for_cuda(dim_k, dim_v, gated, segments, wi
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, q, do, gates, d_final)
   assert "delta_state_cotangents_warp_specialized" in exported.mlir_module()
   assert [o.shape for o in exported.out_avals] == [(2, 3, 3, dim_v, dim_k), (2, 3, dim_v, dim_k), (2, 3, dim_v, 192)]
+  # The state sweep before it: the forward's kernel storing S_n^T and U^T.
+  inverse = jax.ShapeDtypeStruct((2, 3, 192, 64), BF16)
+  fn = jax.jit(lambda k, v, inverse, gates, s0: delta_mosaic.state_sweep(k, v, inverse, gates, s0))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, do, inverse, gates, d_final)
+  assert [o.shape for o in exported.out_avals] == [(2, 3, 3, dim_v, dim_k), (2, 3, dim_v, 192)]
 
 
 @pytest.mark.parametrize("mode", WS_MODES[1:])

@@ -1,4 +1,8 @@
-"""The delta rule's backward state sweep in Pallas Mosaic GPU (Hopper, sm90): the reverse walk, warp-specialised.
+"""The delta rule's backward sweeps in Pallas Mosaic GPU (Hopper, sm90), warp-specialised.
+
+`state_sweep` is `pallas_triton.sweep`'s job in the backward (S_n and U, no
+output): the forward's warp-specialised kernel in its `delta_states` mode,
+whose third warpgroup stores the S_n^T and U^T the chain publishes.
 
 `state_cotangents` is `pallas_triton.state_cotangents`' job (its results
 transposed, below) for a scalar gate or none. One CTA per (head, batch, 64
@@ -22,9 +26,11 @@ query products in it.
 
 The state warpgroup stores G_n^T and dU^T from the shared memory it
 publishes them in, so both come out transposed: G^T [B, H, N, Ep, K] and
-dU^T [B, H, Ep, Tp], which `pallas_triton.tile_gradients(transposed=True)`
-reads. Where the kernel runs is `warp_specialized.unsupported` (sm90,
-bf16/fp16, K <= 128); it also runs in the Mosaic GPU interpreter.
+dU^T [B, H, Ep, Tp], as `pallas_triton.tile_gradients` reads them with
+`cotangents_transposed` (and `state_sweep`'s S_n^T and U^T with
+`states_transposed`). Where the kernels run is
+`warp_specialized.unsupported` (sm90, bf16/fp16, K <= 128) and
+`pallas_triton.backward`; they also run in the Mosaic GPU interpreter.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lightning_jax.ops.lightning_attention import chunk_common
+from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu as lightning_mosaic
 from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
@@ -213,6 +220,23 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, w_ref, do_ref, *refs, num_chun
     @pl.loop(max(num_chunks - _PUBLISHED_PAIRS, 0), num_chunks)
     def _drain(i):
       plgpu.barrier_wait(pairs_read.at[lax.rem(i, _PUBLISHED_PAIRS)])
+
+
+def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = False):
+  """The backward's state sweep on padded operands: (S_n^T [B, H, N, Ep, K], the state before chunk n; U^T [B, H, Ep,
+  Tp]), both in the input dtype.
+
+  k: [B, Tp, H, K]; v: [B, Tp, H, Ep] (as for `state_cotangents`); inverse:
+  each chunk's T' = T Diag(beta) [B, H, Tp, 64] (`pallas_triton.prepare_by_tiles`
+  without v); chunk_gates: as for `state_cotangents`; initial_state: None or
+  S_0^T [B, H, Ep, K] float32.
+  """
+  b, tp, h, dim_k = k.shape
+  cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=k.dtype.itemsize, delta=True)
+  return lightning_mosaic.forward_padded(
+      None, k, v, None, None if initial_state is None else initial_state[:, :, None], chunk_gates=chunk_gates,
+      delta_inverse=inverse, delta_states=True, scale=1.0, seq_len=tp, num_stages=cfg.num_stages,
+      interpret=interpret)
 
 
 def state_cotangents(q, k, w, do, chunk_gates, d_final, *, scale: float, interpret: bool = False):

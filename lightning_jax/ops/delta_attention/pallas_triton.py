@@ -30,7 +30,9 @@ W, U_v and T by whole tiles), the sweeps also write U and dU, and
 (-(T^T dU) U^T), then walks the key columns for the products with S_n and
 G_n. On sm90 (where the forward's sweep is warp-specialised) the reverse
 sweep is too (`pallas_mosaic_gpu.state_cotangents`), writing G_n and dU
-transposed, as `tile_gradients(transposed=True)` reads them.
+transposed, as `tile_gradients(cotangents_transposed=True)` reads them, and
+at D = 128 the state sweep (`pallas_mosaic_gpu.state_sweep`: S_n and U
+transposed, `states_transposed=True`); `backward` says where.
 
 The gates arrive as chunk-local cumulative log decays g (`chunk.chunk_gates`):
 [B, H, T] for a scalar per token, [B, H, T, D] per key channel (KDA), with
@@ -541,10 +543,10 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
       p_ref[_block(i), _block(j)] = scale * p_ij
 
 
-def _tiles_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref, t_ref, *, exact):
+def _tiles_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref, t_ref, t_beta_ref, *, exact):
   """One chunk by whole [C, C] tiles, for a scalar gate or none: A in one product, then T = (I + A)^{-1} by
-  `_unit_lower_inverse` over the whole chunk. Without v (`inverse`): T' = T Diag(beta). With v (`prepare_by_tiles`):
-  T, W = T beta K_g and U_v = T beta V, each product one [C, C] x [C, D] tile."""
+  `_unit_lower_inverse` over the whole chunk. Writes each result whose ref is given: T, T' = T Diag(beta),
+  W = T beta K_g and (from v) U_v = T beta V, each product one [C, C] x [C, D] tile."""
   c = k_ref.shape[0]
   k = k_ref[...]
   beta = beta_ref[...].astype(_F32)
@@ -554,14 +556,16 @@ def _tiles_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref, t_ref, 
   # (7e-3 against 3.5e-2 of its largest entry, tests/test_delta_ops.py), at the same speed; A's entries are at most 2
   # for keys of norm at most 1.
   x = _unit_lower_inverse(a, dtype=_F32 if exact else jnp.float16, exact=exact)
-  if v_ref is None:
-    t_ref[...] = (x * beta[None, :]).astype(t_ref.dtype)
-    return
-  t_ref[...] = x.astype(t_ref.dtype)
-  row_decay, _ = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
+  if t_beta_ref is not None:
+    t_beta_ref[...] = (x * beta[None, :]).astype(t_beta_ref.dtype)
+  if t_ref is not None:
+    t_ref[...] = x.astype(t_ref.dtype)
   product = lambda rows: triton_lowering.dot(x.astype(k.dtype), rows.astype(k.dtype), exact=exact)  # noqa: E731
-  w_ref[...] = product(k.astype(_F32) * (row_decay * beta[:, None])).astype(w_ref.dtype)
-  u_ref[...] = product(v_ref[...].astype(_F32) * beta[:, None]).astype(u_ref.dtype)
+  if w_ref is not None:
+    row_decay, _ = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
+    w_ref[...] = product(k.astype(_F32) * (row_decay * beta[:, None])).astype(w_ref.dtype)
+  if u_ref is not None:
+    u_ref[...] = product(v_ref[...].astype(_F32) * beta[:, None]).astype(u_ref.dtype)
 
 
 def _pair_factors(g_ref, runs_ref, *, start, size, inclusive):
@@ -755,13 +759,15 @@ def _chunk_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, stat
 
 def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref, states_ref, d_next_ref, u_ref,
                            du_ref, do_ref, dq_ref, dk_ref, dv_ref, d_beta_ref, dg_ref, *, scale, block_d, block_e,
-                           transposed, exact):
+                           states_transposed, cotangents_transposed, exact):
   """One chunk's input cotangents by whole [C, C] tiles (a scalar gate or none; `vjp` has the algebra).
 
   q_ref, k_ref: [C, Dp]; v_ref, u_ref, du_ref, do_ref: V, U (the sweep's),
   dU (`state_cotangents`') and dO [C, Ep]; t_ref: T [C, C] (`prepare`);
-  states_ref, d_next_ref: S_n and G_n [Dp, Ep]; `transposed`: G_n^T [Ep, Dp]
-  and dU^T [Ep, C] instead (the warp-specialised reverse sweep's). W enters only U = U_v - W S_n,
+  states_ref, d_next_ref: S_n and G_n [Dp, Ep]. `states_transposed`: S_n^T
+  [Ep, Dp] and U^T [Ep, C] instead, `cotangents_transposed`: G_n^T and dU^T
+  (the warp-specialised sweeps', which store them from the buffers they
+  publish them in). W enters only U = U_v - W S_n,
   so dW = -dU S_n^T, and with Z = T^T dU the pair products' cotangent
   dA = -(T^T dW) W^T - Z U_v^T is -Z U^T (U_v - W S_n = U): the value
   columns alone give dA, dP = dO U^T, dv = beta Z and dbeta's share
@@ -780,19 +786,19 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
   value_columns = lambda ei: pl.ds(pl.multiple_of(ei * block_e, block_e), block_e)  # noqa: E731
   key_columns = lambda di: pl.ds(pl.multiple_of(di * block_d, block_d), block_d)  # noqa: E731
 
-  # dU's columns [C, block_e] (as stored, and whether transposed); G_n's [block_d, block_e] likewise.
-  du_columns = (lambda cols: (du_ref[cols, :], True)) if transposed else (lambda cols: (du_ref[:, cols], False))  # noqa: E731
-  d_next_tile = ((lambda key_cols, cols: (d_next_ref[cols, key_cols], True)) if transposed  # noqa: E731
-                 else (lambda key_cols, cols: (d_next_ref[key_cols, cols], False)))
+  # U's and dU's columns, [C, block_e] or (transposed) [block_e, C]; S_n's and G_n's tiles, [block_d, block_e] or
+  # [block_e, block_d]. ts, tc: whether S_n and U, G_n and dU are read transposed (the products take them so).
+  ts, tc = states_transposed, cotangents_transposed
+  value_columns_of = lambda ref, cols, t: ref[cols, :] if t else ref[:, cols]  # noqa: E731
+  state_tile = lambda ref, key_cols, cols, t: ref[cols, key_cols] if t else ref[key_cols, cols]  # noqa: E731
 
   def values(ei, acc):
     d_p, d_a, d_beta = acc
     cols = value_columns(ei)
-    u = u_ref[:, cols]
-    du, du_t = du_columns(cols)
-    z = dot(tri, du, trans_a=True, trans_b=du_t)
+    u = value_columns_of(u_ref, cols, ts)
+    z = dot(tri, value_columns_of(du_ref, cols, tc), trans_a=True, trans_b=tc)
     dv_ref[:, cols] = (beta * z).astype(dv_ref.dtype)
-    return (d_p + dot(do_ref[:, cols], u, trans_b=True), d_a - dot(z.astype(dtype), u, trans_b=True),
+    return (d_p + dot(do_ref[:, cols], u, trans_b=not ts), d_a - dot(z.astype(dtype), u, trans_b=not ts),
             d_beta + jnp.sum(v_ref[:, cols].astype(_F32) * z, axis=1))
 
   d_p, d_a, d_beta = jax.lax.fori_loop(0, v_ref.shape[-1] // block_e, values, (zeros(c, c), zeros(c, c), zeros(c)))
@@ -814,16 +820,14 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
     def along_values(ei, acc):
       d_q_gated, d_k_end, d_w, d_state_decay = acc
       cols = value_columns(ei)
-      state = states_ref[key_cols, cols]
-      d_next, d_next_t = d_next_tile(key_cols, cols)
-      du, du_t = du_columns(cols)
-      if with_gate:  # da_n = sum G_n * S_n; by columns: Triton's sm100 passes failed on a full reduction to a scalar
+      state, d_next = state_tile(states_ref, key_cols, cols, ts), state_tile(d_next_ref, key_cols, cols, tc)
+      if with_gate:  # da_n = sum G_n * S_n; by value columns: Triton's sm100 passes failed on a full reduction
         d_next32 = d_next.astype(_F32)
-        d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * (d_next32.T if d_next_t else d_next32), axis=0,
-                                                keepdims=True)
-      return (d_q_gated + dot(do_ref[:, cols], state, trans_b=True),
-              d_k_end + dot(u_ref[:, cols], d_next, trans_b=not d_next_t),
-              d_w - dot(du, state, trans_a=du_t, trans_b=True), d_state_decay)
+        d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * (d_next32.T if ts != tc else d_next32),
+                                                axis=1 if ts else 0, keepdims=True)
+      return (d_q_gated + dot(do_ref[:, cols], state, trans_b=not ts),
+              d_k_end + dot(value_columns_of(u_ref, cols, ts), d_next, trans_a=ts, trans_b=not tc),
+              d_w - dot(value_columns_of(du_ref, cols, tc), state, trans_a=tc, trans_b=not ts), d_state_decay)
 
     d_q_gated, d_k_end, d_w, d_state_decay = jax.lax.fori_loop(
         0, v_ref.shape[-1] // block_e, along_values, (zeros(c, block_d), zeros(c, block_d), zeros(c, block_d),
@@ -848,12 +852,13 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
     return d_beta, dg, g_end, d_state_decay
 
   d_beta, dg, g_end, d_state_decay = jax.lax.fori_loop(0, dp // block_d, keys,
-                                                        (d_beta, zeros(c), zeros(1, 1), zeros(1, block_e)))
+                                                        (d_beta, zeros(c), zeros(1, 1),
+                                                         zeros(block_e, 1) if ts else zeros(1, block_e)))
   d_beta_ref[...] = d_beta
   if with_gate:  # g_C's share (through K_C and the state decay a_n) goes to the last row
     # The last row's e^{g_C}, 0 where a segment starts in the chunk: the state decay a_n.
     state_decay = jnp.sum(jnp.where(last_row, row_decay, 0.0), axis=0, keepdims=True)
-    g_end = g_end + state_decay * jnp.sum(d_state_decay, axis=1, keepdims=True)
+    g_end = g_end + state_decay * jnp.sum(d_state_decay, axis=0 if ts else 1, keepdims=True)
     dg_ref[...] = dg + jnp.sum(jnp.where(last_row, g_end, 0.0), axis=1)
 
 
@@ -960,37 +965,42 @@ def prepare(q, k, v, beta, gates_: Gates, *, scale, with_inverse=False, config: 
       interpret=interpret, name="delta_attention_prepare")(q, k, v, beta, gates_.g, gates_.runs)
 
 
-def _by_tiles(k, v, beta, gates_: Gates, *, config: DeltaConfig, interpret):
-  """`_tiles_kernel` over every chunk: (W, U_v, T) with v, else (None, None, T')."""
+def _by_tiles(k, v, beta, gates_: Gates, *, with_w, with_t, with_t_beta, name, config: DeltaConfig, interpret):
+  """`_tiles_kernel` over every chunk: (W, U_v, T, T'), each None unless asked for (U_v: with v)."""
   b, tp, h, dp = k.shape
   c = config.chunk_size
   if gates_.g is not None and gates_.g.ndim == 4:
     raise ValueError("the whole-tile kernel takes a scalar gate per token or none; per key channel, prepare writes T")
   struct = lambda shape: manual_axes.struct(shape, k.dtype, k)  # noqa: E731
-  rows_specs, rows_shapes = [None, None], [None, None]  # W and U_v, with v
-  if v is not None:
-    rows_specs = [_chunk_rows_spec(c, dp), _chunk_rows_spec(c, v.shape[-1])]
-    rows_shapes = [struct(k.shape), struct(v.shape)]
+  inverses = (_head_rows(c, c), struct((b, h, tp, c)))
+  outputs = [(_chunk_rows_spec(c, dp), struct(k.shape)) if with_w else (None, None),
+             (None, None) if v is None else (_chunk_rows_spec(c, v.shape[-1]), struct(v.shape)),
+             inverses if with_t else (None, None), inverses if with_t_beta else (None, None)]
   return pl.pallas_call(
       functools.partial(_tiles_kernel, exact=k.dtype == _F32), grid=(b, h, tp // c),
-      in_specs=[_chunk_rows_spec(c, dp), rows_specs[1], _head_rows(c), *_gate_specs(gates_, c, dp, per_chunk=True)],
-      out_specs=[*rows_specs, _head_rows(c, c)], out_shape=[*rows_shapes, struct((b, h, tp, c))],
+      in_specs=[_chunk_rows_spec(c, dp), None if v is None else _chunk_rows_spec(c, v.shape[-1]), _head_rows(c),
+                *_gate_specs(gates_, c, dp, per_chunk=True)],
+      out_specs=[spec for spec, _ in outputs], out_shape=[shape for _, shape in outputs],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret, name="delta_attention_inverse" if v is None else "delta_attention_prepare_by_tiles",
+      interpret=interpret, name=name,
   )(k, v, beta, gates_.g, gates_.runs)
 
 
 def inverse(k, beta, gates_: Gates, *, config: DeltaConfig, interpret):
   """Each chunk's T' = T Diag(beta) [B, H, Tp, C] in the input dtype (`_tiles_kernel`), from padded k [B, Tp, H,
   Dp] and beta [B, H, Tp], with T what `prepare(..., with_inverse=True)` writes, for a scalar gate or none."""
-  return _by_tiles(k, None, beta, gates_, config=config, interpret=interpret)[2]
+  return _by_tiles(k, None, beta, gates_, with_w=False, with_t=False, with_t_beta=True,
+                   name="delta_attention_inverse", config=config, interpret=interpret)[3]
 
 
 def prepare_by_tiles(k, v, beta, gates_: Gates, *, config: DeltaConfig, interpret):
   """`prepare(..., with_inverse=True)`'s (W, U_v, T) by whole [C, C] tiles (`_tiles_kernel`), for a scalar gate or
   none: the split backward's, where D and E <= 128 (its [C, D] tiles stay whole; larger dims take `prepare`).
-  k: [B, Tp, H, Dp]; v: [B, Tp, H, Ep]; beta: [B, H, Tp]."""
-  return tuple(_by_tiles(k, v, beta, gates_, config=config, interpret=interpret))
+  Without v: (W, T, T'), for the warp-specialised state sweep (which forms U from T') and the gradient kernel.
+  k: [B, Tp, H, Dp]; v: [B, Tp, H, Ep] or None; beta: [B, H, Tp]."""
+  w, u, tri, tri_beta = _by_tiles(k, v, beta, gates_, with_w=True, with_t=True, with_t_beta=v is None,
+                                  name="delta_attention_prepare_by_tiles", config=config, interpret=interpret)
+  return (w, u, tri) if v is not None else (w, tri, tri_beta)
 
 
 def _state_specs(b, h, n, dp, be):
@@ -1089,33 +1099,35 @@ def chunk_gradients(q, k, v, beta, gates_: Gates, states, d_next, do, *, scale, 
 
 
 def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do, *, scale, config: DeltaConfig,
-                   interpret, transposed=False):
+                   interpret, states_transposed=False, cotangents_transposed=False):
   """`_tile_gradients_kernel` over the grid (B, H, N) on padded operands: (dq, dk [B, Tp, H, Dp], dv [B, Tp, H,
   Ep] in the input dtype, dbeta [B, H, Tp] float32, dg [B, H, Tp] float32 (every share) or None).
 
   tri: T [B, H, Tp, C] (`prepare`); states, d_next: S_n (`sweep`) and G_n
   (`state_cotangents`) [B, H, N Dp, Ep]; u, du: U (`sweep`) and dU
-  (`state_cotangents`) [B, Tp, H, Ep]; do: [B, Tp, H, Ep]. `transposed`: G_n^T
-  [B, H, N, Ep, Dp] and dU^T [B, H, Ep, Tp] as the warp-specialised reverse
-  sweep writes them (`pallas_mosaic_gpu.state_cotangents`).
+  (`state_cotangents`) [B, Tp, H, Ep]; do: [B, Tp, H, Ep].
+  `states_transposed`: S_n^T [B, H, N, Ep, Dp] and U^T [B, H, Ep, Tp] as
+  `pallas_mosaic_gpu.state_sweep` writes them; `cotangents_transposed`: G_n^T
+  and dU^T likewise (`pallas_mosaic_gpu.state_cotangents`).
   """
   b, tp, h, dp = q.shape
   ep = v.shape[-1]
   c = config.chunk_size
   struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, v)  # noqa: E731
   keys, values = _chunk_rows_spec(c, dp), _chunk_rows_spec(c, ep)
-  chunk_state = pl.BlockSpec((None, None, dp, ep), lambda bi, hi, ni: (bi, hi, ni, 0))
-  d_next_spec, du_spec = chunk_state, values
-  if transposed:
-    d_next_spec = pl.BlockSpec((None, None, None, ep, dp), lambda bi, hi, ni: (bi, hi, ni, 0, 0))
-    du_spec = pl.BlockSpec((None, None, ep, c), lambda bi, hi, ni: (bi, hi, 0, ni))
+  # (a chunk's state, its value rows) as stored untransposed or transposed
+  layouts = ((pl.BlockSpec((None, None, dp, ep), lambda bi, hi, ni: (bi, hi, ni, 0)), values),
+             (pl.BlockSpec((None, None, None, ep, dp), lambda bi, hi, ni: (bi, hi, ni, 0, 0)),
+              pl.BlockSpec((None, None, ep, c), lambda bi, hi, ni: (bi, hi, 0, ni))))
+  (state_spec, u_spec), (d_next_spec, du_spec) = layouts[states_transposed], layouts[cotangents_transposed]
   g_spec, runs_spec = _gate_specs(gates_, c, dp, per_chunk=True)
   return pl.pallas_call(
       functools.partial(_tile_gradients_kernel, scale=scale, block_d=min(config.block_d, dp),
-                        block_e=min(config.block_d, ep), transposed=transposed, exact=q.dtype == _F32),
+                        block_e=min(config.block_d, ep), states_transposed=states_transposed,
+                        cotangents_transposed=cotangents_transposed, exact=q.dtype == _F32),
       grid=(b, h, tp // c),
-      in_specs=[keys, keys, values, _head_rows(c), g_spec, runs_spec, _head_rows(c, c), chunk_state, d_next_spec,
-                values, du_spec, values],
+      in_specs=[keys, keys, values, _head_rows(c), g_spec, runs_spec, _head_rows(c, c), state_spec, d_next_spec,
+                u_spec, du_spec, values],
       out_specs=[keys, keys, values, _head_rows(c), g_spec],
       out_shape=[struct((b, tp, h, dp), q.dtype), struct((b, tp, h, dp), q.dtype), struct((b, tp, h, ep), q.dtype),
                  struct((b, h, tp), _F32), None if gates_.g is None else struct((b, h, tp), _F32)],
@@ -1167,11 +1179,16 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   With `config.warp_specialized` (resolved: the forward's sweep is the
   warp-specialised one) the split backward's reverse sweep is too
   (`pallas_mosaic_gpu.state_cotangents`, at its padded dims) where the
-  sweeps take 64 value columns: its CTAs take 64 each, so where
+  Triton sweeps take 64 value columns: its CTAs take 64 each, so where
   `default_config` gives the Triton sweeps fewer to fill the GPU, it would
   leave SMs idle (an H200, B1 H32 T64K D128, bf16, in-process: DeltaNet's
   fwd+bwd 10.25 ms with it against 9.56 with the Triton sweep at 32 columns;
-  Gated DeltaNet's 12.24 against 12.75).
+  Gated DeltaNet's 12.24 against 12.75). There, at padded D = 128, the
+  state sweep is too (`pallas_mosaic_gpu.state_sweep`, forming U from T' as
+  the forward does: the prepare writes W, T and T', no U_v): on an H200
+  (B2 H32 T8K D128, bf16, in-process) fwd+bwd 1.92 -> 1.85 ms (DeltaNet) and
+  2.39 -> 2.09 (Gated DeltaNet); at D64 (B4 H32) 1.82 -> 1.87 and level, so
+  D64 keeps the Triton state sweep.
   """
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   split = config.splits_backward(per_channel_gate=decay is not None and decay.ndim == 4)
@@ -1186,31 +1203,42 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c, dims=(dp, ep))
   kernels = dict(scale=scale, config=config, interpret=interpret)
-  if split and max(dp, ep) <= 128:  # by whole tiles (`prepare_by_tiles`)
-    (w, u, tri), p = prepare_by_tiles(kp, vp, beta_rows, gates_, config=config, interpret=interpret), None
-  else:
-    w, u, p, tri = prepare(qp, kp, vp, beta_rows, gates_, with_inverse=split, **kernels)
-  _, _, states, values = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep),
-                               with_outputs=False, with_final_state=False, with_states=True, with_values=split,
-                               **kernels)
+  initial_state = chunk_common.pad_state(initial_state, dp, ep)
   dop = chunk_common.pad_tokens_and_features(do.astype(q.dtype), num_tokens=qp.shape[1], dim=ep)
   d_final = chunk_common.pad_state(d_final, dp, ep)
-  if warp_specialized:
+  warp_specialized_states = warp_specialized and dp == 128  # measured (above): D64 keeps the Triton state sweep
+  transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
+  chunk_gates = None
+  if warp_specialized:  # the warp-specialised sweeps' gates, in the forward's form
     cumdecay = runs = None
     if decay is not None or segment_starts is not None:
       cumdecay, runs = chunk_common.token_chunk_gates(decay, segment_starts, chunk_size=c, num_tokens=qp.shape[1],
                                                       reverse=False)
-      runs = None if segment_starts is None else runs
-    d_next, d_initial, d_values = pallas_mosaic_gpu.state_cotangents(
-        qp, kp, w, dop, (cumdecay, runs), None if d_final is None else jnp.swapaxes(d_final, -1, -2), scale=scale,
-        interpret=interpret)
-    d_initial = jnp.swapaxes(d_initial, -1, -2)
+    chunk_gates = (cumdecay, None if segment_starts is None else runs)
+  # S_n and U (transposed where warp-specialised), with W, T and (Triton's sweep) P.
+  if warp_specialized_states:
+    (w, tri, tri_beta), p = prepare_by_tiles(kp, None, beta_rows, gates_, config=config, interpret=interpret), None
+    states, values = pallas_mosaic_gpu.state_sweep(kp, vp, tri_beta, chunk_gates, transpose(initial_state),
+                                                   interpret=interpret)
+  else:
+    if split and max(dp, ep) <= 128:  # by whole tiles (`prepare_by_tiles`)
+      (w, u, tri), p = prepare_by_tiles(kp, vp, beta_rows, gates_, config=config, interpret=interpret), None
+    else:
+      w, u, p, tri = prepare(qp, kp, vp, beta_rows, gates_, with_inverse=split, **kernels)
+    _, _, states, values = sweep(qp, kp, w, u, p, gates_, initial_state, with_outputs=False, with_final_state=False,
+                                 with_states=True, with_values=split, **kernels)
+  # G_n and dU (transposed where warp-specialised).
+  if warp_specialized:
+    d_next, d_initial, d_values = pallas_mosaic_gpu.state_cotangents(qp, kp, w, dop, chunk_gates, transpose(d_final),
+                                                                     scale=scale, interpret=interpret)
+    d_initial = transpose(d_initial)
   else:
     d_next, d_initial, d_values = state_cotangents(qp, kp, w, p, gates_, dop, d_final, with_value_cotangents=split,
                                                    **kernels)
   if split:
     dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, gates_, tri, states, d_next, values, d_values,
-                                            dop, transposed=warp_specialized, **kernels)
+                                            dop, states_transposed=warp_specialized_states,
+                                            cotangents_transposed=warp_specialized, **kernels)
   else:
     dq, dk, dv, d_beta, dg = chunk_gradients(qp, kp, vp, beta_rows, gates_, states, d_next, dop, **kernels)
   d_decay = None

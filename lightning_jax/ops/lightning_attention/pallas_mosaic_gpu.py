@@ -217,7 +217,7 @@ def pair_weights(intra, rows, columns, *, cum_end, has_segments):
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, per_chunk,
             has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state, register_scores,
-            delta):
+            delta, delta_states):
   refs = list(refs)
   # The delta rule: each chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, C].
   inverse_ref = refs.pop(0) if delta else None
@@ -225,7 +225,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   head_segments = has_segments and not per_chunk
   runs_ref = refs.pop(0) if head_segments else None
   initial_ref = refs.pop(0) if has_initial else None
+  # The output, or (the delta rule's `delta_states`) S_n^T [B, H, N, V, K] and U^T [B, H, V, Tp].
   out_ref = refs.pop(0)
+  values_out_ref = refs.pop(0) if delta_states else None
   final_ref = refs.pop(0) if has_final else None
   buffers, barriers = refs
   q_smem, k_smem, v_smem, state_smem, (out_smem, intra_smem), vectors_smem, *buffers = buffers
@@ -279,7 +281,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
     def load(n, slot):
       rows = chunk_rows(n)
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_loaded.at[slot])
+      if not delta_states:  # there the chain alone reads the ring
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_loaded.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], k_loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, cols], v_smem.at[slot], v_loaded.at[slot])
       if delta:
@@ -457,7 +460,22 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.copy_smem_to_gmem(state_f32_smem, final_ref.at[batch, head, cols])
       plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == 2)
+  def _published_out():
+    """S_n^T and U^T to HBM from the buffers the chain publishes them in."""
+    plgpu.barrier_wait(factors_loaded.at[0])
+
+    @pl.loop(0, num_chunks)
+    def _chunk(n):
+      pub = lax.rem(n, _PUBLISHED)
+      plgpu.barrier_wait(state_ready.at[pub])
+      plgpu.copy_smem_to_gmem(state_smem.at[pub], out_ref.at[batch, head, n, cols])
+      plgpu.copy_smem_to_gmem(values_smem.at[pub], values_out_ref.at[batch, head, cols, chunk_rows(n)])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.barrier_arrive(state_read.at[pub])
+      plgpu.barrier_arrive(released.at[slot_of(n)])
+
+    plgpu.wait_smem_to_gmem(0)
+
   def _outputs():
     plgpu.barrier_wait(factors_loaded.at[0])
     intra = intra_smem[...]  # per chunk: the scaled causal mask
@@ -536,6 +554,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
     plgpu.wait_smem_to_gmem(0)
 
+  pl.when(wg == 2)(_published_out if delta_states else _outputs)
+
 
 def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool = False) -> dict:
   """Which left operands of wgmma stay in registers instead of a round trip through shared memory.
@@ -557,8 +577,8 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool
 
 
 def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None,
-                   delta_inverse=None, scale: float, seq_len: int, return_final_state: bool = False,
-                   num_stages: int, num_slices: int = 1, interpret: bool = False):
+                   delta_inverse=None, delta_states: bool = False, scale: float, seq_len: int,
+                   return_final_state: bool = False, num_stages: int, num_slices: int = 1, interpret: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
 
   With `delta_inverse`, the delta rule's (`delta_attention.chunk`): the state
@@ -580,6 +600,11 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     delta_inverse: None, or the delta rule's T' = (I + A)^{-1} Diag(beta) of
       each chunk, [B, H, Tp, C] in the input dtype
       (`delta_attention.pallas_triton.inverse`; with chunk_gates and one slice).
+    delta_states: with delta_inverse, the delta backward's state sweep:
+      instead of o, return each chunk's S_n^T (the state before it) [B, H,
+      N, V, K] and U^T [B, H, V, Tp] in the input dtype, stored by the
+      third warpgroup from the buffers the chain publishes them in; q is not
+      read (it may be None).
     initial_state: None, or the transposed state before each slice, [B, H,
       num_slices, V, K] float32.
     seq_len: the number of real tokens T (with one slice, Tp - CHUNK_SIZE < T <= Tp).
@@ -592,6 +617,9 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   Returns:
     o: [B, Tp, H, V] in the input dtype; with return_final_state, (o, S_T^T).
   """
+  if delta_states and (delta_inverse is None or return_final_state):
+    raise ValueError("delta_states takes delta_inverse, and no final state")
+  q = k if q is None and delta_states else q  # not read
   b, tp, h, dim_k = q.shape
   dim_v = v.shape[-1]
   c, be = CHUNK_SIZE, BLOCK_E
@@ -633,17 +661,19 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   if with_states:  # the same bytes as the published states (see `WarpSpecializedConfig`)
     state_smem = plgpu.RefUnion(state_smem, swizzled_smem((be, dim_k), _F32))
   registers = _register_operands(dim_k, per_chunk, interpret, is_delta)
-  staged_state = (swizzled_smem((be, c), dtype), swizzled_smem((be, dim_k), dtype)) if is_delta else (swizzled_smem((c, be), dtype),)
+  staged_state = ((swizzled_smem((be, c), dtype), swizzled_smem((be, dim_k), dtype)) if is_delta
+                  else (swizzled_smem((c, be), dtype),))
   staged = ((() if registers["register_scores"] else (swizzled_smem((c, c), dtype),))
             + (() if registers["register_state"] else staged_state))
   # The delta rule's ring of inverses and its published U^T.
-  delta_smem = (swizzled_smem((num_stages, c, c), dtype), swizzled_smem((_PUBLISHED, be, c), dtype)) if is_delta else ()
+  delta_smem = ((swizzled_smem((num_stages, c, c), dtype), swizzled_smem((_PUBLISHED, be, c), dtype)) if is_delta
+                else ())
   scratch = (
       # The [C, C] float32 factors are read once, before the first output is staged in the same bytes.
       (swizzled_smem((num_stages, c, dim_k), dtype), swizzled_smem((num_stages, c, dim_k), dtype),
        swizzled_smem((num_stages, c, be), dtype), state_smem,
-       plgpu.RefUnion(swizzled_smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32)), factor_smem[0]) + delta_smem + staged
-      + factor_smem[1:],
+       plgpu.RefUnion(swizzled_smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32)), factor_smem[0])
+      + delta_smem + staged + factor_smem[1:],
       (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
        plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
        plgpu.Barrier(num_barriers=_PUBLISHED), plgpu.Barrier(num_barriers=_PUBLISHED), plgpu.Barrier(num_barriers=2))
@@ -655,13 +685,17 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   inputs = (intra, vectors, q, k, v) + ((delta_inverse,) if is_delta else ()) + runs + (
       () if initial_state is None else (initial_state,))
   out_type = manual_axes.struct((b, tp, h, dim_v), dtype, *inputs)
+  if delta_states:
+    out_type = (manual_axes.struct((b, h, tp // c, dim_v, dim_k), dtype, *inputs),
+                manual_axes.struct((b, h, dim_v, tp), dtype, *inputs))
   if return_final_state:
     out_type = (out_type, manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs))
   kernel = functools.partial(_kernel, num_chunks=num_chunks, num_slices=num_slices, num_stages=num_stages,
                              per_chunk=per_chunk, has_decay=per_chunk or decay is not None or chunk_runs is not None,
                              has_segments=chunk_runs is not None or (per_chunk and chunk_gates[1] is not None),
                              has_initial=initial_state is not None, has_final=return_final_state,
-                             last_rows=last_rows, scale=scale, delta=is_delta, **registers)
+                             last_rows=last_rows, scale=scale, delta=is_delta, delta_states=delta_states,
+                             **registers)
   return plgpu.kernel(
       kernel,
       out_type=out_type,
