@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lightning_jax.ops.lightning_attention import chunk_common
+from lightning_jax.ops.lightning_attention import config as lightning_config
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu as lightning_mosaic
@@ -53,8 +54,6 @@ BLOCK_E = WarpSpecializedConfig.BLOCK_E
 _F32 = jnp.float32
 # Pair products the pairs warpgroup may publish ahead of the state chain.
 _PUBLISHED_PAIRS = 2
-# The budget of one CTA's shared memory on sm90 (232448 bytes: a kernel over it fails to launch).
-_SM90_SHARED_MEMORY = 232448
 
 
 def shared_memory_bytes(*, num_stages: int, dim_k: int, itemsize: int, factor_rows: int = 2) -> int:
@@ -69,8 +68,9 @@ def shared_memory_bytes(*, num_stages: int, dim_k: int, itemsize: int, factor_ro
 
 def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3) -> int:
   """The deepest ring of at most `max_stages` that fits sm90 (2 at K = 128 in 16 bits, 3 at K = 64)."""
+  budget = lightning_config.shared_memory_budget(WarpSpecializedConfig.COMPUTE_CAPABILITY)
   for stages in range(max_stages, 0, -1):
-    if shared_memory_bytes(num_stages=stages, dim_k=dim_k, itemsize=itemsize) <= _SM90_SHARED_MEMORY:
+    if shared_memory_bytes(num_stages=stages, dim_k=dim_k, itemsize=itemsize) <= budget:
       return stages
   raise AssertionError("unreachable: one stage fits sm90 at every K <= 128")
 

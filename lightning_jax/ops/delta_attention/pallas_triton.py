@@ -101,8 +101,8 @@ class DeltaConfig:
       (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256, a scalar
       decay per token or none), which takes each 64-token chunk's inverse
       (times beta) from the `inverse` kernel instead of W and U_v from prepare,
-      and where block_e >= 64 the backward's reverse sweep on its own
-      warp-specialised kernel (`pallas_mosaic_gpu`, see `backward`). None:
+      and where block_e >= 64 the backward's sweeps on warp-specialised
+      kernels too (`pallas_mosaic_gpu`; `backward` says which). None:
       wherever it runs compiled; True: required (ValueError where it cannot
       run); False: the Triton sweeps.
   """

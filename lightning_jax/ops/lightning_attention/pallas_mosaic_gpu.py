@@ -1,10 +1,11 @@
 """The warp-specialised forward sweep in Pallas Mosaic GPU (Hopper, sm90).
 
 Every Mosaic-GPU-specific import of the package lives in this file and in
-`delta_attention.pallas_mosaic_gpu` (the delta rule's reverse sweep, built
+`delta_attention.pallas_mosaic_gpu` (the delta rule's backward sweeps, built
 from this file's pieces), beside the Triton kernels of `pallas_triton`. It
-computes the forward pass only, from an optional initial state and optionally
-returning the final one; the backward pass stays with the Triton sweeps.
+computes the lightning op's forward pass only, from an optional initial state
+and optionally returning the final one; its backward pass stays with the
+Triton sweeps.
 
 One CTA per (head, batch and slice of the sequence, block of 64 value columns)
 walks the chunks of 64 tokens of its slice in order (the whole sequence unless
@@ -46,7 +47,9 @@ kernel in its delta mode (`forward_padded`'s `delta_inverse`): the memory
 warpgroup also loads each chunk's T' = (I + A)^{-1} Diag(beta), and the state
 warpgroup forms its pseudo-values U = T' (V - K_g S) before its update and
 publishes them with S_n for the output warpgroup, which multiplies them in
-place of v.
+place of v. The delta backward's state sweep runs it with `delta_states`:
+no q, and the third warpgroup stores the published S_n^T and U^T instead of
+outputs (`delta_attention.pallas_mosaic_gpu.state_sweep`).
 
 Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 """
