@@ -427,7 +427,8 @@ def test_default_config_gradient_kernel_where_measured():
 
   assert config(batch_heads=32).block_e == 32 and config(batch_heads=32).block_d == 64
   assert config().block_d == config(dim=64).block_d == config(dim=256).block_d == config(cc=(8, 0)).block_d == 64
-  assert (config().num_stages, config().gradient_stages) == (config(cc=(10, 0)).num_stages, 2) == (3, 2)
+  for cc in ((9, 0), (10, 0)):
+    assert (config(cc=cc).num_stages, config(cc=cc).gradient_stages) == (3, 2)
   assert config(cc=(8, 0)).gradient_stages is config(dtype=jnp.float32).gradient_stages is None
   for bad in (0, 1.5, True):
     with pytest.raises(ValueError, match="gradient_stages must be None or an int >= 1"):
