@@ -85,6 +85,32 @@ def test_auto_mesh_inputs_stay_on_their_devices(impl, form):
   assert set(found) <= {"all-reduce"} and all(elements(s) == 1 for s in found.get("all-reduce", [])), found
 
 
+def test_auto_mesh_per_chunk_tiles_stay_on_their_devices():
+  """`auto_sharding.blockwise` with per-chunk [B, H, Tp, C] tiles (CHUNK_TILES: the warp-specialised forward's
+  inverses, which its backward takes) as a result and as an operand: split over B and H like the rest, nothing
+  gathered, at a T off the padded length."""
+  from lightning_jax.ops.lightning_attention import auto_sharding
+
+  mesh = cpu_mesh((2, 2), ("data", "model"))
+  t, tp, c = 37, 64, 16
+  q = jax.device_put(jax.random.normal(jax.random.key(0), (B, t, H, D)), NamedSharding(mesh, ROWS))
+
+  def to_tiles(q):  # [B, H, Tp, C]
+    return (2 * jnp.pad(jnp.moveaxis(q, 2, 1), ((0, 0), (0, 0), (0, tp - t), (0, c - D))),)
+
+  def round_trip(q):
+    (tiles,) = auto_sharding.blockwise(to_tiles, [(q, auto_sharding.ROWS_D)], (auto_sharding.CHUNK_TILES,))
+    back = auto_sharding.blockwise(lambda q, tiles: (q + jnp.moveaxis(tiles[:, :, :t, :D], 1, 2),),
+                                   [(q, auto_sharding.ROWS_D), (tiles, auto_sharding.CHUNK_TILES)],
+                                   (auto_sharding.ROWS_D,))[0]
+    return tiles, back
+
+  tiles, back = jax.jit(round_trip)(q)
+  assert tiles.shape == (B, H, tp, c) and tiles.sharding.spec[:2] == ("data", "model")
+  np.testing.assert_allclose(back, 3 * q, rtol=1e-6)
+  assert collectives(round_trip, q) == {}
+
+
 @pytest.mark.parametrize("spec", [P("data", None, "model"), P(None, "data", "model")],
                          ids=["batch-heads", "sequence-heads"])
 def test_explicit_mesh_splits_the_op(spec):

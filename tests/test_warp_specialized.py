@@ -306,6 +306,32 @@ def test_delta_warp_specialized_gradients_match_oracle(case, mode):
 
 
 @pytest.mark.parametrize("mode", WS_MODES)
+def test_delta_backward_takes_the_inverses_the_forward_formed(mode):
+  """The warp-specialised backward on the forward's T and T' (the op's residuals) and on those it forms itself
+  without them: the same gradients, so the forward padded and gated them as the backward does (T off the chunk,
+  packed, per-token rates, from and to states)."""
+  from lightning_jax.ops.delta_attention import pallas_triton
+  from lightning_jax.ops.delta_attention import warp_specialized
+
+  case = DELTA_CASES[0]
+  q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=11)
+  q, k, v = (x.astype(BF16) for x in (q, k, v))
+  starts = jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+  do = jax.random.normal(jax.random.key(12), v.shape).astype(BF16)
+  d_final = jax.random.normal(jax.random.key(13), s0.shape)
+  config = lj.DeltaConfig(warp_specialized=True)
+  assert config.warp_specializes_backward(per_channel_gate=False)
+  options = dict(scale=case.d ** -0.5, config=config, interpret=mode == "interpret")
+  _, _, inverses = jax.jit(lambda: warp_specialized.forward(q, k, v, beta, decay, starts, s0, with_final_state=True,
+                                                            with_inverses=True, **options))()
+  assert [x.shape for x in inverses] == [(case.b, case.h, 192, 64)] * 2
+  backward = jax.jit(lambda inverses: pallas_triton.backward(q, k, v, beta, decay, starts, s0, do, d_final,
+                                                             inverses=inverses, **options))
+  for name, g, g_formed in zip(DELTA_ARG_NAMES, backward(inverses), backward(None)):
+    assert g.shape == g_formed.shape and rel_err(g, g_formed) < 1e-3, (name, rel_err(g, g_formed))
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
 @pytest.mark.parametrize("gated,segments,with_initial", [(True, True, True), (False, False, False)])
 def test_delta_state_sweep_matches_the_triton_sweep(gated, segments, with_initial, mode):
   """The backward's warp-specialised state sweep (the forward's kernel storing S_n^T and U^T) against the Triton
@@ -329,7 +355,7 @@ def test_delta_state_sweep_matches_the_triton_sweep(gated, segments, with_initia
   _, _, states, values = pallas_triton.sweep(k, k, w, u_v, None, gates, s0, scale=1.0, with_outputs=False,
                                              with_final_state=False, with_states=True, with_values=True,
                                              config=config, interpret=interpret)
-  _, _, inverse = pallas_triton.prepare_by_tiles(k, None, beta, gates, config=config, interpret=interpret)
+  inverse = pallas_triton.inverse(k, beta, gates, config=config, interpret=interpret)
   cumdecay, runs = (None, None) if rates is None and starts is None else chunk_common.token_chunk_gates(
       rates, starts, chunk_size=64, num_tokens=t, reverse=False)
   states_t, values_t = delta_mosaic.state_sweep(k, v, inverse, (cumdecay, runs if segments else None),
@@ -351,13 +377,13 @@ def test_delta_backward_sweeps_lower_for_cuda(dim_k, dim_v, gated, segments, wit
   gates = (jax.ShapeDtypeStruct((2, 3, 192), F32) if gated else None,
            jax.ShapeDtypeStruct((2, 192), jnp.int32) if segments else None)
   d_final = jax.ShapeDtypeStruct((2, 3, dim_v, dim_k), F32) if with_final else None
-  fn = jax.jit(lambda q, k, w, do, gates, d_final: delta_mosaic.state_cotangents(q, k, w, do, gates, d_final,
-                                                                                 scale=0.125))
-  exported = jax.export.export(fn, platforms=["cuda"])(q, q, q, do, gates, d_final)
+  inverse = jax.ShapeDtypeStruct((2, 3, 192, 64), BF16)
+  fn = jax.jit(lambda q, k, inverse, do, gates, d_final: delta_mosaic.state_cotangents(q, k, inverse, do, gates,
+                                                                                       d_final, scale=0.125))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, inverse, do, gates, d_final)
   assert "delta_state_cotangents_warp_specialized" in exported.mlir_module()
   assert [o.shape for o in exported.out_avals] == [(2, 3, 3, dim_v, dim_k), (2, 3, dim_v, dim_k), (2, 3, dim_v, 192)]
   # The state sweep before it: the forward's kernel storing S_n^T and U^T.
-  inverse = jax.ShapeDtypeStruct((2, 3, 192, 64), BF16)
   fn = jax.jit(lambda k, v, inverse, gates, s0: delta_mosaic.state_sweep(k, v, inverse, gates, s0))
   exported = jax.export.export(fn, platforms=["cuda"])(q, do, inverse, gates, d_final)
   assert [o.shape for o in exported.out_avals] == [(2, 3, 3, dim_v, dim_k), (2, 3, dim_v, 192)]

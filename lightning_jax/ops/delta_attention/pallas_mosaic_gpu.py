@@ -10,11 +10,13 @@ value columns) walks the 64-token chunks from the last, carrying G^T = (dL/dS
 after the chunk)^T [64, K] float32 in the registers of its state warpgroup,
 with three warpgroups running concurrently:
 
-  memory  TMA loads of each chunk's q, k, W and dO into a ring of
-          `num_stages` slots (and its factor rows, `chunk_factors`);
+  memory  TMA loads of each chunk's q, k, T' = T Diag(beta) and dO into a
+          ring of `num_stages` slots (and its factor rows, `chunk_factors`);
   pairs   P = scale (q k^T) * 2^(c_s - c_t) on s <= t within a segment
-          (`pair_weights`), the chunk's [C, C] pair products, published in
-          shared memory: they do not depend on G, so they leave the chain;
+          (`pair_weights`), then W = T' K_g (K_g = Diag(2^-c) K, zero past a
+          segment start), each published in shared memory as it is formed
+          (the chain's first products take P, its update W): neither depends
+          on G, so both leave the chain, and W never crosses HBM;
   state   per chunk: G_n^T out (TMA), dU^T = dO^T P + (G^T K^T) Diag(to_end)
           out (TMA), then G^T <- a G^T + (dO^T Diag(row)) Q - dU^T W. Its
           left operands (G^T, dO^T Diag(row), dU^T) stay in registers.
@@ -52,18 +54,22 @@ from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
 CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
 BLOCK_E = WarpSpecializedConfig.BLOCK_E
 _F32 = jnp.float32
-# Pair products the pairs warpgroup may publish ahead of the state chain.
+# Chunks whose pair products and W the pairs warpgroup may publish ahead of the state chain.
 _PUBLISHED_PAIRS = 2
+# Shared memory beside the buffers (barriers, alignment): 1,216 bytes in one variant of this kernel (233,664
+# compiled, over sm90's 232,448, where its buffers summed to 232,448).
+_RESERVED = 2048
 
 
 def shared_memory_bytes(*, num_stages: int, dim_k: int, itemsize: int, factor_rows: int = 2) -> int:
-  """The kernel's shared memory: the ring (q, k, W [C, K] and dO [C, 64] per slot, the factor rows twice), the scaled
-  causal mask, the published pair products, and G^T and dU^T double-buffered for their stores (the float32 [64, K]
-  initial and final cotangent share G^T's bytes)."""
+  """The kernel's shared memory: the ring (q, k [C, K], T' [C, C] and dO [C, 64] per slot, the factor rows twice),
+  the scaled causal mask, the published pair products and W, G^T and dU^T double-buffered for their stores (the
+  float32 [64, K] initial and final cotangent share G^T's bytes), and `_RESERVED`."""
   c, be = CHUNK_SIZE, BLOCK_E
-  ring = num_stages * (c * (3 * dim_k + be) * itemsize + 2 * factor_rows * c * 4)
+  ring = num_stages * (c * (2 * dim_k + c + be) * itemsize + 2 * factor_rows * c * 4)
+  published = _PUBLISHED_PAIRS * c * (c + dim_k) * itemsize
   stores = 2 * be * (dim_k + c) * itemsize
-  return ring + c * c * 4 + _PUBLISHED_PAIRS * c * c * itemsize + max(stores, be * dim_k * 4 + 2 * be * c * itemsize)
+  return ring + c * c * 4 + published + max(stores, be * dim_k * 4 + 2 * be * c * itemsize) + _RESERVED
 
 
 def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3) -> int:
@@ -75,18 +81,18 @@ def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3) -> int:
   raise AssertionError("unreachable: one stage fits sm90 at every K <= 128")
 
 
-def _kernel(intra_ref, vectors_ref, q_ref, k_ref, w_ref, do_ref, *refs, num_chunks, num_stages, has_segments,
+def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, has_segments,
             has_final, scale, in_registers):
   refs = list(refs)
   d_final_ref = refs.pop(0) if has_final else None
   d_next_ref, du_ref, d_initial_ref, buffers, barriers = refs
-  (q_smem, k_smem, w_smem, do_smem, rows_smem, columns_smem, intra_smem, pairs_smem, (g_smem, g_f32_smem), du_smem,
-   *staged) = buffers
-  # Interpreted: the chain's left operand dO^T Diag(row) staged, as Diag(row) dO [C, 64] (G^T and dU^T are read where
-  # they are published).
-  queries_smem = staged[0] if staged else None
-  (q_loaded, k_loaded, w_loaded, do_loaded, factors_loaded, intra_loaded, released, pairs_ready, pairs_read,
-   *barriers) = barriers
+  (q_smem, k_smem, inverse_smem, do_smem, rows_smem, columns_smem, intra_smem, pairs_smem, w_smem,
+   (g_smem, g_f32_smem), du_smem, *staged) = buffers
+  # Interpreted: the left operands dO^T Diag(row) (the chain's) and T' Diag(2^-c) (the pairs') staged, as Diag(row) dO
+  # [C, 64] and [C, C] (G^T and dU^T are read where they are published).
+  queries_smem, inverse_scaled_smem = staged if staged else (None, None)
+  (q_loaded, k_loaded, inverse_loaded, do_loaded, factors_loaded, intra_loaded, released, pairs_ready, w_ready,
+   pairs_read, *barriers) = barriers
   c, be = CHUNK_SIZE, BLOCK_E
   head, batch, col = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("value_blocks")
   cols = pl.ds(col * be, be)
@@ -115,7 +121,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, w_ref, do_ref, *refs, num_chun
       rows = chunk_rows(i)
       plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_loaded.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], k_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(w_ref.at[batch, rows, head], w_smem.at[slot], w_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(inverse_ref.at[batch, head, rows], inverse_smem.at[slot], inverse_loaded.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head, cols], do_smem.at[slot], do_loaded.at[slot])
       for factors_smem in (rows_smem, columns_smem):
         plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, chunk_of(i)], factors_smem.at[slot],
@@ -144,7 +150,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, w_ref, do_ref, *refs, num_chun
                                                                        has_segments=has_segments)
       # -scale 2^-c_t (zero past a segment start): dO^T Diag(row) Q is dO^T Q_g, negated with the state term below.
       row = -scale * jnp.exp2(lightning_mosaic.row_exponents(rows, has_segments=has_segments))
-      for loaded in (k_loaded, w_loaded, do_loaded, q_loaded):
+      for loaded in (k_loaded, do_loaded, q_loaded):
         plgpu.barrier_wait(loaded.at[slot])
       # G_n^T out; the stores of chunk i - 2 have read their buffers (two stores a chunk).
       plgpu.wait_smem_to_gmem(2, wait_read_only=True)
@@ -162,7 +168,6 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, w_ref, do_ref, *refs, num_chun
 
       through_pairs, through_keys = pl.run_scoped(cotangent_products, plgpu.ACC((be, c), _F32),
                                                   plgpu.ACC((be, c), _F32))
-      plgpu.barrier_arrive(pairs_read.at[pub])
       du_t = (through_pairs + through_keys * by_column(jnp.exp2(key_exponent))).astype(du_smem.dtype)
       du_smem[buf] = du_t
       plgpu.commit_smem()
@@ -174,9 +179,11 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, w_ref, do_ref, *refs, num_chun
         plgpu.commit_smem()
         queries_t = queries_smem.transpose((1, 0))
       # -(G^T before the chunk) = -a G^T - dO^T Q_g + dU^T W, one accumulator.
+      plgpu.barrier_wait(w_ready.at[pub])
       negated = lightning_mosaic.update(
           grad_t * -jnp.exp2(state_exponent), (queries_t, q_smem.at[slot]),
-          (du_t if in_registers else du_smem.at[buf], w_smem.at[slot]), in_registers=in_registers)
+          (du_t if in_registers else du_smem.at[buf], w_smem.at[pub]), in_registers=in_registers)
+      plgpu.barrier_arrive(pairs_read.at[pub])
       plgpu.barrier_arrive(released.at[slot])
       return -negated
 
@@ -207,15 +214,33 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, w_ref, do_ref, *refs, num_chun
         return acc[...] * weights
 
       pairs = pl.run_scoped(weighted_scores, plgpu.ACC((c, c), _F32)).astype(pairs_smem.dtype)
-      plgpu.barrier_arrive(released.at[slot])
 
       @pl.when(i >= _PUBLISHED_PAIRS)
       def _():
         plgpu.barrier_wait(pairs_read.at[pub])
 
+      # P out first: the chain's first products take it, its update alone W.
       pairs_smem[pub] = pairs
       plgpu.commit_smem()
       plgpu.barrier_arrive(pairs_ready.at[pub])
+      # W = T' K_g = (T' Diag(2^-c_s)) K, the columns of T' scaled as K_g's rows (zero past a segment start).
+      plgpu.barrier_wait(inverse_loaded.at[slot])
+      by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
+      key_rows = jnp.exp2(lightning_mosaic.row_exponents(columns_smem.at[slot], has_segments=has_segments))
+      inverse_scaled = (inverse_smem[slot].astype(_F32) * by_column(key_rows)).astype(inverse_smem.dtype)
+      if not in_registers:
+        inverse_scaled_smem[...] = inverse_scaled
+        plgpu.commit_smem()
+        inverse_scaled = inverse_scaled_smem
+
+      def wy_keys(acc):
+        plgpu.wgmma(acc, inverse_scaled, k_smem.at[slot])
+        return acc[...]
+
+      w_smem[pub] = pl.run_scoped(wy_keys, plgpu.ACC((c, k_smem.shape[-1]), _F32)).astype(w_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(w_ready.at[pub])
+      plgpu.barrier_arrive(released.at[slot])
 
     @pl.loop(max(num_chunks - _PUBLISHED_PAIRS, 0), num_chunks)
     def _drain(i):
@@ -227,8 +252,8 @@ def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = 
   Tp]), both in the input dtype.
 
   k: [B, Tp, H, K]; v: [B, Tp, H, Ep] (as for `state_cotangents`); inverse:
-  each chunk's T' = T Diag(beta) [B, H, Tp, 64] (`pallas_triton.prepare_by_tiles`
-  without v); chunk_gates: as for `state_cotangents`; initial_state: None or
+  each chunk's T' = T Diag(beta) [B, H, Tp, 64] (`pallas_triton.inverse`, as
+  the forward's); chunk_gates: as for `state_cotangents`; initial_state: None or
   S_0^T [B, H, Ep, K] float32.
   """
   b, tp, h, dim_k = k.shape
@@ -239,12 +264,12 @@ def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = 
       interpret=interpret)
 
 
-def state_cotangents(q, k, w, do, chunk_gates, d_final, *, scale: float, interpret: bool = False):
+def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, interpret: bool = False):
   """The reverse sweep on padded operands: (G^T [B, H, N, Ep, K] in the input dtype, G_n^T = (dL/dS after chunk
   n)^T; dL/dS_0^T [B, H, Ep, K] float32; dU^T [B, H, Ep, Tp] in the input dtype).
 
-  q, k, w: [B, Tp, H, K] (W from `pallas_triton.prepare_by_tiles`); do: [B,
-  Tp, H, Ep]; bf16 or fp16, Tp a multiple of 64, K = 64 or 128, Ep a multiple
+  q, k: [B, Tp, H, K]; inverse: T' [B, H, Tp, 64] as for `state_sweep`; do:
+  [B, Tp, H, Ep]; bf16 or fp16, Tp a multiple of 64, K = 64 or 128, Ep a multiple
   of 64 (`WarpSpecializedConfig.padded_dims`). chunk_gates: (cumdecay [B, H,
   Tp] float32 or None, runs [B, Tp] int32 or None) as
   `chunk_common.token_chunk_gates` gives them for the forward sweep over 64-token
@@ -268,18 +293,20 @@ def state_cotangents(q, k, w, do, chunk_gates, d_final, *, scale: float, interpr
   ring = lambda width: smem((stages, c, width), dtype)  # noqa: E731
   factor_rows = vectors.shape[-2]
   scratch = (
-      (ring(dim_k), ring(dim_k), ring(dim_k), ring(be),
+      (ring(dim_k), ring(dim_k), ring(c), ring(be),
        plgpu.SMEM((stages, factor_rows, c), _F32), plgpu.SMEM((stages, factor_rows, c), _F32),
-       plgpu.SMEM((c, c), _F32), smem((_PUBLISHED_PAIRS, c, c), dtype),
+       plgpu.SMEM((c, c), _F32), smem((_PUBLISHED_PAIRS, c, c), dtype), smem((_PUBLISHED_PAIRS, c, dim_k), dtype),
        plgpu.RefUnion(smem((2, be, dim_k), dtype), plgpu.SMEM((be, dim_k), _F32)), smem((2, be, c), dtype))
-      + (() if in_registers else (smem((c, be), dtype),)),
+      + (() if in_registers else (smem((c, be), dtype), smem((c, c), dtype))),
       (plgpu.Barrier(num_barriers=stages),) * 4
       + (plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=1),
          plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS),
-         plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS))
+         plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS))
       + ((plgpu.Barrier(num_barriers=1),) if d_final is not None else ()),
   )
-  inputs = (intra, vectors, q, k, w, do) + (() if d_final is None else (d_final,))
+  if inverse.shape != (b, h, tp, c):
+    raise ValueError(f"inverse must be [B, H, Tp, {c}] = {(b, h, tp, c)}, got {inverse.shape}")
+  inputs = (intra, vectors, q, k, inverse, do) + (() if d_final is None else (d_final,))
   n = tp // c
   out_type = (manual_axes.struct((b, h, n, dim_v, dim_k), dtype, *inputs),
               manual_axes.struct((b, h, dim_v, tp), dtype, *inputs),

@@ -142,6 +142,13 @@ class DeltaConfig:
                        "decay [B, T, H, D] (KDA) needs split_backward=False or None")
     return not per_channel_gate if self.split_backward is None else self.split_backward
 
+  def warp_specializes_backward(self, *, per_channel_gate: bool) -> bool:
+    """Whether the backward's sweeps are the warp-specialised ones (`backward`): `warp_specialized` resolved
+    True (as the op resolves it), the split gradient kernel, and the sweeps' block_e at least the 64 value
+    columns those kernels' CTAs take."""
+    return (self.splits_backward(per_channel_gate=per_channel_gate) and bool(self.warp_specialized)
+            and self.block_e >= WarpSpecializedConfig.BLOCK_E)
+
 
 # float32 operands: what shrinks, by (padded D at least, budget at most), and the largest backward chunk there.
 # Triton's allocation of every kernel, forward and backward, on sm80 to sm120 (`benchmarks/shared_memory.py`,
@@ -759,15 +766,14 @@ def _chunk_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, stat
 
 def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref, states_ref, d_next_ref, u_ref,
                            du_ref, do_ref, dq_ref, dk_ref, dv_ref, d_beta_ref, dg_ref, *, scale, block_d, block_e,
-                           states_transposed, cotangents_transposed, exact):
+                           transposed, exact):
   """One chunk's input cotangents by whole [C, C] tiles (a scalar gate or none; `vjp` has the algebra).
 
   q_ref, k_ref: [C, Dp]; v_ref, u_ref, du_ref, do_ref: V, U (the sweep's),
   dU (`state_cotangents`') and dO [C, Ep]; t_ref: T [C, C] (`prepare`);
-  states_ref, d_next_ref: S_n and G_n [Dp, Ep]. `states_transposed`: S_n^T
-  [Ep, Dp] and U^T [Ep, C] instead, `cotangents_transposed`: G_n^T and dU^T
-  (the warp-specialised sweeps', which store them from the buffers they
-  publish them in). W enters only U = U_v - W S_n,
+  states_ref, d_next_ref: S_n and G_n [Dp, Ep]. `transposed`: S_n^T, G_n^T
+  [Ep, Dp] and U^T, dU^T [Ep, C] instead (the warp-specialised sweeps', which
+  store them from the buffers they publish them in). W enters only U = U_v - W S_n,
   so dW = -dU S_n^T, and with Z = T^T dU the pair products' cotangent
   dA = -(T^T dW) W^T - Z U_v^T is -Z U^T (U_v - W S_n = U): the value
   columns alone give dA, dP = dO U^T, dv = beta Z and dbeta's share
@@ -787,19 +793,18 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
   key_columns = lambda di: pl.ds(pl.multiple_of(di * block_d, block_d), block_d)  # noqa: E731
 
   # U's and dU's columns, [C, block_e] or (transposed) [block_e, C]; S_n's and G_n's tiles, [block_d, block_e] or
-  # [block_e, block_d]. ts, tc: whether S_n and U, G_n and dU are read transposed (the products take them so).
-  ts, tc = states_transposed, cotangents_transposed
-  value_columns_of = lambda ref, cols, t: ref[cols, :] if t else ref[:, cols]  # noqa: E731
-  state_tile = lambda ref, key_cols, cols, t: ref[cols, key_cols] if t else ref[key_cols, cols]  # noqa: E731
+  # [block_e, block_d] (the products take them so).
+  value_columns_of = lambda ref, cols: ref[cols, :] if transposed else ref[:, cols]  # noqa: E731
+  state_tile = lambda ref, key_cols, cols: ref[cols, key_cols] if transposed else ref[key_cols, cols]  # noqa: E731
 
   def values(ei, acc):
     d_p, d_a, d_beta = acc
     cols = value_columns(ei)
-    u = value_columns_of(u_ref, cols, ts)
-    z = dot(tri, value_columns_of(du_ref, cols, tc), trans_a=True, trans_b=tc)
+    u = value_columns_of(u_ref, cols)
+    z = dot(tri, value_columns_of(du_ref, cols), trans_a=True, trans_b=transposed)
     dv_ref[:, cols] = (beta * z).astype(dv_ref.dtype)
-    return (d_p + dot(do_ref[:, cols], u, trans_b=not ts), d_a - dot(z.astype(dtype), u, trans_b=not ts),
-            d_beta + jnp.sum(v_ref[:, cols].astype(_F32) * z, axis=1))
+    return (d_p + dot(do_ref[:, cols], u, trans_b=not transposed),
+            d_a - dot(z.astype(dtype), u, trans_b=not transposed), d_beta + jnp.sum(v_ref[:, cols].astype(_F32) * z, axis=1))
 
   d_p, d_a, d_beta = jax.lax.fori_loop(0, v_ref.shape[-1] // block_e, values, (zeros(c, c), zeros(c, c), zeros(c)))
   # A_ts = beta_t (k_t . k_s) f_ts (f: the pair factors, 0 where pairs do not interact), so dA's masked part counts.
@@ -820,14 +825,14 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
     def along_values(ei, acc):
       d_q_gated, d_k_end, d_w, d_state_decay = acc
       cols = value_columns(ei)
-      state, d_next = state_tile(states_ref, key_cols, cols, ts), state_tile(d_next_ref, key_cols, cols, tc)
+      state, d_next = state_tile(states_ref, key_cols, cols), state_tile(d_next_ref, key_cols, cols)
       if with_gate:  # da_n = sum G_n * S_n; by value columns: Triton's sm100 passes failed on a full reduction
-        d_next32 = d_next.astype(_F32)
-        d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * (d_next32.T if ts != tc else d_next32),
-                                                axis=1 if ts else 0, keepdims=True)
-      return (d_q_gated + dot(do_ref[:, cols], state, trans_b=not ts),
-              d_k_end + dot(value_columns_of(u_ref, cols, ts), d_next, trans_a=ts, trans_b=not tc),
-              d_w - dot(value_columns_of(du_ref, cols, tc), state, trans_a=tc, trans_b=not ts), d_state_decay)
+        d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * d_next.astype(_F32), axis=1 if transposed else 0,
+                                                keepdims=True)
+      by_values = dict(trans_a=transposed, trans_b=not transposed)  # U's, dU's columns times a state tile
+      return (d_q_gated + dot(do_ref[:, cols], state, trans_b=not transposed),
+              d_k_end + dot(value_columns_of(u_ref, cols), d_next, **by_values),
+              d_w - dot(value_columns_of(du_ref, cols), state, **by_values), d_state_decay)
 
     d_q_gated, d_k_end, d_w, d_state_decay = jax.lax.fori_loop(
         0, v_ref.shape[-1] // block_e, along_values, (zeros(c, block_d), zeros(c, block_d), zeros(c, block_d),
@@ -853,12 +858,12 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
 
   d_beta, dg, g_end, d_state_decay = jax.lax.fori_loop(0, dp // block_d, keys,
                                                         (d_beta, zeros(c), zeros(1, 1),
-                                                         zeros(block_e, 1) if ts else zeros(1, block_e)))
+                                                         zeros(block_e, 1) if transposed else zeros(1, block_e)))
   d_beta_ref[...] = d_beta
   if with_gate:  # g_C's share (through K_C and the state decay a_n) goes to the last row
     # The last row's e^{g_C}, 0 where a segment starts in the chunk: the state decay a_n.
     state_decay = jnp.sum(jnp.where(last_row, row_decay, 0.0), axis=0, keepdims=True)
-    g_end = g_end + state_decay * jnp.sum(d_state_decay, axis=0 if ts else 1, keepdims=True)
+    g_end = g_end + state_decay * jnp.sum(d_state_decay, axis=0 if transposed else 1, keepdims=True)
     dg_ref[...] = dg + jnp.sum(jnp.where(last_row, g_end, 0.0), axis=1)
 
 
@@ -986,21 +991,21 @@ def _by_tiles(k, v, beta, gates_: Gates, *, with_w, with_t, with_t_beta, name, c
   )(k, v, beta, gates_.g, gates_.runs)
 
 
-def inverse(k, beta, gates_: Gates, *, config: DeltaConfig, interpret):
+def inverse(k, beta, gates_: Gates, *, with_unscaled=False, config: DeltaConfig, interpret):
   """Each chunk's T' = T Diag(beta) [B, H, Tp, C] in the input dtype (`_tiles_kernel`), from padded k [B, Tp, H,
-  Dp] and beta [B, H, Tp], with T what `prepare(..., with_inverse=True)` writes, for a scalar gate or none."""
-  return _by_tiles(k, None, beta, gates_, with_w=False, with_t=False, with_t_beta=True,
-                   name="delta_attention_inverse", config=config, interpret=interpret)[3]
+  Dp] and beta [B, H, Tp], with T what `prepare(..., with_inverse=True)` writes, for a scalar gate or none.
+  with_unscaled: (T, T'), as the warp-specialised backward takes them."""
+  _, _, tri, tri_beta = _by_tiles(k, None, beta, gates_, with_w=False, with_t=with_unscaled, with_t_beta=True,
+                                  name="delta_attention_inverse", config=config, interpret=interpret)
+  return (tri, tri_beta) if with_unscaled else tri_beta
 
 
 def prepare_by_tiles(k, v, beta, gates_: Gates, *, config: DeltaConfig, interpret):
   """`prepare(..., with_inverse=True)`'s (W, U_v, T) by whole [C, C] tiles (`_tiles_kernel`), for a scalar gate or
-  none: the split backward's, where D and E <= 128 (its [C, D] tiles stay whole; larger dims take `prepare`).
-  Without v: (W, T, T'), for the warp-specialised state sweep (which forms U from T') and the gradient kernel.
-  k: [B, Tp, H, Dp]; v: [B, Tp, H, Ep] or None; beta: [B, H, Tp]."""
-  w, u, tri, tri_beta = _by_tiles(k, v, beta, gates_, with_w=True, with_t=True, with_t_beta=v is None,
-                                  name="delta_attention_prepare_by_tiles", config=config, interpret=interpret)
-  return (w, u, tri) if v is not None else (w, tri, tri_beta)
+  none: the split backward's on the Triton sweeps, where D and E <= 128 (its [C, D] tiles stay whole; larger dims
+  take `prepare`). k: [B, Tp, H, Dp]; v: [B, Tp, H, Ep]; beta: [B, H, Tp]."""
+  return _by_tiles(k, v, beta, gates_, with_w=True, with_t=True, with_t_beta=False,
+                   name="delta_attention_prepare_by_tiles", config=config, interpret=interpret)[:3]
 
 
 def _state_specs(b, h, n, dp, be):
@@ -1099,16 +1104,15 @@ def chunk_gradients(q, k, v, beta, gates_: Gates, states, d_next, do, *, scale, 
 
 
 def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do, *, scale, config: DeltaConfig,
-                   interpret, states_transposed=False, cotangents_transposed=False):
+                   interpret, transposed=False):
   """`_tile_gradients_kernel` over the grid (B, H, N) on padded operands: (dq, dk [B, Tp, H, Dp], dv [B, Tp, H,
   Ep] in the input dtype, dbeta [B, H, Tp] float32, dg [B, H, Tp] float32 (every share) or None).
 
   tri: T [B, H, Tp, C] (`prepare`); states, d_next: S_n (`sweep`) and G_n
   (`state_cotangents`) [B, H, N Dp, Ep]; u, du: U (`sweep`) and dU
   (`state_cotangents`) [B, Tp, H, Ep]; do: [B, Tp, H, Ep].
-  `states_transposed`: S_n^T [B, H, N, Ep, Dp] and U^T [B, H, Ep, Tp] as
-  `pallas_mosaic_gpu.state_sweep` writes them; `cotangents_transposed`: G_n^T
-  and dU^T likewise (`pallas_mosaic_gpu.state_cotangents`).
+  `transposed`: S_n^T, G_n^T [B, H, N, Ep, Dp] and U^T, dU^T [B, H, Ep, Tp]
+  as `pallas_mosaic_gpu.state_sweep` and `state_cotangents` write them.
   """
   b, tp, h, dp = q.shape
   ep = v.shape[-1]
@@ -1116,18 +1120,16 @@ def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do,
   struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, v)  # noqa: E731
   keys, values = _chunk_rows_spec(c, dp), _chunk_rows_spec(c, ep)
   # (a chunk's state, its value rows) as stored untransposed or transposed
-  layouts = ((pl.BlockSpec((None, None, dp, ep), lambda bi, hi, ni: (bi, hi, ni, 0)), values),
-             (pl.BlockSpec((None, None, None, ep, dp), lambda bi, hi, ni: (bi, hi, ni, 0, 0)),
-              pl.BlockSpec((None, None, ep, c), lambda bi, hi, ni: (bi, hi, 0, ni))))
-  (state_spec, u_spec), (d_next_spec, du_spec) = layouts[states_transposed], layouts[cotangents_transposed]
+  state_spec, u_spec = ((pl.BlockSpec((None, None, None, ep, dp), lambda bi, hi, ni: (bi, hi, ni, 0, 0)),
+                         pl.BlockSpec((None, None, ep, c), lambda bi, hi, ni: (bi, hi, 0, ni))) if transposed
+                        else (pl.BlockSpec((None, None, dp, ep), lambda bi, hi, ni: (bi, hi, ni, 0)), values))
   g_spec, runs_spec = _gate_specs(gates_, c, dp, per_chunk=True)
   return pl.pallas_call(
       functools.partial(_tile_gradients_kernel, scale=scale, block_d=min(config.block_d, dp),
-                        block_e=min(config.block_d, ep), states_transposed=states_transposed,
-                        cotangents_transposed=cotangents_transposed, exact=q.dtype == _F32),
+                        block_e=min(config.block_d, ep), transposed=transposed, exact=q.dtype == _F32),
       grid=(b, h, tp // c),
-      in_specs=[keys, keys, values, _head_rows(c), g_spec, runs_spec, _head_rows(c, c), state_spec, d_next_spec,
-                u_spec, du_spec, values],
+      in_specs=[keys, keys, values, _head_rows(c), g_spec, runs_spec, _head_rows(c, c), state_spec, state_spec,
+                u_spec, u_spec, values],
       out_specs=[keys, keys, values, _head_rows(c), g_spec],
       out_shape=[struct((b, tp, h, dp), q.dtype), struct((b, tp, h, dp), q.dtype), struct((b, tp, h, ep), q.dtype),
                  struct((b, h, tp), _F32), None if gates_.g is None else struct((b, h, tp), _F32)],
@@ -1172,27 +1174,26 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
 
 
 def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale, config: DeltaConfig,
-             interpret):
+             interpret, inverses=None):
   """The cotangents (dq, dk, dv, dbeta, d decay or None, d initial_state or None) of `forward`'s inputs.
 
   do: [B, T, H, E] the output cotangent; d_final: [B, H, D, E] or None.
-  With `config.warp_specialized` (resolved: the forward's sweep is the
-  warp-specialised one) the split backward's reverse sweep is too
-  (`pallas_mosaic_gpu.state_cotangents`, at its padded dims) where the
-  Triton sweeps take 64 value columns: its CTAs take 64 each, so where
-  `default_config` gives the Triton sweeps fewer to fill the GPU, it would
-  leave SMs idle (an H200, B1 H32 T64K D128, bf16, in-process: DeltaNet's
-  fwd+bwd 10.25 ms with it against 9.56 with the Triton sweep at 32 columns;
-  Gated DeltaNet's 12.24 against 12.75). There, at padded D = 128, the
-  state sweep is too (`pallas_mosaic_gpu.state_sweep`, forming U from T' as
-  the forward does: the prepare writes W, T and T', no U_v): on an H200
-  (B2 H32 T8K D128, bf16, in-process) fwd+bwd 1.92 -> 1.85 ms (DeltaNet) and
-  2.39 -> 2.09 (Gated DeltaNet); at D64 (B4 H32) 1.82 -> 1.87 and level, so
-  D64 keeps the Triton state sweep.
+  Where `config.warp_specializes_backward` (the forward's sweep is the
+  warp-specialised one, and the Triton sweeps would take 64 value columns:
+  the warp-specialised CTAs take 64 each, so where `default_config` gives the
+  Triton sweeps fewer to fill the GPU, they would leave SMs idle; an H200, B1
+  H32 T64K D128, bf16, in-process: DeltaNet's fwd+bwd 10.25 ms with them
+  against 9.56 with the Triton sweeps at 32 columns), both sweeps are
+  warp-specialised (`pallas_mosaic_gpu`) and no prepare runs: the state sweep
+  forms U from T' as the forward does, the reverse sweep forms W from T', and
+  the gradient kernel reads T. inverses: then (T, T') [B, H, Tp, 64], padded
+  as the forward's (`warp_specialized.forward(..., with_inverses=True)`, its
+  residuals); None: the `inverse` kernel forms them here.
   """
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
-  split = config.splits_backward(per_channel_gate=decay is not None and decay.ndim == 4)
-  warp_specialized = split and bool(config.warp_specialized) and config.block_e >= WarpSpecializedConfig.BLOCK_E
+  per_channel_gate = decay is not None and decay.ndim == 4
+  split = config.splits_backward(per_channel_gate=per_channel_gate)
+  warp_specialized = config.warp_specializes_backward(per_channel_gate=per_channel_gate)
   config = dataclasses.replace(config, chunk_size=config.backward_chunk_size, prepare_warps=None)
   c = config.chunk_size
   if warp_specialized and c != WarpSpecializedConfig.CHUNK_SIZE:
@@ -1206,39 +1207,33 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   initial_state = chunk_common.pad_state(initial_state, dp, ep)
   dop = chunk_common.pad_tokens_and_features(do.astype(q.dtype), num_tokens=qp.shape[1], dim=ep)
   d_final = chunk_common.pad_state(d_final, dp, ep)
-  warp_specialized_states = warp_specialized and dp == 128  # measured (above): D64 keeps the Triton state sweep
-  transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
-  chunk_gates = None
-  if warp_specialized:  # the warp-specialised sweeps' gates, in the forward's form
+  if warp_specialized:  # S_n^T and U^T, G_n^T and dU^T from the warp-specialised sweeps
+    transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
     cumdecay = runs = None
-    if decay is not None or segment_starts is not None:
+    if decay is not None or segment_starts is not None:  # their gates, in the forward's form
       cumdecay, runs = chunk_common.token_chunk_gates(decay, segment_starts, chunk_size=c, num_tokens=qp.shape[1],
                                                       reverse=False)
     chunk_gates = (cumdecay, None if segment_starts is None else runs)
-  # S_n and U (transposed where warp-specialised), with W, T and (Triton's sweep) P.
-  if warp_specialized_states:
-    (w, tri, tri_beta), p = prepare_by_tiles(kp, None, beta_rows, gates_, config=config, interpret=interpret), None
+    tri, tri_beta = inverses or inverse(kp, beta_rows, gates_, with_unscaled=True, config=config,
+                                        interpret=interpret)
     states, values = pallas_mosaic_gpu.state_sweep(kp, vp, tri_beta, chunk_gates, transpose(initial_state),
                                                    interpret=interpret)
-  else:
+    d_next, d_initial, d_values = pallas_mosaic_gpu.state_cotangents(qp, kp, tri_beta, dop, chunk_gates,
+                                                                     transpose(d_final), scale=scale,
+                                                                     interpret=interpret)
+    d_initial = transpose(d_initial)
+  else:  # S_n and U, G_n and dU from the Triton sweeps, on prepare's W and U_v (and P, T)
     if split and max(dp, ep) <= 128:  # by whole tiles (`prepare_by_tiles`)
       (w, u, tri), p = prepare_by_tiles(kp, vp, beta_rows, gates_, config=config, interpret=interpret), None
     else:
       w, u, p, tri = prepare(qp, kp, vp, beta_rows, gates_, with_inverse=split, **kernels)
     _, _, states, values = sweep(qp, kp, w, u, p, gates_, initial_state, with_outputs=False, with_final_state=False,
                                  with_states=True, with_values=split, **kernels)
-  # G_n and dU (transposed where warp-specialised).
-  if warp_specialized:
-    d_next, d_initial, d_values = pallas_mosaic_gpu.state_cotangents(qp, kp, w, dop, chunk_gates, transpose(d_final),
-                                                                     scale=scale, interpret=interpret)
-    d_initial = transpose(d_initial)
-  else:
     d_next, d_initial, d_values = state_cotangents(qp, kp, w, p, gates_, dop, d_final, with_value_cotangents=split,
                                                    **kernels)
   if split:
     dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, gates_, tri, states, d_next, values, d_values,
-                                            dop, states_transposed=warp_specialized_states,
-                                            cotangents_transposed=warp_specialized, **kernels)
+                                            dop, transposed=warp_specialized, **kernels)
   else:
     dq, dk, dv, d_beta, dg = chunk_gradients(qp, kp, vp, beta_rows, gates_, states, d_next, dop, **kernels)
   d_decay = None

@@ -1,9 +1,12 @@
 """`jax.custom_vjp` of the Pallas path: the Triton forward, and a Triton backward that recomputes (on sm90 the
 forward's sweep and the backward's reverse sweep are warp-specialised Mosaic GPU kernels).
 
-Residuals are the inputs: nothing of size O(T D E) is kept. The backward
-(`pallas_triton.backward`) runs the prepare kernel and the state sweep again,
-the sweep writing S_n, the state before chunk n. Per chunk (`chunk`'s
+Residuals are the inputs, and where the backward's sweeps are
+warp-specialised each chunk's inverses T and T' = T Diag(beta) [B, H, Tp, 64]
+that the forward formed (O(T C): nothing of size O(T D E) is kept). The
+backward (`pallas_triton.backward`) runs the state sweep again (after the
+prepare kernel, on the Triton sweeps), the sweep writing S_n, the state before
+chunk n. Per chunk (`chunk`'s
 notation; Y = [W, U_v] = T X, X = [beta K_g, beta V], T = (I + A)^{-1}):
 
     U = U_v - W S_n,   O = Q_g S_n + P U,   S_{n+1} = Diag(a_n) S_n + K_C^T U.
@@ -43,6 +46,7 @@ from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.delta_attention import warp_specialized
 from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import auto_sharding
+from lightning_jax.ops.lightning_attention.auto_sharding import CHUNK_TILES
 from lightning_jax.ops.lightning_attention.auto_sharding import ROWS_D
 from lightning_jax.ops.lightning_attention.auto_sharding import ROWS_E
 from lightning_jax.ops.lightning_attention.auto_sharding import STARTS
@@ -66,19 +70,24 @@ def _labelled(q, k, v, beta, decay, segment_starts, initial_state):
           (initial_state, STATE))
 
 
-def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts):
+def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=False):
   """The forward kernels on each device's block of B and H (see `auto_sharding`): the prepare kernel, then the
-  warp-specialised sweep where `DeltaConfig.warp_specialized` (resolved by the op) says so, else the Triton one."""
-  forward = warp_specialized.forward if opts.config.warp_specialized else pallas_triton.forward
+  warp-specialised sweep where `DeltaConfig.warp_specialized` (resolved by the op) says so, else the Triton one.
+  Returns (o, final state or None), and with_inverses (the warp-specialised forward's) ((o, final state or None),
+  each chunk's (T, T'))."""
+  forward = (functools.partial(warp_specialized.forward, with_inverses=with_inverses) if opts.config.warp_specialized
+             else pallas_triton.forward)
 
   def local(*args):
-    o, final_state = forward(*args, scale=opts.scale, with_final_state=opts.with_final_state, config=opts.config,
-                             interpret=opts.interpret)
-    return (o, final_state) if opts.with_final_state else (o,)
+    results = forward(*args, scale=opts.scale, with_final_state=opts.with_final_state, config=opts.config,
+                      interpret=opts.interpret)
+    return results[:1] + (results[1:2] if opts.with_final_state else ()) + (results[2] if with_inverses else ())
 
   out = auto_sharding.blockwise(local, _labelled(q, k, v, beta, decay, segment_starts, initial_state),
-                                (ROWS_E, STATE) if opts.with_final_state else (ROWS_E,))
-  return out if opts.with_final_state else (out[0], None)
+                                (ROWS_E,) + ((STATE,) if opts.with_final_state else ())
+                                + ((CHUNK_TILES, CHUNK_TILES) if with_inverses else ()))
+  primal = (out[0], out[1] if opts.with_final_state else None)
+  return (primal, tuple(out[-2:])) if with_inverses else primal
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -88,22 +97,28 @@ def delta_attention_pallas(q, k, v, beta, decay, segment_starts, initial_state, 
 
 
 def _forward(q, k, v, beta, decay, segment_starts, initial_state, opts):
-  out = _primal(q, k, v, beta, decay, segment_starts, initial_state, opts)
-  return out, (q, k, v, beta, decay, segment_starts, initial_state)
+  # The warp-specialised backward takes the forward's inverses (`pallas_triton.backward`).
+  with_inverses = opts.config.warp_specializes_backward(per_channel_gate=decay is not None and decay.ndim == 4)
+  out = _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=with_inverses)
+  out, inverses = out if with_inverses else (out, (None, None))
+  return out, (q, k, v, beta, decay, segment_starts, initial_state, *inverses)
 
 
 def _backward(opts, residuals, cotangents):
-  q, k, v, beta, decay, segment_starts, initial_state = residuals
+  q, k, v, beta, decay, segment_starts, initial_state, tri, tri_beta = residuals
   do, d_final = cotangents
   operands = _labelled(q, k, v, beta, decay, segment_starts, initial_state)
   # The cotangents `pallas_triton.backward` returns: of q, k, v, beta, and of decay and initial_state if given.
   returned = [label for x, label in operands[:5] + operands[6:] if x is not None]
 
   def local(*args):
-    grads = pallas_triton.backward(*args, scale=opts.scale, config=opts.config, interpret=opts.interpret)
+    *args, tri, tri_beta = args
+    grads = pallas_triton.backward(*args, scale=opts.scale, config=opts.config, interpret=opts.interpret,
+                                   inverses=None if tri is None else (tri, tri_beta))
     return tuple(g for g in grads if g is not None)
 
-  grads = iter(auto_sharding.blockwise(local, (*operands, (do, ROWS_E), (d_final, STATE)), returned))
+  grads = iter(auto_sharding.blockwise(local, (*operands, (do, ROWS_E), (d_final, STATE), (tri, CHUNK_TILES),
+                                               (tri_beta, CHUNK_TILES)), returned))
   dq, dk, dv, d_beta = (next(grads) for _ in range(4))
   d_decay = None if decay is None else next(grads)
   d_initial = None if initial_state is None else next(grads)

@@ -8,8 +8,9 @@ state warpgroup computes each chunk's U = T' (V - K_g S) and
 S <- a S + K_C^T U, and the output warpgroup O = scale (Q_g S_n + P U) from
 the U it publishes. So W and U_v never cross HBM, and the output products
 leave the serial chain, which the Triton sweep's one instruction stream
-cannot do. The backward recomputes on the Triton kernels, but for its reverse
-sweep, on its own warp-specialised kernel (`pallas_mosaic_gpu`).
+cannot do. The backward's sweeps are warp-specialised too
+(`pallas_mosaic_gpu`): they take the inverses this forward formed, T and T'
+(`forward(..., with_inverses=True)`, the op's residuals), and recompute the rest.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def unsupported(*, dim_k: int, dim_v: int, dtype, per_channel_gate: bool, comput
 
 
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state,
-            config: pallas_triton.DeltaConfig, interpret):
-  """`pallas_triton.forward`'s contract (same arguments and results) on the warp-specialised sweep.
+            config: pallas_triton.DeltaConfig, interpret, with_inverses=False):
+  """`pallas_triton.forward`'s contract (same arguments and results) on the warp-specialised sweep; with_inverses:
+  also each chunk's (T, T'), [B, H, Tp, 64] in the input dtype (`pallas_triton.inverse(..., with_unscaled=True)`),
+  which `pallas_triton.backward` takes.
 
   q, k: [B, T, H, D]; v: [B, T, H, E] bf16 or fp16; beta: [B, T, H]
   float32; decay: None or [B, T, H] float32 rates; segment_starts: [B, T]
@@ -61,8 +64,9 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   qp, kp = pad(q, dp), pad(k, dp)
   g = pallas_triton.gate_logs(decay, seq_len=tp, dim_k=dp, chunk_size=CHUNK_SIZE)
   gates_ = pallas_triton.gates(g, segment_starts, batch=b, heads=h, seq_len=tp, dim_k=dp, chunk_size=CHUNK_SIZE)
-  inverse = pallas_triton.inverse(kp, beta_rows, gates_, config=dataclasses.replace(config, chunk_size=CHUNK_SIZE),
-                                 interpret=interpret)
+  inverses = pallas_triton.inverse(kp, beta_rows, gates_, with_unscaled=with_inverses,
+                                   config=dataclasses.replace(config, chunk_size=CHUNK_SIZE), interpret=interpret)
+  inverse = inverses[1] if with_inverses else inverses
   # The sweep's own gates, in its per-chunk factors' form.
   cumdecay = runs = None
   if decay is not None or segment_starts is not None:
@@ -79,4 +83,6 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   o, final_state = result if with_final_state else (result, None)
   if final_state is not None:
     final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :d, :e]
+  if with_inverses:
+    return o[:, :t, :, :e], final_state, inverses
   return o[:, :t, :, :e], final_state

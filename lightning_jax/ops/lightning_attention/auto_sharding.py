@@ -43,8 +43,9 @@ from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import vjp
 from lightning_jax.ops.lightning_attention.config import PallasOptions
 
-# Labels of the dimensions of each array (Shardy factors): B, T, H, D, E.
-ROWS_D, ROWS_E, TOKENS, STATE, STARTS = "bthd", "bthe", "bth", "bhde", "bt"
+# Labels of the dimensions of each array (Shardy factors): B, T, H, D, E; and the delta rule's per-chunk [C, C]
+# tiles [B, H, Tp, C] (p: T padded to whole chunks, c: a chunk's tokens).
+ROWS_D, ROWS_E, TOKENS, STATE, STARTS, CHUNK_TILES = "bthd", "bthe", "bth", "bhde", "bt", "bhpc"
 _SPLIT = ("b", "h")  # the factors kept split; the others are gathered if they were split
 
 
@@ -54,11 +55,14 @@ def _body(fn, labels, *arrays):
 
 
 def _rule(fn, labels, mesh, operand_types, result_types):
-  """The Shardy rule, say "b t h d, b t h d, b t h e, b h -> b t h e": B, H batch; T, D, E never split."""
+  """The Shardy rule, say "b t h d, b t h d, b t h e, b h -> b t h e": B, H batch; T, D, E (every other factor)
+  never split."""
   del fn, mesh, operand_types, result_types
   ins, outs = labels
   join = lambda group: ", ".join(" ".join(label) for label in group)  # noqa: E731
-  return f"{join(ins)} -> {join(outs)}", dict(need_replication_factors=("t", "d", "e"))
+  # (in the order the rule's factors are numbered: their first appearance)
+  replicated = [f for f in dict.fromkeys("".join(ins + outs)) if f not in _SPLIT]
+  return f"{join(ins)} -> {join(outs)}", dict(need_replication_factors=tuple(replicated))
 
 
 def _partition(fn, labels, mesh, arg_shapes, result_shape):
