@@ -28,11 +28,11 @@ tiles: prepare also writes T (where D and E <= 128 `prepare_by_tiles` forms
 W, U_v and T by whole tiles), the sweeps also write U and dU, and
 `tile_gradients` (grid (B, H, N)) takes dA from the value columns alone
 (-(T^T dU) U^T), then walks the key columns for the products with S_n and
-G_n. On sm90 (where the forward's sweep is warp-specialised) the reverse
-sweep is too (`pallas_mosaic_gpu.state_cotangents`), writing G_n and dU
-transposed, as `tile_gradients(cotangents_transposed=True)` reads them, and
-at D = 128 the state sweep (`pallas_mosaic_gpu.state_sweep`: S_n and U
-transposed, `states_transposed=True`); `backward` says where.
+G_n. On sm90 (where the forward's sweep is warp-specialised) both sweeps
+are too (`pallas_mosaic_gpu.state_sweep` and `state_cotangents`, writing S_n,
+U, G_n and dU transposed, as `tile_gradients(transposed=True)` reads them)
+and no prepare runs: they and the gradient kernel take the T and T' of the
+forward's `inverse` kernel; `backward` says where.
 
 The gates arrive as chunk-local cumulative log decays g (`chunk.chunk_gates`):
 [B, H, T] for a scalar per token, [B, H, T, D] per key channel (KDA), with
@@ -102,7 +102,7 @@ class DeltaConfig:
       decay per token or none), which takes each 64-token chunk's inverse
       (times beta) from the `inverse` kernel instead of W and U_v from prepare,
       and where block_e >= 64 the backward's sweeps on warp-specialised
-      kernels too (`pallas_mosaic_gpu`; `backward` says which). None:
+      kernels too, with no prepare (`pallas_mosaic_gpu`; `backward`). None:
       wherever it runs compiled; True: required (ValueError where it cannot
       run); False: the Triton sweeps.
   """
