@@ -770,7 +770,8 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
   """One chunk's input cotangents by whole [C, C] tiles (a scalar gate or none; `vjp` has the algebra).
 
   q_ref, k_ref: [C, Dp]; v_ref, u_ref, du_ref, do_ref: V, U (the sweep's),
-  dU (`state_cotangents`') and dO [C, Ep]; t_ref: T [C, C] (`prepare`);
+  dU (`state_cotangents`') and dO [C, Ep]; t_ref: T [C, C] (`prepare`, or
+  `inverse` where the sweeps are warp-specialised);
   states_ref, d_next_ref: S_n and G_n [Dp, Ep]. `transposed`: S_n^T, G_n^T
   [Ep, Dp] and U^T, dU^T [Ep, C] instead (the warp-specialised sweeps', which
   store them from the buffers they publish them in). W enters only U = U_v - W S_n,
@@ -804,7 +805,8 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
     z = dot(tri, value_columns_of(du_ref, cols), trans_a=True, trans_b=transposed)
     dv_ref[:, cols] = (beta * z).astype(dv_ref.dtype)
     return (d_p + dot(do_ref[:, cols], u, trans_b=not transposed),
-            d_a - dot(z.astype(dtype), u, trans_b=not transposed), d_beta + jnp.sum(v_ref[:, cols].astype(_F32) * z, axis=1))
+            d_a - dot(z.astype(dtype), u, trans_b=not transposed),
+            d_beta + jnp.sum(v_ref[:, cols].astype(_F32) * z, axis=1))
 
   d_p, d_a, d_beta = jax.lax.fori_loop(0, v_ref.shape[-1] // block_e, values, (zeros(c, c), zeros(c, c), zeros(c)))
   # A_ts = beta_t (k_t . k_s) f_ts (f: the pair factors, 0 where pairs do not interact), so dA's masked part counts.
@@ -1108,7 +1110,7 @@ def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do,
   """`_tile_gradients_kernel` over the grid (B, H, N) on padded operands: (dq, dk [B, Tp, H, Dp], dv [B, Tp, H,
   Ep] in the input dtype, dbeta [B, H, Tp] float32, dg [B, H, Tp] float32 (every share) or None).
 
-  tri: T [B, H, Tp, C] (`prepare`); states, d_next: S_n (`sweep`) and G_n
+  tri: T [B, H, Tp, C] (`prepare`, or `inverse(..., with_unscaled=True)`); states, d_next: S_n (`sweep`) and G_n
   (`state_cotangents`) [B, H, N Dp, Ep]; u, du: U (`sweep`) and dU
   (`state_cotangents`) [B, Tp, H, Ep]; do: [B, Tp, H, Ep].
   `transposed`: S_n^T, G_n^T [B, H, N, Ep, Dp] and U^T, dU^T [B, H, Ep, Tp]
