@@ -1,5 +1,5 @@
 """`jax.custom_vjp` of the Pallas path: the Triton forward, and a Triton backward that recomputes (on sm90 the
-forward's sweep and the backward's reverse sweep are warp-specialised Mosaic GPU kernels).
+forward's sweep and both of the backward's sweeps are warp-specialised Mosaic GPU kernels).
 
 Residuals are the inputs, and where the backward's sweeps are
 warp-specialised each chunk's inverses T and T' = T Diag(beta) [B, H, Tp, 64]
@@ -71,8 +71,8 @@ def _labelled(q, k, v, beta, decay, segment_starts, initial_state):
 
 
 def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=False):
-  """The forward kernels on each device's block of B and H (see `auto_sharding`): the prepare kernel, then the
-  warp-specialised sweep where `DeltaConfig.warp_specialized` (resolved by the op) says so, else the Triton one.
+  """The forward kernels on each device's block of B and H (see `auto_sharding`): the prepare (or inverse) kernel,
+  then the warp-specialised sweep where `DeltaConfig.warp_specialized` (resolved by the op) says so, else the Triton one.
   Returns (o, final state or None), and with_inverses (the warp-specialised forward's) ((o, final state or None),
   each chunk's (T, T'))."""
   forward = (functools.partial(warp_specialized.forward, with_inverses=with_inverses) if opts.config.warp_specialized
