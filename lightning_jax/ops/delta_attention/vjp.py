@@ -73,8 +73,8 @@ def _labelled(q, k, v, beta, decay, segment_starts, initial_state):
 def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=False):
   """The forward kernels on each device's block of B and H (see `auto_sharding`): the prepare (or inverse) kernel,
   then the warp-specialised sweep where `DeltaConfig.warp_specialized` (resolved by the op) says so, else the
-  Triton one. Returns (o, final state or None), and with_inverses (the warp-specialised forward's) ((o, final state or None),
-  each chunk's (T, T'))."""
+  Triton one. Returns (o, final state or None), and with_inverses (the warp-specialised forward's) ((o, final
+  state or None), each chunk's (T, T'))."""
   forward = (functools.partial(warp_specialized.forward, with_inverses=with_inverses) if opts.config.warp_specialized
              else pallas_triton.forward)
 
