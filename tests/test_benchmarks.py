@@ -570,6 +570,7 @@ def test_kernel_profile_splits_ncu_csv_by_case(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "== 1x64x2x16:head: 405.6 us in 2 kernels" in out and "(1 kernels under 3.0 us)" in out
   assert kernel_profile.parse_case("2x8192x32x128:token:8") == ((2, 8192, 32, 128), "token", 8)
+  assert kernel_profile.parse_case("2x8192x32x128:kda") == ((2, 8192, 32, 128), "kda", 1)
   for bad in ("1x64x2:head", "1x64x2x16:alibi", "1x64x2x16"):
     with pytest.raises(ValueError, match="BxTxHxD:decay"):
       kernel_profile.parse_case(bad)
@@ -577,11 +578,12 @@ def test_kernel_profile_splits_ncu_csv_by_case(tmp_path, capsys):
 
 @pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time
 def test_kernel_profile_runs_its_cases_without_a_profiler(capsys):
-  """`benchmarks.kernel_profile --no-profiler` on a tiny packed per-token case (interpret mode)."""
+  """`benchmarks.kernel_profile --no-profiler` on tiny packed cases of the lightning op (per-token rates) and the
+  delta op (Gated DeltaNet), interpret mode."""
   from benchmarks import kernel_profile  # noqa: PLC0415
 
-  kernel_profile.main(["--cases", "1x48x1x8:token:2", "--no-profiler"])
-  assert capsys.readouterr().out.strip() == "profiled 1x48x1x8:token:2"
+  kernel_profile.main(["--cases", "1x48x1x8:token:2,1x40x2x8:gated_deltanet:2", "--no-profiler"])
+  assert capsys.readouterr().out.split() == ["profiled", "1x48x1x8:token:2", "profiled", "1x40x2x8:gated_deltanet:2"]
 
 
 @pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time
