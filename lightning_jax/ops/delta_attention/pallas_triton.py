@@ -1211,11 +1211,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   d_final = chunk_common.pad_state(d_final, dp, ep)
   if warp_specialized:  # S_n^T and U^T, G_n^T and dU^T from the warp-specialised sweeps
     transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
-    cumdecay = runs = None
-    if decay is not None or segment_starts is not None:  # their gates, in the forward's form
-      cumdecay, runs = chunk_common.token_chunk_gates(decay, segment_starts, chunk_size=c, num_tokens=qp.shape[1],
-                                                      reverse=False)
-    chunk_gates = (cumdecay, None if segment_starts is None else runs)
+    chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=qp.shape[1])
     tri, tri_beta = inverses or inverse(kp, beta_rows, gates_, with_unscaled=True, config=config,
                                         interpret=interpret)
     states, values = pallas_mosaic_gpu.state_sweep(kp, vp, tri_beta, chunk_gates, transpose(initial_state),

@@ -19,6 +19,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from lightning_jax.ops.delta_attention import pallas_mosaic_gpu as delta_mosaic
 from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import heuristics
@@ -68,16 +69,12 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
                                    config=dataclasses.replace(config, chunk_size=CHUNK_SIZE), interpret=interpret)
   inverse = inverses[1] if with_inverses else inverses
   # The sweep's own gates, in its per-chunk factors' form.
-  cumdecay = runs = None
-  if decay is not None or segment_starts is not None:
-    cumdecay, runs = chunk_common.token_chunk_gates(decay, segment_starts, chunk_size=CHUNK_SIZE, num_tokens=tp,
-                                                    reverse=False)
-    runs = None if segment_starts is None else runs
+  chunk_gates = delta_mosaic.sweep_gates(decay, segment_starts, num_tokens=tp)
   if initial_state is not None:  # the kernel carries S^T [E, D], one slice
     initial_state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True)
   result = pallas_mosaic_gpu.forward_padded(
-      qp, kp, pad(v, ep), None, initial_state, chunk_gates=(cumdecay, runs),
+      qp, kp, pad(v, ep), None, initial_state, chunk_gates=chunk_gates,
       delta_inverse=inverse, scale=scale, seq_len=t,
       return_final_state=with_final_state, num_stages=cfg.num_stages, interpret=interpret)
   o, final_state = result if with_final_state else (result, None)
