@@ -131,7 +131,9 @@ def test_warp_specialized_extreme_token_rates_in_a_split_sequence(mode):
   decay = decay.at[:, 7].set(1e4).at[:, 8].set(1e-7)
   segment_ids = jnp.asarray(np.cumsum(rng.random((b, t)) < 0.02, axis=1), jnp.int32)
   s0 = jnp.asarray(rng.normal(size=(b, h, d, e)), F32)
-  config = lj.LightningConfig(slice_size=64, warp_specialized=lj.WarpSpecializedConfig(num_stages=2))
+  # Two published states (the delta rule's choice at D = 128) with a ring of 2: the chain's buffers wrap every chunk.
+  config = lj.LightningConfig(slice_size=64,
+                              warp_specialized=lj.WarpSpecializedConfig(num_stages=2, published_states=2))
   call = lambda **kw: lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True,  # noqa: E731
                                              segment_ids=segment_ids, **kw)
   o, final = call(impl="pallas", variant="warp_specialized", config=config, interpret=mode == "interpret")
@@ -162,7 +164,7 @@ def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states):
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2)
   fn = jax.jit(lambda q, k, v, decay, s0, chunk_gates, runs: pallas_mosaic_gpu.forward_padded(
       q, k, v, decay, s0, chunk_gates=chunk_gates, chunk_runs=runs, scale=0.125, seq_len=150,
-      return_final_state=with_states, num_stages=cfg.num_stages))
+      return_final_state=with_states, cfg=cfg))
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, decay, s0, chunk_gates, runs)
   assert "lightning_warp_specialized" in exported.mlir_module()
 
@@ -191,12 +193,18 @@ def test_warp_specialized_rejects_what_it_cannot_run():
 def test_warp_specialized_config_is_validated_and_budgeted():
   with pytest.raises(ValueError, match="num_stages must be an int >= 1"):
     lj.WarpSpecializedConfig(num_stages=0)
-  # The shared-memory estimate: 3 stages fit sm90 at D = 128 in 16-bit, 4 do not.
-  assert heuristics.resolve_warp_specialized(None, dim_k=128, itemsize=2).num_stages == 3
-  assert heuristics.resolve_warp_specialized(None, dim_k=64, itemsize=2).num_stages == 4
+  for published in (1, 4, True):
+    with pytest.raises(ValueError, match="published_states must be 2 or 3"):
+      lj.WarpSpecializedConfig(num_stages=2, published_states=published)
+  # The shared-memory estimate: 3 stages and 3 published states fit sm90 at D = 128 in 16-bit, 4 stages do not
+  # (with 2 published states they would, but the preference keeps the third state before a fourth stage).
+  assert heuristics.resolve_warp_specialized(None, dim_k=128, itemsize=2) == lj.WarpSpecializedConfig(num_stages=3)
+  assert heuristics.resolve_warp_specialized(None, dim_k=64, itemsize=2) == lj.WarpSpecializedConfig(num_stages=4)
   deep = lj.LightningConfig(warp_specialized=lj.WarpSpecializedConfig(num_stages=4))
   with pytest.raises(ValueError, match="config.warp_specialized=.* over the 232448-byte per-block budget"):
     heuristics.resolve_warp_specialized(deep, dim_k=128, itemsize=2)
+  fewer_states = lj.LightningConfig(warp_specialized=lj.WarpSpecializedConfig(num_stages=4, published_states=2))
+  assert heuristics.resolve_warp_specialized(fewer_states, dim_k=128, itemsize=2).num_stages == 4
 
 
 @pytest.mark.parametrize("call,want", [
@@ -426,15 +434,18 @@ def test_delta_warp_specialized_lowers_for_cuda(dim_k, dim_v, gated, segments, w
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2, delta=True)
   fn = jax.jit(lambda q, k, v, s0, gates, inverse: pallas_mosaic_gpu.forward_padded(
       q, k, v, None, s0, chunk_gates=gates, delta_inverse=inverse, scale=0.125, seq_len=150,
-      return_final_state=with_states, num_stages=cfg.num_stages))
+      return_final_state=with_states, cfg=cfg))
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, s0, gates, inverse)
   assert "delta_warp_specialized" in exported.mlir_module()
 
 
 def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
-  # The inverse in the ring and U^T beside each published state: 2 stages at D = 128, 4 at D = 64.
-  assert heuristics.resolve_warp_specialized(None, dim_k=128, itemsize=2, delta=True).num_stages == 2
-  assert heuristics.resolve_warp_specialized(None, dim_k=64, itemsize=2, delta=True).num_stages == 4
+  # The inverse in the ring and U^T beside each published state: at D = 128, 3 stages with 2 published states
+  # (3 and 3 do not fit), at D = 64 4 and 3.
+  ws = lj.WarpSpecializedConfig
+  assert heuristics.resolve_warp_specialized(None, dim_k=128, itemsize=2, delta=True) == ws(num_stages=3,
+                                                                                              published_states=2)
+  assert heuristics.resolve_warp_specialized(None, dim_k=64, itemsize=2, delta=True) == ws(num_stages=4)
   q, k, v, beta, _, _, _ = delta_inputs(DeltaCase(b=1, t=40, h=2, d=32, e=32, decay=None), seed=3)
   rates = jnp.full(q.shape, 0.1, F32)  # per key channel: KDA
   forced = lj.DeltaConfig(warp_specialized=True)

@@ -102,8 +102,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
   # Interpreted: the left operands dO^T Diag(row) (the chain's) and T' Diag(2^-c) (the pairs') staged, as Diag(row) dO
   # [C, 64] and [C, C] (G^T and dU^T are read where they are published).
   queries_smem, inverse_scaled_smem = staged if staged else (None, None)
-  (q_loaded, k_loaded, inverse_loaded, do_loaded, factors_loaded, intra_loaded, released, pairs_ready, w_ready,
-   pairs_read, *barriers) = barriers
+  # `loaded`: one barrier a slot, for every tile of the chunk (each copy arrives on it).
+  loaded, intra_loaded, released, pairs_ready, w_ready, pairs_read, *barriers = barriers
   c, be = CHUNK_SIZE, BLOCK_E
   head, batch, col = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("value_blocks")
   cols = pl.ds(col * be, be)
@@ -119,24 +119,18 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
   def slot_of(i):
     return lax.rem(i, num_stages)
 
-  def factor_rows(i):
-    slot = slot_of(i)
-    plgpu.barrier_wait(factors_loaded.at[slot])
-    return rows_smem.at[slot]
-
   @pl.when(wg == 0)
   def _memory():
     plgpu.copy_gmem_to_smem(intra_ref, intra_smem, intra_loaded.at[0])
 
     def load(i, slot):
       rows = chunk_rows(i)
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], k_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(inverse_ref.at[batch, head, rows], inverse_smem.at[slot], inverse_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head, cols], do_smem.at[slot], do_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(inverse_ref.at[batch, head, rows], inverse_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head, cols], do_smem.at[slot], loaded.at[slot])
       for factors_smem in (rows_smem, columns_smem):
-        plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, chunk_of(i)], factors_smem.at[slot],
-                                factors_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, chunk_of(i)], factors_smem.at[slot], loaded.at[slot])
 
     lightning_mosaic.fill_ring(load, released, num_chunks=num_chunks, num_stages=num_stages)
 
@@ -154,15 +148,14 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
 
     def body(i, grad_t):
       slot, buf, pub = slot_of(i), lax.rem(i, 2), lax.rem(i, _PUBLISHED_PAIRS)
-      rows = factor_rows(i)
+      plgpu.barrier_wait(loaded.at[slot])
+      rows = rows_smem.at[slot]
       cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
       runs_end = rows_smem[slot, lightning_mosaic.RUNS, c - 1] if has_segments else None
       key_exponent, state_exponent = lightning_mosaic.update_exponents(rows, cum_end=cum_end, runs_end=runs_end,
                                                                        has_segments=has_segments)
       # -scale 2^-c_t (zero past a segment start): dO^T Diag(row) Q is dO^T Q_g, negated with the state term below.
       row = -scale * jnp.exp2(lightning_mosaic.row_exponents(rows, has_segments=has_segments))
-      for loaded in (k_loaded, do_loaded, q_loaded):
-        plgpu.barrier_wait(loaded.at[slot])
       # G_n^T out; the stores of chunk i - 2 have read their buffers (two stores a chunk).
       plgpu.wait_smem_to_gmem(2, wait_read_only=True)
       grad_in = grad_t.astype(g_smem.dtype)
@@ -213,10 +206,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
     @pl.loop(0, num_chunks)
     def _chunk(i):
       slot, pub = slot_of(i), lax.rem(i, _PUBLISHED_PAIRS)
-      rows = factor_rows(i)
+      plgpu.barrier_wait(loaded.at[slot])
+      rows = rows_smem.at[slot]
       cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
-      plgpu.barrier_wait(q_loaded.at[slot])
-      plgpu.barrier_wait(k_loaded.at[slot])
 
       def weighted_scores(acc):
         plgpu.wgmma(acc, q_smem.at[slot], k_smem.at[slot].transpose((1, 0)))
@@ -235,7 +227,6 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
       plgpu.commit_smem()
       plgpu.barrier_arrive(pairs_ready.at[pub])
       # W = T' K_g = (T' Diag(2^-c_s)) K, the columns of T' scaled as K_g's rows (zero past a segment start).
-      plgpu.barrier_wait(inverse_loaded.at[slot])
       by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
       key_rows = jnp.exp2(lightning_mosaic.row_exponents(columns_smem.at[slot], has_segments=has_segments))
       inverse_scaled = (inverse_smem[slot].astype(_F32) * by_column(key_rows)).astype(inverse_smem.dtype)
@@ -271,8 +262,7 @@ def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = 
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=k.dtype.itemsize, delta=True)
   return lightning_mosaic.forward_padded(
       None, k, v, None, None if initial_state is None else initial_state[:, :, None], chunk_gates=chunk_gates,
-      delta_inverse=inverse, delta_states=True, scale=1.0, seq_len=tp, num_stages=cfg.num_stages,
-      interpret=interpret)
+      delta_inverse=inverse, delta_states=True, scale=1.0, seq_len=tp, cfg=cfg, interpret=interpret)
 
 
 def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, interpret: bool = False):
@@ -309,10 +299,10 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
        plgpu.SMEM((c, c), _F32), smem((_PUBLISHED_PAIRS, c, c), dtype), smem((_PUBLISHED_PAIRS, c, dim_k), dtype),
        plgpu.RefUnion(smem((2, be, dim_k), dtype), plgpu.SMEM((be, dim_k), _F32)), smem((2, be, c), dtype))
       + (() if in_registers else (smem((c, be), dtype), smem((c, c), dtype))),
-      (plgpu.Barrier(num_barriers=stages),) * 4
-      + (plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=1),
-         plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS),
-         plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS))
+      # q, k, T', dO and the factor rows twice, one arrival each.
+      (plgpu.Barrier(num_arrivals=6, num_barriers=stages), plgpu.Barrier(num_barriers=1),
+       plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS),
+       plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS))
       + ((plgpu.Barrier(num_barriers=1),) if d_final is not None else ()),
   )
   if inverse.shape != (b, h, tp, c):

@@ -843,6 +843,8 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
     k32 = k.astype(_F32)
     dq = scale * row_decay * d_q_gated + dot(d_query_pairs, k)
     dq_ref[:, key_cols] = dq.astype(dq_ref.dtype)
+    if with_gate:  # here, so that dq is not live beside the [C, block_d] sums below (registers)
+      dg = dg + jnp.sum(q.astype(_F32) * dq, axis=1)
     d_k_gated = dot(tri, d_w.astype(dtype), trans_a=True)  # T^T dW: the cotangent of beta K_g
     d_beta = d_beta + jnp.sum(k32 * row_decay * d_k_gated, axis=1)
     # k's uses by the sign of g in their factors (two [C, block_d] sums live at a time, not five: registers):
@@ -850,7 +852,6 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
     rising = beta * row_decay * d_k_gated + dot(d_key_pairs, k)
     through_end = to_end * d_k_end
     if with_gate:
-      dg = dg + jnp.sum(q.astype(_F32) * dq, axis=1)
       g_end = g_end + jnp.sum(jnp.sum(k32 * through_end, axis=0, keepdims=True), axis=1, keepdims=True)
     falling = through_end + dot(d_query_pairs, q, trans_a=True) + dot(d_key_pairs, k, trans_a=True)
     dk_ref[:, key_cols] = (rising + falling).astype(dk_ref.dtype)

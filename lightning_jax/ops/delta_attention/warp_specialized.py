@@ -76,7 +76,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   result = pallas_mosaic_gpu.forward_padded(
       qp, kp, pad(v, ep), None, initial_state, chunk_gates=chunk_gates,
       delta_inverse=inverse, scale=scale, seq_len=t,
-      return_final_state=with_final_state, num_stages=cfg.num_stages, interpret=interpret)
+      return_final_state=with_final_state, cfg=cfg, interpret=interpret)
   o, final_state = result if with_final_state else (result, None)
   if final_state is not None:
     final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :d, :e]

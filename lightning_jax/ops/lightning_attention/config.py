@@ -191,16 +191,17 @@ class WarpSpecializedConfig:
   """`variant="warp_specialized"`: the Mosaic GPU forward (sm90), see `pallas_mosaic_gpu`.
 
   One CTA per (batch, head, 64 value columns) walks chunks of 64 tokens; its
-  memory warpgroup keeps `num_stages` chunks of q, k, v in flight. The class
+  memory warpgroup keeps `num_stages` chunks of q, k, v in flight, and its
+  state chain may publish `published_states` states (2 or 3) ahead of the
+  output warpgroup: three let it run one chunk further ahead than two
+  (PERFORMANCE.md, "Per-token decay and packed sequences", change 9). The class
   constants say where the kernel runs (`heuristics.warp_specialized_unsupported`).
   """
   num_stages: int
+  published_states: int = 3
 
   CHUNK_SIZE: ClassVar[int] = 64
   BLOCK_E: ClassVar[int] = 64
-  # States the state chain may publish ahead of the output warpgroup: three let it run one chunk further
-  # ahead than two (PERFORMANCE.md, "Per-token decay and packed sequences", change 9).
-  PUBLISHED_STATES: ClassVar[int] = 3
   # wgmma exists on sm90 alone (sm100 has tcgen05 instead).
   COMPUTE_CAPABILITY: ClassVar[tuple[int, int]] = (9, 0)
   MAX_DIM_K: ClassVar[int] = 128
@@ -212,6 +213,8 @@ class WarpSpecializedConfig:
 
   def __post_init__(self):
     _check_stages(self.num_stages)
+    if self.published_states not in (2, 3) or isinstance(self.published_states, bool):
+      raise ValueError(f"published_states must be 2 or 3, got {self.published_states!r}")
 
   @classmethod
   def padded_dims(cls, dim_k: int, dim_v: int) -> tuple[int, int]:
@@ -236,7 +239,7 @@ class WarpSpecializedConfig:
     """
     c, be, dim_k, itemsize = self.CHUNK_SIZE, self.BLOCK_E, sweep.dim_k, sweep.itemsize
     ring = self.num_stages * c * (2 * dim_k + be + (c if delta else 0)) * itemsize
-    published = self.PUBLISHED_STATES * be * (dim_k + (c if delta else 0)) * itemsize
+    published = self.published_states * be * (dim_k + (c if delta else 0)) * itemsize
     outputs_or_factors = max(2 * c * be * itemsize, 4 * c * c)
     staged_operands = (c * c + c * be) * itemsize if dim_k <= 64 and not delta else 0
     factor_rows = max(5 * self.num_stages, 5 + 2 * self.num_stages)

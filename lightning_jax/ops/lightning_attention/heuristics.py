@@ -78,8 +78,11 @@ def num_sms(device: jax.Device) -> int:
 # the same preference order.
 MAX_ACCUMULATOR_REGISTERS = 160
 MAX_STAGES = {"forward": 4, "tangent": 3, "dual": 3}
+# The warp-specialised kernel's (num_stages, published_states), in order of preference: a ring of 3 before 3
+# published states, those before a fourth stage (H200, in-process forward: the lightning op at D128 3 stages and
+# 3 states 2-3% faster than 4 and 2; the delta rule's at D128 3 stages and 2 states 1.5-2.5% faster than 2 and 3).
 # Deeper rings than 4 chunks bought nothing in the chunk_loop kernel (MAX_STAGES).
-MAX_WARP_SPECIALIZED_STAGES = 4
+WARP_SPECIALIZED_PREFERENCE = ((4, 3), (3, 3), (3, 2), (2, 3), (2, 2), (1, 3), (1, 2))
 
 
 def _fits(cfg, sweep: SweepShape, budget: int) -> bool:
@@ -305,7 +308,8 @@ def warp_specialized_unsupported(*, dim_k: int, dim_v: int, dtype, compute_capab
 
 def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, itemsize: int,
                              delta: bool = False) -> WarpSpecializedConfig:
-  """The `warp_specialized` config: the user's (checked against the budget) or the deepest ring that fits.
+  """The `warp_specialized` config: the user's (checked against the budget) or the first of
+  `WARP_SPECIALIZED_PREFERENCE` that fits.
 
   The kernel runs on sm90 alone (also when interpreted), so the budget is sm90's.
   `delta`: the delta rule's mode (`WarpSpecializedConfig.shared_memory_bytes`).
@@ -316,8 +320,8 @@ def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, item
   cfg = config.warp_specialized if config is not None else None
   if cfg is not None:
     return _check_budget("warp_specialized", cfg, sweep, budget=budget, compute_capability=cc)
-  for stages in range(MAX_WARP_SPECIALIZED_STAGES, 0, -1):
-    cfg = WarpSpecializedConfig(num_stages=stages)
+  for stages, published in WARP_SPECIALIZED_PREFERENCE:
+    cfg = WarpSpecializedConfig(num_stages=stages, published_states=published)
     if cfg.shared_memory_bytes(sweep, delta=delta) <= budget:
       return cfg
   raise AssertionError("unreachable: one stage fits sm90 at every dim_k <= 128")

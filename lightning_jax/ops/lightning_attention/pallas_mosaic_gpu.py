@@ -12,10 +12,12 @@ walks the chunks of 64 tokens of its slice in order (the whole sequence unless
 `forward` splits it), split into three warpgroups that run concurrently:
 
   memory  issues the TMA loads of each chunk's q, k, v tiles into a ring of
-          `num_stages` slots, refilling a slot once both others released it;
+          `num_stages` slots, all on the slot's one barrier (H200: 1.5-3.5%
+          less time than a barrier per tile), refilling a slot once both
+          others released it;
   state   carries S^T [64, K] (float32, in wgmma registers) down the chunks,
           S^T <- a^C S^T + (key * v)^T k, and publishes S_n (bf16/fp16, the
-          state before chunk n) in `PUBLISHED_STATES` buffers; it starts from the initial
+          state before chunk n) in `published_states` buffers; it starts from the initial
           state and writes the final one when asked, both float32 and staged
           through the publishing buffer's shared memory, idle then;
   output  computes o = row * (q S_n) + (intra * q k^T) v for chunk n and
@@ -80,7 +82,6 @@ _F32 = jnp.float32
 # 40; e.g. R164 after a cut to 40), which faults with CUDA_ERROR_ILLEGAL_INSTRUCTION.
 # At 168 none of the 224 spills; on an H200 the forwards took the same time
 # within 2%, DeltaNet at B1 H16 T32K D128 4% more (PERFORMANCE.md, "Delta attention").
-_PUBLISHED = WarpSpecializedConfig.PUBLISHED_STATES
 
 
 def decay_factors(decay, heads: int, *, scale: float, last_rows: int = CHUNK_SIZE):
@@ -218,9 +219,9 @@ def pair_weights(intra, rows, columns, *, cum_end, has_segments):
   return lax.cond(cum_end <= chunk_common.FACTORIZED_MAX_LOG2, factorized, clamped)
 
 
-def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, per_chunk,
-            has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state, register_scores,
-            delta, delta_states):
+def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, published,
+            per_chunk, has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state,
+            register_scores, delta, delta_states):
   refs = list(refs)
   # The delta rule: each chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, C].
   inverse_ref = refs.pop(0) if delta else None
@@ -234,7 +235,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   final_ref = refs.pop(0) if has_final else None
   buffers, barriers = refs
   q_smem, k_smem, v_smem, state_smem, (out_smem, intra_smem), vectors_smem, *buffers = buffers
-  # The delta rule: the ring's T tiles and the published U^T [_PUBLISHED, BLOCK_E, C].
+  # The delta rule: the ring's T tiles and the published U^T [published, BLOCK_E, C].
   inverse_smem, values_smem = (buffers.pop(0), buffers.pop(0)) if delta else (None, None)
   # Left operands of wgmma staged in shared memory where they do not stay in registers (`_register_operands`):
   # the weighted scores, key * v (the delta rule: -(K_g S)^T, then key * U^T, [BLOCK_E, C], and the state
@@ -246,10 +247,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   # counts, twice (along the rows and along the columns of the scores).
   factors_by_column = buffers.pop(0) if per_chunk else None
   runs_smem, runs_by_column = buffers if head_segments else (None, None)
-  q_loaded, k_loaded, v_loaded, released, state_ready, state_read, factors_loaded = barriers[:7]
-  barriers = list(barriers[7:])
-  inverse_loaded = barriers.pop(0) if delta else None
-  chunk_factors_loaded = barriers.pop(0) if per_chunk or has_segments else None
+  # `loaded`: one barrier a slot, for every tile of the chunk (each copy arrives on it).
+  loaded, released, state_ready, state_read, factors_loaded = barriers[:5]
+  barriers = list(barriers[5:])
   if has_initial or has_final:
     # The float32 initial/final state shares memory with the published states:
     # it is read before the first one is published and written after the last is read.
@@ -285,28 +285,25 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     def load(n, slot):
       rows = chunk_rows(n)
       if not delta_states:  # there the chain alone reads the ring
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], q_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], k_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, cols], v_smem.at[slot], v_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, cols], v_smem.at[slot], loaded.at[slot])
       if delta:
-        plgpu.copy_gmem_to_smem(inverse_ref.at[batch, head, rows], inverse_smem.at[slot], inverse_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(inverse_ref.at[batch, head, rows], inverse_smem.at[slot], loaded.at[slot])
       if per_chunk:
         for factors_smem in (vectors_smem, factors_by_column):
           plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, first_chunk + n], factors_smem.at[slot],
-                                  chunk_factors_loaded.at[slot])
+                                  loaded.at[slot])
       elif head_segments:
         for runs_buffer in (runs_smem, runs_by_column):
-          plgpu.copy_gmem_to_smem(runs_ref.at[batch, first_chunk + n], runs_buffer.at[slot],
-                                  chunk_factors_loaded.at[slot])
+          plgpu.copy_gmem_to_smem(runs_ref.at[batch, first_chunk + n], runs_buffer.at[slot], loaded.at[slot])
 
     fill_ring(load, released, num_chunks=num_chunks, num_stages=num_stages)
 
   def chunk_factor_rows(n):
-    """Chunk n's factors in shared memory, [F, C], once loaded (per-chunk factors; per head with segments, its
-    segment-start counts [1, C])."""
-    slot = slot_of(n)
-    plgpu.barrier_wait(chunk_factors_loaded.at[slot])
-    return (runs_smem if head_segments else vectors_smem).at[slot]
+    """Chunk n's factors in shared memory, [F, C] (per-chunk factors; per head with segments, its segment-start
+    counts [1, C]), once its slot is `loaded`."""
+    return (runs_smem if head_segments else vectors_smem).at[slot_of(n)]
 
   @pl.when(wg == 1)
   def _state_chain():
@@ -317,10 +314,10 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.barrier_wait(factors_loaded.at[1])
 
     def claim(m):
-      """The publishing buffer of chunk m, once the output warpgroup is done with chunk m - _PUBLISHED's."""
-      buf = lax.rem(m, _PUBLISHED)
+      """The publishing buffer of chunk m, once the output warpgroup is done with chunk m - published's."""
+      buf = lax.rem(m, published)
 
-      @pl.when(m >= _PUBLISHED)
+      @pl.when(m >= published)
       def _():
         plgpu.barrier_wait(state_read.at[buf])
 
@@ -349,8 +346,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     # publishing during the update's product).
     def body(n, state_t, head_factors):
       slot = slot_of(n)
-      plgpu.barrier_wait(k_loaded.at[slot])
-      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_wait(loaded.at[slot])
       if not per_chunk:
         publish(n, state_t)
       values, state_decay = v_smem.at[slot].transpose((1, 0)), None  # wgmma's left operand: v^T or (key * v)^T
@@ -387,9 +383,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       """Chunk n of the delta rule: U^T = (V - K_g S)^T T'^T (K_g = e^g K, zero on rows after a segment start),
       then S^T <- a S^T + (key * U^T) k. S_n and the chunk's U^T go out together, before the update."""
       slot = slot_of(n)
+      plgpu.barrier_wait(loaded.at[slot])
       rows = chunk_factor_rows(n)
-      for loaded in (k_loaded, v_loaded, inverse_loaded):
-        plgpu.barrier_wait(loaded.at[slot])
       buf = claim(n)
       state_in = state_t.astype(state_smem.dtype)
       state_smem[buf] = state_in
@@ -453,9 +448,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       last_factors = vectors_smem[_LAST_KEY], vectors_smem[_LAST_STATE]
       state = lax.fori_loop(split, num_chunks, lambda n, s: body(n, s, last_factors), state)
 
-    @pl.loop(max(num_chunks - _PUBLISHED, 0), num_chunks)
+    @pl.loop(max(num_chunks - published, 0), num_chunks)
     def _drain(n):
-      plgpu.barrier_wait(state_read.at[lax.rem(n, _PUBLISHED)])
+      plgpu.barrier_wait(state_read.at[lax.rem(n, published)])
 
     if has_final:  # the output warpgroup has read every published state (the drain above)
       state_f32_smem[...] = state
@@ -469,7 +464,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
     @pl.loop(0, num_chunks)
     def _chunk(n):
-      pub = lax.rem(n, _PUBLISHED)
+      pub = lax.rem(n, published)
       plgpu.barrier_wait(state_ready.at[pub])
       plgpu.copy_smem_to_gmem(state_smem.at[pub], out_ref.at[batch, head, n, cols])
       plgpu.copy_smem_to_gmem(values_smem.at[pub], values_out_ref.at[batch, head, cols, chunk_rows(n)])
@@ -490,7 +485,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
     @pl.loop(0, num_chunks)
     def _chunk(n):
-      slot, buf, pub = slot_of(n), lax.rem(n, 2), lax.rem(n, _PUBLISHED)
+      slot, buf, pub = slot_of(n), lax.rem(n, 2), lax.rem(n, published)
+      plgpu.barrier_wait(loaded.at[slot])
       chunk_row = row
       if per_chunk:
         # row_i = scale 2^-c_i before the chunk's first segment start, intra_ij =
@@ -500,8 +496,6 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         rows, columns = chunk_factor_rows(n), factors_by_column.at[slot]
         cum_end = vectors_smem[slot, CUM, c - 1]
         chunk_row = scale * jnp.exp2(row_exponents(rows, has_segments=has_segments))
-      plgpu.barrier_wait(q_loaded.at[slot])
-      plgpu.barrier_wait(k_loaded.at[slot])
       # The scores' factors [C, C] (scale, causal mask, decay, segments), built while q k^T runs on the
       # tensor cores: they depend on the chunk's rates alone.
       if head_segments:
@@ -537,7 +531,6 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       if delta:  # U = (U^T)^T, published with S_n
         values = values_smem.at[pub].transpose((1, 0))
       else:
-        plgpu.barrier_wait(v_loaded.at[slot])
         values = v_smem.at[slot]
       plgpu.barrier_wait(state_ready.at[pub])
 
@@ -581,7 +574,8 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool
 
 def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None,
                    delta_inverse=None, delta_states: bool = False, scale: float, seq_len: int,
-                   return_final_state: bool = False, num_stages: int, num_slices: int = 1, interpret: bool = False):
+                   return_final_state: bool = False, cfg: WarpSpecializedConfig, num_slices: int = 1,
+                   interpret: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
 
   With `delta_inverse`, the delta rule's (`delta_attention.chunk`): the state
@@ -612,7 +606,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       num_slices, V, K] float32.
     seq_len: the number of real tokens T (with one slice, Tp - CHUNK_SIZE < T <= Tp).
     return_final_state: also return S_T transposed, [B, H, V, K] float32 (one slice only).
-    num_stages: chunks of q, k, v in flight (`WarpSpecializedConfig`).
+    cfg: the ring's depth and the published states (`heuristics.resolve_warp_specialized`).
     num_slices: slices of Tp / num_slices tokens, each walked by its own CTAs
       from its initial state (the sequence split; see `forward`).
     interpret: run in the Mosaic GPU interpreter (on any backend).
@@ -623,6 +617,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   if delta_states and (delta_inverse is None or return_final_state):
     raise ValueError("delta_states takes delta_inverse, and no final state")
   q = k if q is None and delta_states else q  # not read
+  num_stages, published = cfg.num_stages, cfg.published_states
   b, tp, h, dim_k = q.shape
   dim_v = v.shape[-1]
   c, be = CHUNK_SIZE, BLOCK_E
@@ -660,7 +655,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       factor_smem += (plgpu.SMEM((num_stages, 1, c), _F32),) * 2
   dtype = q.dtype
   with_states = initial_state is not None or return_final_state
-  state_smem = swizzled_smem((_PUBLISHED, be, dim_k), dtype)
+  state_smem = swizzled_smem((published, be, dim_k), dtype)
   if with_states:  # the same bytes as the published states (see `WarpSpecializedConfig`)
     state_smem = plgpu.RefUnion(state_smem, swizzled_smem((be, dim_k), _F32))
   registers = _register_operands(dim_k, per_chunk, interpret, is_delta)
@@ -669,19 +664,20 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   staged = ((() if registers["register_scores"] else (swizzled_smem((c, c), dtype),))
             + (() if registers["register_state"] else staged_state))
   # The delta rule's ring of inverses and its published U^T.
-  delta_smem = ((swizzled_smem((num_stages, c, c), dtype), swizzled_smem((_PUBLISHED, be, c), dtype)) if is_delta
+  delta_smem = ((swizzled_smem((num_stages, c, c), dtype), swizzled_smem((published, be, c), dtype)) if is_delta
                 else ())
+  # Each chunk's copies, one arrival each on its slot's barrier: q (but for delta_states), k, v, the delta rule's
+  # inverse, and two copies of the chunk's factor rows (per-token rates or packed sequences).
+  copies_per_chunk = (2 if delta_states else 3) + is_delta + 2 * (per_chunk or chunk_runs is not None)
   scratch = (
       # The [C, C] float32 factors are read once, before the first output is staged in the same bytes.
       (swizzled_smem((num_stages, c, dim_k), dtype), swizzled_smem((num_stages, c, dim_k), dtype),
        swizzled_smem((num_stages, c, be), dtype), state_smem,
        plgpu.RefUnion(swizzled_smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32)), factor_smem[0])
       + delta_smem + staged + factor_smem[1:],
-      (plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages),
-       plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
-       plgpu.Barrier(num_barriers=_PUBLISHED), plgpu.Barrier(num_barriers=_PUBLISHED), plgpu.Barrier(num_barriers=2))
-      + ((plgpu.Barrier(num_barriers=num_stages),) if is_delta else ())
-      + ((plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),) if per_chunk or chunk_runs is not None else ())
+      (plgpu.Barrier(num_arrivals=copies_per_chunk, num_barriers=num_stages),
+       plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+       plgpu.Barrier(num_barriers=published), plgpu.Barrier(num_barriers=published), plgpu.Barrier(num_barriers=2))
       + ((plgpu.Barrier(num_barriers=1),) if initial_state is not None else ()),
   )
   runs = () if chunk_runs is None else (chunk_runs.reshape(b, tp // c, 1, c).astype(_F32),)
@@ -694,7 +690,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   if return_final_state:
     out_type = (out_type, manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs))
   kernel = functools.partial(_kernel, num_chunks=num_chunks, num_slices=num_slices, num_stages=num_stages,
-                             per_chunk=per_chunk, has_decay=per_chunk or decay is not None or chunk_runs is not None,
+                             published=published, per_chunk=per_chunk,
+                             has_decay=per_chunk or decay is not None or chunk_runs is not None,
                              has_segments=chunk_runs is not None or (per_chunk and chunk_gates[1] is not None),
                              has_initial=initial_state is not None, has_final=return_final_state,
                              last_rows=last_rows, scale=scale, delta=is_delta, delta_states=delta_states,
@@ -775,7 +772,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
     initial_state = jnp.swapaxes(initial_state, -1, -2)
   result = forward_padded(q, k, v, decay if chunk_gates is None else None, initial_state, chunk_gates=chunk_gates,
                           chunk_runs=chunk_runs, scale=opts.scale, seq_len=t,
-                          return_final_state=opts.return_final_state and num_slices == 1, num_stages=cfg.num_stages,
+                          return_final_state=opts.return_final_state and num_slices == 1, cfg=cfg,
                           num_slices=num_slices, interpret=opts.interpret)
   o, kernel_final = result if opts.return_final_state and num_slices == 1 else (result, None)
   if kernel_final is not None:
