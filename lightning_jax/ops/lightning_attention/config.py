@@ -213,7 +213,7 @@ class WarpSpecializedConfig:
 
   def __post_init__(self):
     _check_stages(self.num_stages)
-    if self.published_states not in (2, 3) or isinstance(self.published_states, bool):
+    if self.published_states not in (2, 3):  # True and False compare as 1 and 0: rejected too
       raise ValueError(f"published_states must be 2 or 3, got {self.published_states!r}")
 
   @classmethod
