@@ -50,7 +50,9 @@ def local_states(keys, values, decay, lengths):
                    for s, e in zip(starts[:-1], starts[1:])], axis=2)
 
 
-@pytest.mark.parametrize("lengths", [(5,), (4, 4, 1), (3, 0, 7, 2), (1, 1, 1, 1, 1)], ids=str)
+# Up to `chunk_common.SUMMED_SLICES` slices the combine sums the weighted states, beyond that a matmul: both.
+@pytest.mark.parametrize("lengths", [(5,), (4, 4, 1), (3, 0, 7, 2), (1, 1, 1, 1, 1), (2, 1, 0, 3, 1, 2, 2, 1, 4, 1)],
+                         ids=str)
 @pytest.mark.parametrize("with_decay", [True, False])
 def test_combine_matches_the_serial_recurrence(lengths, with_decay):
   rng = np.random.default_rng(zlib.crc32(f"{lengths}{with_decay}".encode()))
