@@ -106,7 +106,7 @@ def slice_lengths(*, seq_len: int, chunk_size: int, slice_chunks: int, reverse: 
 
 # Up to this many slices, `combine_slice_states` sums the weighted slice states in one XLA reduction over the
 # slices instead of a matmul: XLA's GPU gemm for an [S + 1, S] x [S, K V] product moved its float32 states at a
-# third of the copy bandwidth (15 us at B1 H32 S4 K = V = 128 on an H200: 2.3% of that forward), while the
+# third of the copy bandwidth (15 us at B1 H32 S4 K = V = 128 on an H200: 3.6% of that forward), while the
 # reduction reads each state once per later slice (L2 serves a few) and keeps the products in registers. Beside
 # decay tangents XLA materialised the products instead (CPU), so those keep the matmul.
 SUMMED_SLICES = 8
@@ -124,7 +124,8 @@ def combine_slice_states(local_states, lengths, decay=None, initial_state=None, 
       P_0 = S_0,   P_{s+1} = A_s P_s + L_s,
 
   computed in closed form, P_s = (prod_{u<s} A_u) S_0 + sum_{r<s} (prod_{r<u<s} A_u) L_r:
-  one small matmul over the slice axis, no serial scan. The log-products are
+  one weighted sum over the slice axis (a reduction up to `SUMMED_SLICES`
+  slices, else a small matmul), no serial scan. The log-products are
   summed from slice s backwards, so the weights of near slices never come from
   a difference of large sums. With `local_tangents` (V_s = -dL_s/dlambda, a
   per-head rate only), also the decay tangent U_s = -dP_s/dlambda (the initial
