@@ -72,17 +72,6 @@ def shared_memory_bytes(*, num_stages: int, dim_k: int, itemsize: int, factor_ro
   return ring + c * c * 4 + published + max(stores, be * dim_k * 4 + 2 * be * c * itemsize) + _RESERVED
 
 
-def sweep_gates(decay, segment_starts, *, num_tokens: int):
-  """The warp-specialised sweeps' gates (the forward's and both of the backward's): (cumdecay [B, H, Tp] float32 or
-  None, runs [B, Tp] int32 or None), as `chunk_common.token_chunk_gates` gives them for a forward sweep over
-  64-token chunks, from per-token rates [B, T, H] or None and segment starts [B, T] or None (T <= num_tokens)."""
-  if decay is None and segment_starts is None:
-    return None, None
-  cumdecay, runs = chunk_common.token_chunk_gates(decay, segment_starts, chunk_size=CHUNK_SIZE, num_tokens=num_tokens,
-                                                  reverse=False)
-  return cumdecay, None if segment_starts is None else runs
-
-
 def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3) -> int:
   """The deepest ring of at most `max_stages` that fits sm90 (2 at K = 128 in 16 bits, 3 at K = 64)."""
   budget = lightning_config.shared_memory_budget(WarpSpecializedConfig.COMPUTE_CAPABILITY)

@@ -60,6 +60,7 @@ from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as lightning_config
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import manual_axes
+from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu as lightning_mosaic
 from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
 
 _F32 = jnp.float32
@@ -1212,7 +1213,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   d_final = chunk_common.pad_state(d_final, dp, ep)
   if warp_specialized:  # S_n^T and U^T, G_n^T and dU^T from the warp-specialised sweeps
     transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
-    chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=qp.shape[1])
+    chunk_gates = lightning_mosaic.sweep_gates(decay, segment_starts, num_tokens=qp.shape[1])
     tri, tri_beta = inverses or inverse(kp, beta_rows, gates_, with_unscaled=True, config=config,
                                         interpret=interpret)
     states, values = pallas_mosaic_gpu.state_sweep(kp, vp, tri_beta, chunk_gates, transpose(initial_state),

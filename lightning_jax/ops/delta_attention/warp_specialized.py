@@ -19,7 +19,6 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from lightning_jax.ops.delta_attention import pallas_mosaic_gpu as delta_mosaic
 from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import heuristics
@@ -69,7 +68,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
                                    config=dataclasses.replace(config, chunk_size=CHUNK_SIZE), interpret=interpret)
   inverse = inverses[1] if with_inverses else inverses
   # The sweep's own gates, in its per-chunk factors' form.
-  chunk_gates = delta_mosaic.sweep_gates(decay, segment_starts, num_tokens=tp)
+  chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp)
   if initial_state is not None:  # the kernel carries S^T [E, D], one slice
     initial_state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True)

@@ -127,6 +127,18 @@ def chunk_factors(cumdecay, runs):
   return jnp.concatenate([cum, run_counts], axis=3)
 
 
+def sweep_gates(decay, segment_starts, *, num_tokens: int):
+  """The warp-specialised kernels' gates (this op's forward; the delta rule's forward and backward sweeps):
+  (cumdecay [B, H, Tp] float32 or None, runs [B, Tp] int32 or None), as `chunk_common.token_chunk_gates` gives them
+  for a forward sweep over 64-token chunks, from per-token rates [B, T, H] or None and segment starts [B, T] or None
+  (T <= num_tokens)."""
+  if decay is None and segment_starts is None:
+    return None, None
+  cumdecay, runs = chunk_common.token_chunk_gates(decay, segment_starts, chunk_size=CHUNK_SIZE, num_tokens=num_tokens,
+                                                  reverse=False)
+  return cumdecay, None if segment_starts is None else runs
+
+
 def swizzled_smem(shape, dtype):
   """Shared memory in rows of 128 bytes (64 bf16 elements), swizzled: the layout wgmma reads."""
   swizzle_elems = 128 // jnp.dtype(dtype).itemsize
@@ -748,9 +760,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   gates, chunk_gates, chunk_runs = dict(decay=decay), None, None
   per_token = chunk_common.per_token(decay)
   if per_token or segment_starts is not None:
-    cumdecay, runs = chunk_common.token_chunk_gates(decay if per_token else None, segment_starts, chunk_size=c,
-                                                    num_tokens=tp, reverse=False)
-    runs = None if segment_starts is None else runs
+    cumdecay, runs = sweep_gates(decay if per_token else None, segment_starts, num_tokens=tp)
     if per_token:
       gates, chunk_gates = dict(chunk_cumdecay=cumdecay, chunk_runs=runs), (cumdecay, runs)
     else:
