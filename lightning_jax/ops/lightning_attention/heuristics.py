@@ -78,10 +78,11 @@ def num_sms(device: jax.Device) -> int:
 # the same preference order.
 MAX_ACCUMULATOR_REGISTERS = 160
 MAX_STAGES = {"forward": 4, "tangent": 3, "dual": 3}
-# The warp-specialised kernel's (num_stages, published_states), in order of preference: a ring of 3 before 3
-# published states, those before a fourth stage (H200, in-process forward: the lightning op at D128 3 stages and
-# 3 states 2-3% faster than 4 and 2; the delta rule's at D128 3 stages and 2 states 1.5-2.5% faster than 2 and 3).
-# Deeper rings than 4 chunks bought nothing in the chunk_loop kernel (MAX_STAGES).
+# The warp-specialised kernel's (num_stages, published_states), in order of preference: the deepest ring up to 4
+# chunks (deeper rings bought nothing in the chunk_loop kernel, MAX_STAGES) with 3 published states; where that
+# does not fit, a third published state before a fourth stage (no (4, 2)), and a third stage before a third state
+# ((3, 2) before (2, 3)). H200, in-process forward: the lightning op at D128 3 stages and 3 states 2-3% faster
+# than 4 and 2; the delta rule's at D128 3 stages and 2 states 1.5-2.5% faster than 2 and 3.
 WARP_SPECIALIZED_PREFERENCE = ((4, 3), (3, 3), (3, 2), (2, 3), (2, 2), (1, 3), (1, 2))
 
 
