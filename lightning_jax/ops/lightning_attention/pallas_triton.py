@@ -155,13 +155,17 @@ _dot = triton_lowering.dot
 
 
 def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch):
-  """Chunk index -> `ChunkFactors` (None without decay).
+  """Chunk index -> (`ChunkFactors` or None without decay, a pair mask or None).
 
   A per-head rate's exp2 work is done once per program (and masked per chunk
   by its segment starts); per-token factors are computed per chunk from its
   cumulative rates and segment starts. With `branch`
   (`heuristics.branch_per_chunk`) a chunk branches on its own rates and starts
-  (`chunk_common.token_decay_factors`).
+  (`chunk_common.token_decay_factors`). Without it, segments with a per-head
+  rate leave the factors' [C, C] intra the program's and mask the chunk's
+  [C, C] products instead (the pair mask, `_scores`): the fused dk/dv sweep
+  has two of them, and no per-chunk copy of intra beside them (H200, B4 H32
+  T32K D64, 8 packed sequences: fwd+bwd 20% less time, PERFORMANCE.md).
   """
   def chunk_rows(chunk_idx):
     return pl.ds(pl.multiple_of(chunk_idx * chunk_size, chunk_size), chunk_size)
@@ -177,34 +181,43 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch):
       runs, run_end = (None, None) if ins.chunk_runs is None else runs_of(chunk_idx)
       return chunk_common.token_decay_factors(ins.chunk_cumdecay[chunk_rows(chunk_idx)], runs, reverse=reverse,
                                               branch=branch, cum_end=at_end(ins.chunk_cumdecay, chunk_idx),
-                                              run_end=run_end)
+                                              run_end=run_end), None
     return token_factors
   if ins.decay is None and ins.chunk_runs is None:
-    return lambda chunk_idx: None
+    return lambda chunk_idx: (None, None)
   lam2 = 0.0 if ins.decay is None else ins.decay[()].astype(_F32) * chunk_common.LOG2_E
   factors = chunk_common.sweep_decay_factors(lam2, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
   if ins.chunk_runs is None:
-    return factors
-  mask = chunk_common.mask_started_segments if branch else chunk_common.mask_segments
-  return lambda chunk_idx: mask(factors(chunk_idx), *runs_of(chunk_idx))
+    return lambda chunk_idx: (factors(chunk_idx), None)
+  if branch:
+    return lambda chunk_idx: (chunk_common.mask_started_segments(factors(chunk_idx), *runs_of(chunk_idx)), None)
+
+  def masked_products(chunk_idx):
+    runs, run_end = runs_of(chunk_idx)
+    f = factors(chunk_idx)
+    vectors = chunk_common.mask_segments(f._replace(intra=None), runs, run_end)
+    return vectors._replace(intra=f.intra), functools.partial(chunk_common.same_segment, runs=runs)
+
+  return masked_products
 
 
-def _scores(a, b, f, *, reverse, exact):
-  """[C, C] a b^T inside the (anti-)causal mask, decayed by the gap."""
+def _scores(a, b, f, pair_mask, *, reverse, exact):
+  """[C, C] a b^T inside the (anti-)causal mask, decayed by the gap (and zero across segments: pair_mask)."""
   scores = _dot(a, b, trans_b=True, exact=exact)
   if f is None:
     return jnp.where(chunk_common.causal_mask(a.shape[0], reverse=reverse), scores, 0.0)
-  return scores * f.intra
+  scores = scores * f.intra
+  return scores if pair_mask is None else pair_mask(scores)
 
 
-def _chunk_out(x, y, z, u, state, tangent, f, *, scale, reverse, exact):
+def _chunk_out(x, y, z, u, state, tangent, f, pair_mask, *, scale, reverse, exact):
   """One chunk's outputs.
 
   out = intra (masked, decayed x y^T z) + inter (x S). With `u`, also the dual
   output (u z^T) y + u S^T, the same sweep seen from z's side (dk beside dv).
   With `tangent` (the state's decay tangent U), also out's decay tangent.
   """
-  scores = _scores(x, y, f, reverse=reverse, exact=exact)
+  scores = _scores(x, y, f, pair_mask, reverse=reverse, exact=exact)
   # The state is read after the first product, which the chunk loop's
   # outputs-first order needs (see `_chunk_loop_kernel`). Its state-first order
   # and the parallel output kernel cast the state before the call; the cast here
@@ -219,7 +232,7 @@ def _chunk_out(x, y, z, u, state, tangent, f, *, scale, reverse, exact):
     dual_inter = _dot(u, state_in, trans_b=True, exact=exact)
     if f is not None:
       dual_inter = dual_inter * f.row[:, None]
-    dual_scores = _scores(u, z, f, reverse=reverse, exact=exact)
+    dual_scores = _scores(u, z, f, pair_mask, reverse=reverse, exact=exact)
     dual = scale * (_dot(dual_scores.astype(y.dtype), y, exact=exact) + dual_inter)
   out_tangent = None
   if tangent is not None:
@@ -309,11 +322,11 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
     # Loaded before the chunk's products, which hide its latency: Triton's
     # pipeliner leaves a load that feeds no dot blocking.
     weights = _row_weights(ins, rows, u, dots_with_dual=dots_with_dual)
-    f = factors(n)
+    f, pair_mask = factors(n)
     if f is not None:
       # The outputs first, reading the carried state only after the scores'
       # product, then the state update (PERFORMANCE.md, "Sweep order").
-      out, dual, out_tangent = _chunk_out(x, y, z, u, state, tangent, f, scale=scale, reverse=reverse,
+      out, dual, out_tangent = _chunk_out(x, y, z, u, state, tangent, f, pair_mask, scale=scale, reverse=reverse,
                                           exact=exact)
       next_carry = _chunk_state(y, z, state, tangent, f, exact=exact)
     else:
@@ -321,7 +334,7 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
       # state, so the next chunk's serial chain starts sooner; the cast right
       # after it (PERFORMANCE.md, "Sweep order").
       next_carry = _chunk_state(y, z, state, tangent, f, exact=exact)
-      out, dual, out_tangent = _chunk_out(x, y, z, u, state.astype(x.dtype), tangent, f, scale=scale,
+      out, dual, out_tangent = _chunk_out(x, y, z, u, state.astype(x.dtype), tangent, f, pair_mask, scale=scale,
                                           reverse=reverse, exact=exact)
     outs.out[rows, :] = out.astype(outs.out.dtype)
     if outs.dual is not None:
@@ -346,19 +359,20 @@ def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, 
       outs.chunk_states[n, :, :] = state
     if outs.chunk_tangents is not None:
       outs.chunk_tangents[n, :, :] = tangent
-    return _chunk_state(ins.y[rows, :], ins.z[rows, :], state, tangent, factors(n), exact=exact)
+    return _chunk_state(ins.y[rows, :], ins.z[rows, :], state, tangent, factors(n)[0], exact=exact)
 
   _write_final(outs, *jax.lax.fori_loop(0, num_steps, body, carry))
 
 
 def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, reverse, exact,
                          dots_with_dual, branch):
-  f = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch)(pl.program_id(1))
+  f, pair_mask = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse,
+                                branch=branch)(pl.program_id(1))
   u = None if ins.dual_with is None else ins.dual_with[...]
   out, dual, out_tangent = _chunk_out(ins.x[...], ins.y[...], ins.z[...], u,
                                       ins.chunk_states[...].astype(ins.x.dtype),
                                       None if ins.chunk_tangents is None else ins.chunk_tangents[...], f,
-                                      scale=scale, reverse=reverse, exact=exact)
+                                      pair_mask, scale=scale, reverse=reverse, exact=exact)
   outs.out[...] = out.astype(outs.out.dtype)
   if outs.dual is not None:
     outs.dual[...] = dual.astype(outs.dual.dtype)
