@@ -376,14 +376,18 @@ def mask_segments(f, runs, run_end=None):
 
   runs: [C] int32 segment-start counts of the chunk (`token_chunk_gates`);
   run_end: their last value in sweep order (their largest), or None (reduced
-  here). An intra of None stays None (a kernel that masks its [C, C] products
-  instead, `same_segment`). The decay-tangent fields stay: their terms vanish
-  with the factors they scale.
+  here). The decay-tangent fields stay: their terms vanish with the factors
+  they scale.
   """
+  return mask_segment_rows(f, runs, run_end)._replace(intra=same_segment(f.intra, runs))
+
+
+def mask_segment_rows(f, runs, run_end=None):
+  """`mask_segments`' row, key and state factors alone ([C] selects); intra stays (a kernel that masks its [C, C]
+  products instead, `same_segment`)."""
   run_end = jnp.max(runs) if run_end is None else run_end
   return f._replace(row=jnp.where(runs == 0, f.row, 0.0), key=jnp.where(runs == run_end, f.key, 0.0),
-                    state=jnp.where(run_end == 0, f.state, 0.0),
-                    intra=None if f.intra is None else same_segment(f.intra, runs))
+                    state=jnp.where(run_end == 0, f.state, 0.0))
 
 
 def same_segment(pairs, runs):

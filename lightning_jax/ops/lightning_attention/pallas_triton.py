@@ -194,9 +194,8 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch):
 
   def masked_products(chunk_idx):
     runs, run_end = runs_of(chunk_idx)
-    f = factors(chunk_idx)
-    vectors = chunk_common.mask_segments(f._replace(intra=None), runs, run_end)
-    return vectors._replace(intra=f.intra), functools.partial(chunk_common.same_segment, runs=runs)
+    return (chunk_common.mask_segment_rows(factors(chunk_idx), runs, run_end),
+            functools.partial(chunk_common.same_segment, runs=runs))
 
   return masked_products
 
