@@ -18,8 +18,11 @@ sm89, sm90, sm100 and sm120:
 
 On an H200 this reproduced the one overflow seen there (the delta op's float32
 D = 256 reverse sweep with 64 value columns: 242,820 bytes here, 242,688
-reported by the device). The allocation does not depend on T (the same at 64
-and 4096 tokens), so short sequences stand for every length.
+reported by the device). The allocation does not depend on T once every
+kernel's loop runs several chunks (the same at 256 and 4096 tokens), so a
+short sequence stands for every length; a loop of one chunk does not pipeline
+(a KDA sweep at 64-token chunks took 73,728 bytes at 64 tokens, 173,576 at
+256), so the delta kernels run `DELTA_TOKENS` = 4 chunks of the largest.
 
     python -m benchmarks.shared_memory --op delta --out benchmarks/tuning/delta-shared-memory.json
     python -m benchmarks.shared_memory --op lightning --out benchmarks/tuning/lightning-shared-memory.json
@@ -49,6 +52,9 @@ import lightning_jax as lj
 from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.lightning_attention import config as lightning_config
 from lightning_jax.ops.lightning_attention import heuristics
+
+# Four chunks of 64 tokens, the largest chunk of any `default_config` (see the module docstring).
+DELTA_TOKENS = 256
 
 # Targets by compute capability: sm80 (A100), sm86 (RTX 30, A10), sm89 (RTX 40, L4), sm90 (H100/H200), sm100
 # (B200), sm120 (RTX 50).
@@ -108,7 +114,7 @@ def lowered_kernels(fn, *args) -> list[dict]:
 
 def delta_kernels(form: str, dtype, dim: int, config: pallas_triton.DeltaConfig) -> dict[str, dict]:
   """{"forward/<kernel>" or "backward/<kernel>": `lowered_kernels` entry}, with segment starts and states."""
-  b, t, h, e = 1, 64, 1, 256
+  b, t, h, e = 1, DELTA_TOKENS, 1, 256
   q = jnp.zeros((b, t, h, dim), dtype)
   v = jnp.zeros((b, t, h, e), dtype)
   beta = jnp.zeros((b, t, h), jnp.float32)
@@ -279,6 +285,7 @@ def main(argv=None):
       command="python -m benchmarks.shared_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
       jax=jax.__version__, triton=triton.__version__, python=platform.python_version(), seconds=round(time.time() - start),
       budgets={str(cc[0] * 10 + cc[1]): b for cc, b in lightning_config.SHARED_MEMORY_BUDGET.items()},
+      **(dict(tokens=DELTA_TOKENS) if args.op == "delta" else {}),
       note=("Triton's shared-memory allocation per kernel (forward and backward, with segment starts and states) "
             + ("for the H200's config and each target's default_config." if args.op == "delta" else
                "for the blocks the lightning op's heuristics pick on each target.")))

@@ -101,6 +101,23 @@ class ChunkTerms(NamedTuple):
   state_decay: jax.Array  # [B, H, N, D]      e^{g_C}, 0 where a segment starts in the chunk
 
 
+def chunk_cumsum(x, *, chunk_size):
+  """Inclusive sums of x [B, N C, ...] along axis 1 within each chunk of `chunk_size` rows, float32.
+
+  One float32 product (HIGHEST precision) with a triangle of ones per
+  (batch, chunk), rows token-major so that the triangle broadcasts over B N
+  alone ([B N, C, C]); its vjp, the sums from each row to the chunk's end, is
+  the transposed product. XLA's cumsum on a GPU is an associative scan fused
+  into one loop: for KDA's rates at B2 H32 T8K D128 on an H200 it took 0.62
+  ms, its vjp 0.49; the product 0.22 and 0.14 (PERFORMANCE.md).
+  """
+  b, tp = x.shape[:2]
+  n = tp // chunk_size
+  rows = x.reshape(b * n, chunk_size, -1).astype(jnp.float32)
+  ones = jnp.broadcast_to(jnp.tril(jnp.ones((chunk_size, chunk_size), jnp.float32)), (b * n, chunk_size, chunk_size))
+  return jnp.einsum("nts,nsx->ntx", ones, rows, precision=_HI).reshape(x.shape)
+
+
 def chunk_gates(rates, starts, *, chunk_size):
   """Chunk-local cumulative log decays and segment-start counts.
 

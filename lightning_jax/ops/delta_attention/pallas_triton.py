@@ -151,22 +151,26 @@ class DeltaConfig:
             and self.block_e >= WarpSpecializedConfig.BLOCK_E)
 
 
-# float32 operands: what shrinks, by (padded D at least, budget at most), and the largest backward chunk there.
+# What shrinks, by (operand bytes, padded D at least, budget at most), and the largest backward chunk there.
 # Triton's allocation of every kernel, forward and backward, on sm80 to sm120 (`benchmarks/shared_memory.py`,
-# `benchmarks/tuning/delta-shared-memory.json`): 16-bit operands fit every device with the H200's blocks at
-# the device's pipeline depth (`_DEEP_PIPELINE_BUDGET`), and
-# float32 up to D = 64 but on the 99 KiB devices, where the tile gradient kernel's pipelined [64, 64] float32
-# loads took 163,840 B at D = 64 (114,688 at D = 16) and take 90,112 with 32 key and value columns; past D = 64
-# the value columns, the pipeline, and at D = 256 on 99 KiB devices the chunk and the warps (the gradient
-# kernel's tiles) shrink. The backward's reverse sweep holds [C, D] float32 tiles of q, k and W: at 64-token
-# chunks they overflow D = 256 on every device (237,568 B on sm90) and D = 128 on the 99 KiB devices (122,880
-# B). A chunk cap never raises a form's own backward chunk (KDA's 16).
-_FLOAT32_STEPS = (
-    ((256, 99 * 1024), dict(chunk_size=16, block_e=16, num_stages=1, num_warps=2), 16),
-    ((256, 163 * 1024), dict(block_e=32, num_stages=1), 32),
-    ((256, math.inf), dict(), 32),
-    ((128, 99 * 1024), dict(block_e=32, num_stages=1), 32),
-    ((16, 99 * 1024), dict(block_e=32, block_d=32), 64),
+# `benchmarks/tuning/delta-shared-memory.json`, over 4 chunks: a loop of one chunk does not pipeline). float32 at
+# D = 64 on the 99 KiB devices: the tile gradient kernel's pipelined [64, 64] float32 loads took 163,840 B at D = 64
+# (114,688 at D = 16) and take 90,112 with 32 key and value columns; past D = 64 the value columns, the pipeline,
+# and at D = 256 on 99 KiB devices the chunk and the warps (the gradient kernel's tiles) shrink. The backward's
+# sweeps hold [C, D] tiles of q, k and W, pipelined: at 64-token chunks the reverse sweep
+# (`state_cotangents`) took 296,456 B at D = 256 with 16-bit operands on sm90 (3 stages; 107,268 at 2 on the 99
+# KiB devices), 197,380 with float32 at D = 128 on sm80 and 107,268 at D = 64 on the 99 KiB devices: there the
+# backward chunks by 32, as float32 at D = 256 and at D = 128 on the 99 KiB devices already did for the same sweep.
+# A chunk cap never raises a form's own backward chunk (KDA's 16).
+_STEPS = (
+    ((4, 256, 99 * 1024), dict(chunk_size=16, block_e=16, num_stages=1, num_warps=2), 16),
+    ((4, 256, 163 * 1024), dict(block_e=32, num_stages=1), 32),
+    ((4, 256, math.inf), dict(), 32),
+    ((4, 128, 99 * 1024), dict(block_e=32, num_stages=1), 32),
+    ((4, 128, 163 * 1024), dict(), 32),
+    ((4, 64, 99 * 1024), dict(block_e=32, block_d=32), 32),
+    ((4, 16, 99 * 1024), dict(block_e=32, block_d=32), 64),
+    ((2, 256, math.inf), dict(), 32),
 )
 
 
@@ -231,8 +235,8 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
                        num_stages=3 if deep else 2, gradient_stages=2 if deep else None,
                        prepare_warps=2 if itemsize == 2 and not per_channel_gate and dp <= 128
                        and compute_capability == (9, 0) else None)
-  for (min_dim, max_budget), step, largest_backward_chunk in _FLOAT32_STEPS:
-    if itemsize == 4 and dp >= min_dim and budget <= max_budget:
+  for (step_itemsize, min_dim, max_budget), step, largest_backward_chunk in _STEPS:
+    if itemsize == step_itemsize and dp >= min_dim and budget <= max_budget:
       config = dataclasses.replace(config, **step,
                                    backward_chunk_size=min(config.backward_chunk_size, largest_backward_chunk))
       break
@@ -886,16 +890,16 @@ class Gates(NamedTuple):
 
 
 def gate_logs(decay, *, seq_len, dim_k, chunk_size):
-  """g of `Gates` from the rates: None, [B, T, H] or [B, T, H, D] float32 (differentiable)."""
+  """g of `Gates` from the rates: None, [B, T, H] or [B, T, H, D] float32 (differentiable); `chunk.chunk_gates`'
+  g, summed token-major (`chunk.chunk_cumsum`) before the heads move ahead of the tokens."""
   if decay is None:
     return None
   tp = -(-seq_len // chunk_size) * chunk_size
   per_channel = decay.ndim == 4
   rates = chunk_common.pad_tokens_and_features(decay if per_channel else decay[..., None], num_tokens=tp,
                                                dim=dim_k if per_channel else 1)
-  rates = jnp.moveaxis(rates, 2, 1) if per_channel else jnp.moveaxis(rates[..., 0], 2, 1)
-  g, _ = chunk.chunk_gates(rates, None, chunk_size=chunk_size)
-  return g.reshape(*g.shape[:2], tp, *g.shape[4:])
+  g = -chunk.chunk_cumsum(jnp.minimum(rates, chunk.MAX_RATE), chunk_size=chunk_size)
+  return jnp.moveaxis(g, 2, 1) if per_channel else jnp.moveaxis(g[..., 0], 2, 1)
 
 
 def gates(g, segment_starts, *, batch, heads, seq_len, dim_k, chunk_size) -> Gates:
