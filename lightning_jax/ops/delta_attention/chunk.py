@@ -118,35 +118,28 @@ def chunk_cumsum(x, *, chunk_size):
   return jnp.einsum("nts,nsx->ntx", ones, rows, precision=_HI).reshape(x.shape)
 
 
-def chunk_gates(rates, starts, *, chunk_size):
-  """Chunk-local cumulative log decays and segment-start counts.
+def chunk_log_decays(rates, *, chunk_size):
+  """g = -(the rates summed from each chunk's first row through each row), float32, token-major.
 
-  Args:
-    rates: None (no decay), [B, H, N C] or [B, H, N C, D] float32 rates >= 0
-      (padded with 0).
-    starts: [B, N C] bool segment starts (`chunk_common.segment_starts`) or None.
-
-  Returns:
-    (g [B, H, N, C(, D)] = -(rates summed from the chunk's first row) or
-    None, runs [B, 1, N, C] int32 or None).
+  rates: [B, N C, H] or [B, N C, H, D] rates >= 0 (padded with 0), clamped at
+  MAX_RATE; sums by `chunk_cumsum`, so that the vjp is one product too.
+  Returns g like rates (<= 0, non-increasing within each chunk).
   """
-  g = None
-  if rates is not None:
-    b, h, tp = rates.shape[:3]
-    rates = jnp.minimum(rates, MAX_RATE).reshape(b, h, tp // chunk_size, chunk_size, *rates.shape[3:])
-    g = -jnp.cumsum(rates, axis=3)
-  runs = None
-  if starts is not None:
-    b, tp = starts.shape
-    runs = jnp.cumsum(starts.astype(jnp.int32).reshape(b, 1, tp // chunk_size, chunk_size), axis=-1)
-  return g, runs
+  return -chunk_cumsum(jnp.minimum(rates.astype(jnp.float32), MAX_RATE), chunk_size=chunk_size)
+
+
+def chunk_runs(starts, *, chunk_size):
+  """[B, 1, N, C] int32: the segment starts ([B, N C] bool, `chunk_common.segment_starts`) among each chunk's rows
+  up to each row."""
+  b, tp = starts.shape
+  return jnp.cumsum(starts.astype(jnp.int32).reshape(b, 1, tp // chunk_size, chunk_size), axis=-1)
 
 
 def chunk_terms(q, k, v, beta, g, runs, *, scale):
   """Every chunk's S-independent terms.
 
   q, k: [B, H, N, C, D]; v: [B, H, N, C, E]; beta: [B, H, N, C]; g: None,
-  [B, H, N, C] or [B, H, N, C, D] (`chunk_gates`); runs: [B, 1, N, C] or
+  [B, H, N, C] or [B, H, N, C, D] (`chunk_log_decays`); runs: [B, 1, N, C] (`chunk_runs`) or
   None. All float32, padding rows zero. Returns `ChunkTerms`.
   """
   c = q.shape[-2]

@@ -34,7 +34,7 @@ U, G_n and dU transposed, as `tile_gradients(transposed=True)` reads them)
 and no prepare runs: they and the gradient kernel take the T and T' of the
 forward's `inverse` kernel; `backward` says where.
 
-The gates arrive as chunk-local cumulative log decays g (`chunk.chunk_gates`):
+The gates arrive as chunk-local cumulative log decays g (`chunk.chunk_log_decays`):
 [B, H, T] for a scalar per token, [B, H, T, D] per key channel (KDA), with
 the segment-start counts `runs` [B, T] for packed sequences. KDA's pair
 products factor through the row before each 16-row block (both factors <= 1);
@@ -879,7 +879,7 @@ class Gates(NamedTuple):
   """The decay and segments in the kernels' form (None where absent).
 
   g: [B, H, Tp] (a scalar per token) or [B, H, Tp, Dp] (per key channel)
-    float32 chunk-local cumulative log decays (`chunk.chunk_gates`).
+    float32 chunk-local cumulative log decays (`gate_logs`).
   runs: [B, Tp] int32 segment-start counts within each chunk.
   state_decay: [B, H, N Dp, 1] float32 e^{g_C} per chunk and key channel, 0
     where a segment starts in the chunk.
@@ -890,15 +890,15 @@ class Gates(NamedTuple):
 
 
 def gate_logs(decay, *, seq_len, dim_k, chunk_size):
-  """g of `Gates` from the rates: None, [B, T, H] or [B, T, H, D] float32 (differentiable); `chunk.chunk_gates`'
-  g, summed token-major (`chunk.chunk_cumsum`) before the heads move ahead of the tokens."""
+  """g of `Gates` from the rates: None, [B, T, H] or [B, T, H, D] float32 (differentiable): `chunk.chunk_log_decays`,
+  token-major, then the heads moved ahead of the tokens."""
   if decay is None:
     return None
   tp = -(-seq_len // chunk_size) * chunk_size
   per_channel = decay.ndim == 4
   rates = chunk_common.pad_tokens_and_features(decay if per_channel else decay[..., None], num_tokens=tp,
                                                dim=dim_k if per_channel else 1)
-  g = -chunk.chunk_cumsum(jnp.minimum(rates, chunk.MAX_RATE), chunk_size=chunk_size)
+  g = chunk.chunk_log_decays(rates, chunk_size=chunk_size)
   return jnp.moveaxis(g, 2, 1) if per_channel else jnp.moveaxis(g[..., 0], 2, 1)
 
 
@@ -908,7 +908,7 @@ def gates(g, segment_starts, *, batch, heads, seq_len, dim_k, chunk_size) -> Gat
   n = -(-seq_len // c)
   runs = None
   if segment_starts is not None:
-    _, runs = chunk.chunk_gates(None, jnp.pad(segment_starts, ((0, 0), (0, n * c - seq_len))), chunk_size=c)
+    runs = chunk.chunk_runs(jnp.pad(segment_starts, ((0, 0), (0, n * c - seq_len))), chunk_size=c)
   if g is None and runs is None:
     return Gates(None, None, None)
   shape = (batch, heads, n, dim_k)

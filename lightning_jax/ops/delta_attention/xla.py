@@ -30,13 +30,12 @@ def from_chunks(x, seq_len):
 
 def prepare(q, k, v, beta, decay, segment_starts, *, scale, chunk_size):
   """(`chunk.ChunkTerms`, number of chunks) of validated inputs ([B, T, H, ...] layout; starts [B, T] or None)."""
-  b, t, h, d = q.shape
+  t = q.shape[1]
   n = -(-t // chunk_size)
-  rates = None
-  if decay is not None:
-    rates = to_chunks(decay, n, chunk_size).reshape(b, h, n * chunk_size, *decay.shape[3:])
-  starts = None if segment_starts is None else jnp.pad(segment_starts, ((0, 0), (0, n * chunk_size - t)))
-  g, runs = chunk.chunk_gates(rates, starts, chunk_size=chunk_size)
+  pad_tokens = lambda x: jnp.pad(x, [(0, 0), (0, n * chunk_size - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+  g = None if decay is None else to_chunks(chunk.chunk_log_decays(pad_tokens(decay), chunk_size=chunk_size), n,
+                                           chunk_size)
+  runs = None if segment_starts is None else chunk.chunk_runs(pad_tokens(segment_starts), chunk_size=chunk_size)
   q, k, v, beta = (to_chunks(x, n, chunk_size) for x in (q, k, v, beta))
   return chunk.chunk_terms(q, k, v, beta, g, runs, scale=scale), n
 
