@@ -386,10 +386,11 @@ def test_default_config_fits_every_device():
     choose = lambda cc: pallas_triton.default_config(  # noqa: E731
         per_channel_gate=form == "kda", dtype=jnp.dtype(dtype), dim_k=dim,
         compute_capability=cc)
-    key = (capability, form, dtype, dim, tuple(dataclasses.asdict(choose(cc))[f] for f in fields))
+    config = choose(cc)
+    key = (capability, form, dtype, dim, tuple(dataclasses.asdict(config)[f] for f in fields))
     assert key in measured, f"no measurement of {key}: run python -m benchmarks.shared_memory"
-    # Measured over several chunks: a loop of one chunk does not pipeline, and took a third of the bytes.
-    assert table["metadata"]["tokens"] >= 4 * max(choose(cc).chunk_size, choose(cc).backward_chunk_size)
+    # Measured over several chunks: a loop of one chunk does not pipeline, and took under half the bytes.
+    assert table["metadata"]["tokens"] >= 4 * max(config.chunk_size, config.backward_chunk_size)
     assert measured[key] <= lightning_config.shared_memory_budget(cc), (key, measured[key])
     # No GPU or an unknown one: the smallest budget's blocks.
     assert choose(None) == choose((8, 6))
