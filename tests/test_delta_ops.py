@@ -6,6 +6,7 @@ to 1e4 in one call, beta near 0 and 2; the errors of bad input.
 """
 
 import dataclasses
+import functools
 import json
 import pathlib
 
@@ -367,6 +368,58 @@ def test_pallas_gradients_any_blocks(case, config, kernel_mode):
       assert rel_err(g, g_ref) < 1e-4, (name, rel_err(g, g_ref))
 
 
+SPLIT_CASES = [
+    # 150 tokens in 4 pieces of 64: the third partly, the fourth wholly padding.
+    (Case(b=1, t=150, d=8, e=12, decay="token", segments=True), 4),
+    (Case(b=2, t=130, d=6, e=5, decay="channel", initial_state=False), 2),
+    (Case(b=1, t=200, d=16, e=16, decay=None, beta="edges"), 2),
+]
+
+
+@pytest.mark.parametrize("case, pieces", SPLIT_CASES, ids=str)
+def test_sequence_split_matches_oracle(case, pieces, kernel_mode, monkeypatch):
+  """Each row cut into pieces run in parallel from their true initial states (`sequence_split`): outputs, final
+  state and the gradient of every input as the token-serial oracle's, with a segment starting at a piece's first
+  token (and elsewhere) and pieces past T."""
+  from lightning_jax.ops.delta_attention import sequence_split
+
+  q, k, v, beta, decay, s0, ids = make_inputs(case, seed=23)
+  if ids is not None:
+    ids = ids.at[:, 64:].add(1000)
+  cot = jax.random.split(jax.random.key(24), 2)
+  args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape),
+          jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
+  runs = []
+  for name in ("forward", "backward"):
+    monkeypatch.setattr(sequence_split, name, functools.partial(
+        lambda fn, name, *a, **kw: runs.append(name) or fn(*a, **kw), getattr(sequence_split, name), name))
+  (_, (o, final)), grads = value_and_grads(
+      "pallas", interpret=kernel_mode, config=lj.DeltaConfig(sequence_pieces=pieces,
+                                                              chunk_size=16 if case.decay == "channel" else 32))(*args)
+  assert runs == ["forward", "backward"]
+  (_, (o_ref, final_ref)), grads_ref = value_and_grads("reference")(*args)
+  assert rel_err(o, o_ref) < 1e-4 and rel_err(final, final_ref) < 1e-4
+  for name, g, g_ref in zip(ARG_NAMES, grads, grads_ref):
+    assert (g is None) == (g_ref is None), name
+    if g_ref is not None:
+      assert rel_err(g, g_ref) < 1e-4, (name, rel_err(g, g_ref))
+
+
+def test_sequence_pieces_where_measured():
+  """The split runs where the sweeps' programs fill at most a quarter of the SMs (4 or 8 pieces, each at least 16
+  chunks), not at 2; `default_config` leaves it to the call, an explicit count is checked."""
+  from lightning_jax.ops.delta_attention import sequence_split
+
+  pieces = lambda programs, chunks=1024: sequence_split.num_pieces(  # noqa: E731
+      programs=programs, num_chunks=chunks, num_sms=132)
+  assert [pieces(p) for p in (8, 16, 32, 33, 34, 64, 128)] == [8, 8, 4, 4, 1, 1, 1]
+  assert pieces(16, chunks=127) == 4 and pieces(16, chunks=63) == 1
+  assert lj.DeltaConfig().sequence_pieces is None
+  for bad in (0, 1.5, True):
+    with pytest.raises(ValueError, match="sequence_pieces must be None or an int >= 1"):
+      lj.DeltaConfig(sequence_pieces=bad)
+
+
 def test_default_config_fits_every_device():
   """The blocks default_config picks for each target, form, dtype and padded D fit that target's shared memory, as
   Triton's own allocator measured every kernel, forward and backward (benchmarks/shared_memory.py, committed)."""
@@ -404,13 +457,20 @@ def test_default_config_fits_every_device():
 
 
 def test_default_config_fills_the_sweeps_grid():
-  """Few (batch, head) pairs: the sweeps' value columns halve while twice the programs fit in the SMs, down to 16;
-  the H200 shapes keep 64; an unknown B H, or KDA, changes nothing."""
+  """Few (batch, head) pairs on the Triton sweeps: their value columns halve while twice the programs fit in the SMs,
+  down to 16; the H200 shapes keep 64; an unknown B H, or KDA, changes nothing. Where the backward's sweeps are
+  warp-specialised (sm90, 16-bit, D <= 128, jax >= 0.11.2) they keep the 64 columns of its CTAs."""
   from lightning_jax.ops.delta_attention import pallas_triton
+  from lightning_jax.ops.lightning_attention import heuristics
 
-  def block_e(batch_heads, dim, num_sms=132, dim_v=None):
+  def block_e(batch_heads, dim, num_sms=132, dim_v=None, cc=(8, 0)):
     return pallas_triton.default_config(per_channel_gate=False, dtype=jnp.bfloat16, dim_k=dim, dim_v=dim_v,
-                                        compute_capability=(9, 0), batch_heads=batch_heads, num_sms=num_sms).block_e
+                                        compute_capability=cc, batch_heads=batch_heads, num_sms=num_sms).block_e
+
+  ws = heuristics.warp_specialized_unsupported(dim_k=128, dim_v=128, dtype=jnp.bfloat16, compute_capability=(9, 0),
+                                               interpret=False) is None
+  assert block_e(16, 128, cc=(9, 0)) == (64 if ws else 16)
+  assert block_e(16, 256, cc=(9, 0)) == 32  # D = 256: the Triton sweeps, E = 256 halved once
 
   assert [block_e(bh, 128) for bh in (0, 1, 16, 17, 33, 34, 128)] == [64, 16, 16, 32, 32, 64, 64]
   assert [block_e(bh, 64) for bh in (8, 32, 66, 67, 128)] == [16, 16, 32, 64, 64]
@@ -446,7 +506,7 @@ def test_default_config_gradient_kernel_where_measured():
     return pallas_triton.default_config(per_channel_gate=False, dtype=dtype, dim_k=dim, compute_capability=cc,
                                         batch_heads=batch_heads)
 
-  assert config(batch_heads=32).block_e == 32 and config(batch_heads=32).block_d == 64
+  assert config(batch_heads=32, cc=(8, 0)).block_e == 32 and config(batch_heads=32, cc=(8, 0)).block_d == 64
   assert config().block_d == config(dim=64).block_d == config(dim=256).block_d == config(cc=(8, 0)).block_d == 64
   for cc in ((9, 0), (10, 0)):
     assert (config(cc=cc).num_stages, config(cc=cc).gradient_stages) == (3, 2)

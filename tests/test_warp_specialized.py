@@ -314,6 +314,27 @@ def test_delta_warp_specialized_gradients_match_oracle(case, mode):
 
 
 @pytest.mark.parametrize("mode", WS_MODES)
+def test_delta_sequence_split_matches_oracle(mode):
+  """The sequence split (`sequence_split`) on the warp-specialised kernels, forward and backward: 300 tokens in 4
+  pieces of 128 (the third partly, the fourth wholly padding), a segment starting at a piece's first token."""
+  case = DeltaCase(b=1, t=300, h=2, d=64, e=48, decay="token", segments=True)
+  q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=zlib.crc32(f"{case}ws-split".encode()))
+  q, k, v = (x.astype(BF16) for x in (q, k, v))
+  ids = ids.at[:, 128:].add(1000)
+  cot = jax.random.split(jax.random.key(31), 2)
+  args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape),
+          jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
+  (_, (o, final)), grads = delta_value_and_grads(
+      "pallas", config=lj.DeltaConfig(warp_specialized=True, sequence_pieces=4), interpret=mode == "interpret")(*args)
+  (_, (o_ref, final_ref)), grads_ref = delta_value_and_grads("reference")(*args)
+  assert rel_err(o, o_ref) < TOL[BF16] and rel_err(final, final_ref) < TOL[BF16]
+  for name, g, g_ref in zip(DELTA_ARG_NAMES, grads, grads_ref):
+    assert (g is None) == (g_ref is None), name
+    if g_ref is not None:
+      assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
 def test_delta_backward_takes_the_inverses_the_forward_formed(mode):
   """The warp-specialised backward on the forward's T and T' (the op's residuals) and on those it forms itself
   without them: the same gradients, so the forward padded and gated them as the backward does (T off the chunk,

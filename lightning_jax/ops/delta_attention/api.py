@@ -12,6 +12,7 @@ import numpy as np
 from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.delta_attention import reference
 from lightning_jax.ops.delta_attention import sequence_parallel
+from lightning_jax.ops.delta_attention import sequence_split
 from lightning_jax.ops.delta_attention import vjp
 from lightning_jax.ops.delta_attention import warp_specialized
 from lightning_jax.ops.delta_attention import xla
@@ -21,6 +22,7 @@ from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import packing
 from lightning_jax.ops.lightning_attention import sharding
+from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
 
 IMPLS = ("auto", "pallas", "xla", "reference")
 MAX_HEAD_DIM = lightning_api.MAX_HEAD_DIM  # q, k, v are checked by the lightning op's `check_qkv`
@@ -124,7 +126,9 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       interpret mode without a supported GPU), "xla" (chunked jnp, O(T)), "reference"
       (token-serial scan, the oracle) or "auto" (pallas on NVIDIA GPUs with
       compute capability >= 8.0, else xla; xla for cu_seqlens with states).
-    config: a `DeltaConfig` (the Pallas kernels' blocks) or None (`pallas_triton.default_config`).
+    config: a `DeltaConfig` (the Pallas kernels' blocks) or None (`pallas_triton.default_config`;
+      with few (batch, head) pairs and long T, the sequence split of
+      `sequence_split.num_pieces`: each row cut into pieces run in parallel).
     interpret: force (True) or forbid (False) Pallas interpret mode.
 
   Every array argument is differentiable (beta, decay and initial_state
@@ -196,6 +200,11 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       # Unless asked, compiled only (its interpreter is for tests).
       config = dataclasses.replace(config, warp_specialized=not cannot and (
           config.warp_specialized or (config.warp_specialized is None and not interpret)))
+      if config.sequence_pieces is None:
+        value_blocks = -(-v.shape[-1] // min(config.block_e, WarpSpecializedConfig.BLOCK_E))
+        config = dataclasses.replace(config, sequence_pieces=sequence_split.num_pieces(
+            programs=q.shape[0] * q.shape[2] * value_blocks, num_chunks=-(-q.shape[1] // sequence_split.PIECE_ALIGN),
+            num_sms=heuristics.num_sms(device)))
       opts = vjp.PallasOptions(scale=scale, with_final_state=return_final_state, config=config, interpret=interpret)
       o, final_state = vjp.delta_attention_pallas(q, k, v, beta, decay, starts, initial_state, opts)
     else:

@@ -106,6 +106,10 @@ class DeltaConfig:
       kernels too, with no prepare (`pallas_mosaic_gpu`; `backward`). None:
       wherever it runs compiled; True: required (ValueError where it cannot
       run); False: the Triton sweeps.
+    sequence_pieces: pieces each row of the sequence is cut into, run in
+      parallel from their true initial states (`sequence_split`), forward and
+      backward; 1: no split; None: `sequence_split.num_pieces` for the call
+      (where the sweeps' programs would fill at most half the SMs).
   """
   chunk_size: int = 32
   backward_chunk_size: int = 64
@@ -117,6 +121,7 @@ class DeltaConfig:
   gradient_stages: int | None = None
   prepare_warps: int | None = None
   warp_specialized: bool | None = None
+  sequence_pieces: int | None = None
 
   def __post_init__(self):
     for name in ("chunk_size", "backward_chunk_size"):  # Triton's arrays have power-of-two sizes
@@ -132,6 +137,9 @@ class DeltaConfig:
       raise ValueError(f"gradient_stages must be None or an int >= 1, got {self.gradient_stages!r}")
     if self.prepare_warps is not None and self.prepare_warps not in (1, 2, 4, 8, 16):
       raise ValueError(f"prepare_warps must be None or a power of two up to 16, got {self.prepare_warps!r}")
+    if self.sequence_pieces is not None and (not isinstance(self.sequence_pieces, int)
+                                             or isinstance(self.sequence_pieces, bool) or self.sequence_pieces < 1):
+      raise ValueError(f"sequence_pieces must be None or an int >= 1, got {self.sequence_pieces!r}")
     for name in ("split_backward", "warp_specialized"):
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be None or a bool, got {getattr(self, name)!r}")
@@ -199,14 +207,21 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   compute_capability None (no GPU, or an unknown one) the smallest budget
   applies (`lightning_config.shared_memory_budget`).
 
-  The sweeps run one program per (batch, head, block_e value columns): where
-  twice that many programs still fit in the device's `num_sms` SMs (few
-  heads, long sequences), block_e halves, down to 16. On an H200 (T 32K-64K,
-  bf16, `benchmarks/delta_sweep.py`) fwd+bwd took 14% (DeltaNet) and 10%
-  (Gated DeltaNet) less time at B1 H32 D128 with 32 columns, 22-24% less at
-  B1 H16 D128 and 10-12% less at B2 H8 D64 with 16; 16 at B1 H32 was slower
-  than 64. KDA keeps its columns: its one gradient kernel walks E in block_e
-  steps, and its fwd+bwd took 10-17% more time at D128 with fewer.
+  The Triton sweeps run one program per (batch, head, block_e value
+  columns): where twice that many programs still fit in the device's
+  `num_sms` SMs (few heads, long sequences), block_e halves, down to 16. On
+  an H200 (T 32K-64K, bf16, `benchmarks/delta_sweep.py`, before the
+  backward's sweeps were warp-specialised) fwd+bwd took 14% (DeltaNet) and
+  10% (Gated DeltaNet) less time at B1 H32 D128 with 32 columns, 22-24% less
+  at B1 H16 D128 and 10-12% less at B2 H8 D64 with 16; 16 at B1 H32 was
+  slower than 64. Where the backward's sweeps are warp-specialised (sm90,
+  16-bit, D <= 128) block_e stays 64, their CTAs' width, and the sequence
+  split fills the GPU (`sequence_split`): since the backward ran without
+  prepare, on the warp-specialised sweeps, 64 columns took 8% (DeltaNet) and
+  25% (Gated DeltaNet) less time than 32 at B1 H32 T64K D128 (H200,
+  in-process: 8.66 against 9.42 ms, 9.32 against 12.38). KDA keeps its
+  columns: its one gradient kernel walks E in block_e steps, and its fwd+bwd
+  took 10-17% more time at D128 with fewer.
   The forward's prepare kernel takes 2 warps on sm90 with 16-bit inputs,
   D <= 128 and a scalar gate or none: on an H200 (B2 H32 D128 and B4 H32
   D64, T8K, `benchmarks/delta_sweep.py`) it took 12-14% less time than with
@@ -242,7 +257,11 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
       break
   ep = lightning_config.padded_dim(dim_k if dim_v is None else dim_v)
   block_e = min(config.block_e, ep)
-  while (not per_channel_gate and batch_heads and block_e > lightning_config.MIN_BLOCK
+  # Where the backward's sweeps are warp-specialised they take 64 columns a CTA; the sequence split fills the GPU.
+  warp_specialized = heuristics.warp_specialized_unsupported(
+      dim_k=dim_k, dim_v=dim_k if dim_v is None else dim_v, dtype=dtype, compute_capability=compute_capability,
+      interpret=False) is None
+  while (not per_channel_gate and not warp_specialized and batch_heads and block_e > lightning_config.MIN_BLOCK
          and 2 * batch_heads * (ep // block_e) <= num_sms):
     block_e //= 2
   return config if block_e == min(config.block_e, ep) else dataclasses.replace(config, block_e=block_e)
@@ -1182,7 +1201,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
 
 
 def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale, config: DeltaConfig,
-             interpret, inverses=None):
+             interpret, inverses=None, initial_cotangent_only=False):
   """The cotangents (dq, dk, dv, dbeta, d decay or None, d initial_state or None) of `forward`'s inputs.
 
   do: [B, T, H, E] the output cotangent; d_final: [B, H, D, E] or None.
@@ -1197,6 +1216,9 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   the gradient kernel reads T. inverses: then (T, T') [B, H, Tp, 64], padded
   as the forward's (`warp_specialized.forward(..., with_inverses=True)`, its
   residuals); None: the `inverse` kernel forms them here.
+  initial_cotangent_only: return only dL/dS_0 [B, H, D, E] float32 (the
+  reverse sweep's; initial_state may be None): the sequence split's
+  cotangent of each piece's start from its own outputs (`sequence_split`).
   """
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   per_channel_gate = decay is not None and decay.ndim == 4
@@ -1220,21 +1242,25 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
     chunk_gates = lightning_mosaic.sweep_gates(decay, segment_starts, num_tokens=qp.shape[1])
     tri, tri_beta = inverses or inverse(kp, beta_rows, gates_, with_unscaled=True, config=config,
                                         interpret=interpret)
-    states, values = pallas_mosaic_gpu.state_sweep(kp, vp, tri_beta, chunk_gates, transpose(initial_state),
-                                                   interpret=interpret)
     d_next, d_initial, d_values = pallas_mosaic_gpu.state_cotangents(qp, kp, tri_beta, dop, chunk_gates,
                                                                      transpose(d_final), scale=scale,
                                                                      interpret=interpret)
     d_initial = transpose(d_initial)
+    if initial_cotangent_only:
+      return d_initial[:, :, :d, :e]
+    states, values = pallas_mosaic_gpu.state_sweep(kp, vp, tri_beta, chunk_gates, transpose(initial_state),
+                                                   interpret=interpret)
   else:  # S_n and U, G_n and dU from the Triton sweeps, on prepare's W and U_v (and P, T)
     if split and max(dp, ep) <= 128:  # by whole tiles (`prepare_by_tiles`)
       (w, u, tri), p = prepare_by_tiles(kp, vp, beta_rows, gates_, config=config, interpret=interpret), None
     else:
       w, u, p, tri = prepare(qp, kp, vp, beta_rows, gates_, with_inverse=split, **kernels)
-    _, _, states, values = sweep(qp, kp, w, u, p, gates_, initial_state, with_outputs=False, with_final_state=False,
-                                 with_states=True, with_values=split, **kernels)
     d_next, d_initial, d_values = state_cotangents(qp, kp, w, p, gates_, dop, d_final, with_value_cotangents=split,
                                                    **kernels)
+    if initial_cotangent_only:
+      return d_initial[:, :, :d, :e]
+    _, _, states, values = sweep(qp, kp, w, u, p, gates_, initial_state, with_outputs=False, with_final_state=False,
+                                 with_states=True, with_values=split, **kernels)
   if split:
     dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, gates_, tri, states, d_next, values, d_values,
                                             dop, transposed=warp_specialized, **kernels)

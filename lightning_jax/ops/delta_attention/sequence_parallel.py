@@ -41,7 +41,7 @@ from lightning_jax.ops.lightning_attention import sequence_parallel as lightning
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _prefix_states(maps, continues, initial_state, dim_k):
+def prefix_states(maps, continues, initial_state, dim_k):
   """(the state before each slice [P, B, H, D, E], the state after the last [B, H, D, E]), float32.
 
   maps: [P, B, H, D, D + E], each slice's [M | L]; continues: [B, P] bool,
@@ -60,6 +60,46 @@ def _prefix_states(maps, continues, initial_state, dim_k):
   return before, final
 
 
+def end_cotangents(transitions, start_cotangents, continues, d_final):
+  """The cotangent of the state after each slice, [P, B, H, D, E] float32: `prefix_states`' scan run backwards.
+
+  transitions: [P, B, H, D, D], each slice's M; start_cotangents: [P, B, H, D,
+  E], dL/dS_start of each slice through its own outputs alone (a zero
+  cotangent at its end); continues: as in `prefix_states`; d_final: [B, H, D,
+  E] float32 or None (zeros). After slice p - 1 the cotangent is that of slice
+  p's start, M_p^T dS_end(p) + its own, where slice p continues it, else 0.
+  """
+  d_end = jnp.zeros(start_cotangents.shape[1:], jnp.float32) if d_final is None else d_final
+
+  def step(d_end, slice_):
+    m_p, own_p, continues_p = slice_
+    d_start = jnp.einsum("bhij,bhie->bhje", m_p, d_end, precision=_HI) + own_p
+    return jnp.where(continues_p[:, None, None, None], d_start, 0.0), d_end
+
+  _, ends = jax.lax.scan(step, d_end, (transitions, start_cotangents, continues.T), reverse=True)
+  return ends
+
+
+def affine_maps(run, v, *, dim_k, max_value_dim):
+  """Run a slice from [I | 0] over the values [0 | v]: ((scale M_t^T q_t, scale L_t^T q_t) outputs, [M | L]).
+
+  run(values [B, T, H, E'], initial_state [B, H, D, E'] float32) -> (outputs
+  [B, T, H, E'], final state [B, H, D, E'] float32): the op on one slice; v
+  [B, T, H, E]. Where D + E exceeds `max_value_dim` (the largest E `run`
+  takes) it runs twice, [0] from I and v from zeros. Returns (carried q [B, T,
+  H, D], local o [B, T, H, E], maps [B, H, D, D + E] float32).
+  """
+  b, _, h, e = v.shape
+  no_values = jnp.zeros((*v.shape[:-1], dim_k), v.dtype)
+  identity = jnp.broadcast_to(jnp.eye(dim_k, dtype=jnp.float32), (b, h, dim_k, dim_k))
+  if dim_k + e <= max_value_dim:
+    outputs, maps = run(jnp.concatenate([no_values, v], axis=-1),
+                        jnp.concatenate([identity, jnp.zeros((b, h, dim_k, e), jnp.float32)], axis=-1))
+    return outputs[..., :dim_k], outputs[..., dim_k:], maps
+  (carried_q, transitions), (local_o, local_states) = run(no_values, identity), run(v, None)
+  return carried_q, local_o, jnp.concatenate([transitions, local_states], axis=-1)
+
+
 def sequence_parallel(run, q, k, v, beta, decay, initial_state, segment_ids, *, axis, max_value_dim):
   """The delta op over this device's slice of T, from the state of the slices before it (module docstring).
 
@@ -71,22 +111,13 @@ def sequence_parallel(run, q, k, v, beta, decay, initial_state, segment_ids, *, 
   the final state after the whole sequence [B, H, D, E] float32, the same on
   every device of `axis`).
   """
-  b, _, h, d = q.shape
-  e = v.shape[-1]
-  no_values = jnp.zeros((*v.shape[:-1], d), v.dtype)
-  identity = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), (b, h, d, d))
-  if d + e <= max_value_dim:
-    outputs, maps = run(q, k, jnp.concatenate([no_values, v], axis=-1), beta, decay,
-                        jnp.concatenate([identity, jnp.zeros((b, h, d, e), jnp.float32)], axis=-1), segment_ids)
-    carried_q, local_o = outputs[..., :d], outputs[..., d:]
-  else:
-    (carried_q, transitions), (local_o, local_states) = (run(q, k, no_values, beta, decay, identity, segment_ids),
-                                                         run(q, k, v, beta, decay, None, segment_ids))
-    maps = jnp.concatenate([transitions, local_states], axis=-1)
+  b, d = q.shape[0], q.shape[-1]
+  carried_q, local_o, maps = affine_maps(lambda values, state: run(q, k, values, beta, decay, state, segment_ids), v,
+                                         dim_k=d, max_value_dim=max_value_dim)
   starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
   maps, links = lightning_sequence_parallel.links(axis, None, segment_ids, starts, maps)
   continues = jnp.ones((b, maps.shape[0]), bool) if links.continues is None else links.continues
-  before, final = _prefix_states(maps, continues, initial_state, d)
+  before, final = prefix_states(maps, continues, initial_state, d)
   from_before = jnp.einsum("bthi,bhie->bthe", carried_q.astype(jnp.float32), before[jax.lax.axis_index(axis)],
                            precision=_HI)
   return (local_o.astype(jnp.float32) + from_before).astype(local_o.dtype), final

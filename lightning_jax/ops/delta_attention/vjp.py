@@ -43,6 +43,7 @@ import functools
 import jax
 
 from lightning_jax.ops.delta_attention import pallas_triton
+from lightning_jax.ops.delta_attention import sequence_split
 from lightning_jax.ops.delta_attention import warp_specialized
 from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import auto_sharding
@@ -52,6 +53,13 @@ from lightning_jax.ops.lightning_attention.auto_sharding import ROWS_E
 from lightning_jax.ops.lightning_attention.auto_sharding import STARTS
 from lightning_jax.ops.lightning_attention.auto_sharding import STATE
 from lightning_jax.ops.lightning_attention.auto_sharding import TOKENS
+from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
+
+# The map pass of a sequence split runs D more value columns: past this E it runs twice (`sequence_parallel`).
+MAX_VALUE_DIM = WarpSpecializedConfig.MAX_DIM_V
+# The split's residuals: the state before each piece, each piece's transition M (both [B P, H, D, *]) and
+# whether each piece continues the segment before it ([B, P]).
+SPLIT_LABELS = (STATE, STATE, STARTS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,52 +81,76 @@ def _labelled(q, k, v, beta, decay, segment_starts, initial_state):
 def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=False):
   """The forward kernels on each device's block of B and H (see `auto_sharding`): the prepare (or inverse) kernel,
   then the warp-specialised sweep where `DeltaConfig.warp_specialized` (resolved by the op) says so, else the
-  Triton one. Returns (o, final state or None), and with_inverses (the warp-specialised forward's) ((o, final
-  state or None), each chunk's (T, T'))."""
-  forward = (functools.partial(warp_specialized.forward, with_inverses=with_inverses) if opts.config.warp_specialized
-             else pallas_triton.forward)
+  Triton one, over pieces of the sequence where `DeltaConfig.sequence_pieces` > 1 (`sequence_split`).
+
+  Returns ((o, final state or None), the backward's residuals: with_inverses
+  each chunk's (T, T') (the warp-specialised forward's), then with a split
+  its piece starts, transitions and continues flags (`SPLIT_LABELS`)).
+  """
+  forward = warp_specialized.forward if opts.config.warp_specialized else pallas_triton.forward
+  pieces = opts.config.sequence_pieces or 1
+
+  def run(*args, main=True):
+    # The split's map pass returns its final state and keeps nothing for the backward.
+    results = forward(*args, scale=opts.scale, with_final_state=opts.with_final_state or not main,
+                      config=opts.config, interpret=opts.interpret,
+                      **(dict(with_inverses=with_inverses and main) if opts.config.warp_specialized else {}))
+    return results[:2] + (tuple(results[2]) if with_inverses and main else ())
 
   def local(*args):
-    results = forward(*args, scale=opts.scale, with_final_state=opts.with_final_state, config=opts.config,
-                      interpret=opts.interpret)
-    return results[:1] + (results[1:2] if opts.with_final_state else ()) + (results[2] if with_inverses else ())
+    if pieces == 1:
+      o, final_state, *kept = run(*args)
+    else:
+      (o, final_state), kept, split = sequence_split.forward(run, *args, pieces=pieces, max_value_dim=MAX_VALUE_DIM)
+      kept = (*kept, split.starts, split.transitions, split.continues)
+    return (o,) + ((final_state,) if opts.with_final_state else ()) + tuple(kept)
 
   out = auto_sharding.blockwise(local, _labelled(q, k, v, beta, decay, segment_starts, initial_state),
                                 (ROWS_E,) + ((STATE,) if opts.with_final_state else ())
-                                + ((CHUNK_TILES, CHUNK_TILES) if with_inverses else ()))
-  primal = (out[0], out[1] if opts.with_final_state else None)
-  return (primal, tuple(out[-2:])) if with_inverses else primal
+                                + ((CHUNK_TILES, CHUNK_TILES) if with_inverses else ())
+                                + (SPLIT_LABELS if pieces > 1 else ()))
+  return (out[0], out[1] if opts.with_final_state else None), tuple(out[1 + opts.with_final_state:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def delta_attention_pallas(q, k, v, beta, decay, segment_starts, initial_state, opts: PallasOptions):
   """(o [B, T, H, E], final state [B, H, D, E] float32 or None) of validated inputs (see `pallas_triton.forward`)."""
-  return _primal(q, k, v, beta, decay, segment_starts, initial_state, opts)
+  return _primal(q, k, v, beta, decay, segment_starts, initial_state, opts)[0]
 
 
 def _forward(q, k, v, beta, decay, segment_starts, initial_state, opts):
   # The warp-specialised backward takes the forward's inverses (`pallas_triton.backward`).
   with_inverses = opts.config.warp_specializes_backward(per_channel_gate=decay is not None and decay.ndim == 4)
-  out = _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=with_inverses)
-  out, inverses = out if with_inverses else (out, (None, None))
-  return out, (q, k, v, beta, decay, segment_starts, initial_state, *inverses)
+  out, kept = _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=with_inverses)
+  inverses = kept[:2] if with_inverses else (None, None)
+  return out, (q, k, v, beta, decay, segment_starts, initial_state, *inverses, kept[2 if with_inverses else 0:])
 
 
 def _backward(opts, residuals, cotangents):
-  q, k, v, beta, decay, segment_starts, initial_state, tri, tri_beta = residuals
+  q, k, v, beta, decay, segment_starts, initial_state, tri, tri_beta, split = residuals
   do, d_final = cotangents
   operands = _labelled(q, k, v, beta, decay, segment_starts, initial_state)
   # The cotangents `pallas_triton.backward` returns: of q, k, v, beta, and of decay and initial_state if given.
   returned = [label for x, label in operands[:5] + operands[6:] if x is not None]
+  kernels = dict(scale=opts.scale, config=opts.config, interpret=opts.interpret)
 
-  def local(*args):
-    *args, tri, tri_beta = args
-    grads = pallas_triton.backward(*args, scale=opts.scale, config=opts.config, interpret=opts.interpret,
-                                   inverses=None if tri is None else (tri, tri_beta))
+  def local(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, tri, tri_beta, *split_arrays):
+    inverses = None if tri is None else (tri, tri_beta)
+    if not split_arrays:
+      grads = pallas_triton.backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final,
+                                     inverses=inverses, **kernels)
+    else:
+      starts, transitions, continues = split_arrays
+      pieces = sequence_split.Pieces(count=continues.shape[1],
+                                     length=sequence_split.piece_length(q.shape[1], continues.shape[1]),
+                                     starts=starts, transitions=transitions, continues=continues)
+      run = functools.partial(pallas_triton.backward, inverses=inverses, **kernels)
+      grads = sequence_split.backward(run, pieces, q, k, v, beta, decay, segment_starts, do, d_final)
+      grads = grads if initial_state is not None else grads[:-1]
     return tuple(g for g in grads if g is not None)
 
   grads = iter(auto_sharding.blockwise(local, (*operands, (do, ROWS_E), (d_final, STATE), (tri, CHUNK_TILES),
-                                               (tri_beta, CHUNK_TILES)), returned))
+                                               (tri_beta, CHUNK_TILES), *zip(split, SPLIT_LABELS)), returned))
   dq, dk, dv, d_beta = (next(grads) for _ in range(4))
   d_decay = None if decay is None else next(grads)
   d_initial = None if initial_state is None else next(grads)

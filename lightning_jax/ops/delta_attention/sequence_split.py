@@ -1,0 +1,162 @@
+"""The delta rule's sequence split on one device, for few (batch, head) pairs and long sequences.
+
+The sweeps run one program per (batch, head, value block), each walking its
+row's chunks in order: with few (batch, head) pairs most SMs idle while the
+chains run. The split cuts every row into P pieces of whole chunks, run as rows
+of their own, each from its true initial state. The delta rule is affine in
+its state (`sequence_parallel`, whose math this is, on one device): a piece
+maps the state before it to S_end = M_p S_start + L_p.
+
+Forward:
+  1. the forward over every piece with the values [0 | v] from [I | 0]
+     (`sequence_parallel.affine_maps`) gives each piece's map [M_p | L_p];
+  2. a scan over the pieces (`sequence_parallel.prefix_states`) gives the
+     state before each, P_p (zeros where a piece starts a segment);
+  3. the forward over the pieces from P_p gives o and the final state, exactly
+     as unsplit: the outputs are the kernels' own, rounded once.
+
+Backward: each piece's backward from the same P_p, with the true cotangent of
+its end state. That cotangent comes from the pieces after it: a reverse sweep
+over each piece from a zero end cotangent gives dL/dS_start through its own
+outputs, and a reverse scan with the maps' M_p^T
+(`sequence_parallel.end_cotangents`) adds the later pieces'. Nothing is
+differentiated through the maps: split at piece boundaries, the chain rule of
+the recurrence is the pieces' backward passes.
+
+What the split costs: the map pass (a forward with D more value columns), the
+reverse sweep from zero end cotangents, the scans, and the [B P, H, D, D]
+float32 maps and [B P, H, D, E] piece states kept for the backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lightning_jax.ops.delta_attention import sequence_parallel
+from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
+
+# Tokens per chunk of the pieces' lengths: the warp-specialised sweeps' chunk, a multiple of every Triton chunk.
+PIECE_ALIGN = WarpSpecializedConfig.CHUNK_SIZE
+# Pieces walk at least this many chunks: shorter ones pay the map pass and the pipelines' fill for too little.
+MIN_PIECE_CHUNKS = 16
+# The split pays where it gives at least MIN_PIECES pieces, and was measured up to MAX_PIECES (PERFORMANCE.md,
+# "Delta attention"): on an H200 (Gated DeltaNet, bf16, fwd+bwd) 4 pieces took 23% less time at B1 H16 T64K D128
+# (32 programs) and 8 pieces 39% less at B2 H8 T32K D64 (16), where 2 pieces at B1 H32 D128 (64) took 20% more:
+# the map pass runs D more value columns in twice the programs.
+MIN_PIECES = 4
+MAX_PIECES = 8
+
+
+def num_pieces(*, programs: int, num_chunks: int, num_sms: int) -> int:
+  """Pieces per row (a power of two; 1: no split) for a call whose sweeps run `programs` programs unsplit.
+
+  programs: B * H * value blocks of 64 (the warp-specialised CTAs' width).
+  num_chunks: the row's 64-token chunks. As many pieces as the `num_sms` SMs
+  hold the programs of, at most MAX_PIECES and each at least
+  MIN_PIECE_CHUNKS chunks; none unless that is MIN_PIECES.
+  """
+  pieces = 1
+  while (2 * pieces <= MAX_PIECES and 2 * pieces * programs <= num_sms
+         and num_chunks // (2 * pieces) >= MIN_PIECE_CHUNKS):
+    pieces *= 2
+  return pieces if pieces >= MIN_PIECES else 1
+
+
+class Pieces(NamedTuple):
+  """A split's layout and what its backward reads.
+
+  count, length: pieces per row and tokens per piece (a multiple of PIECE_ALIGN).
+  starts: [B P, H, D, E] float32, the state before each piece.
+  transitions: [B P, H, D, D] float32, each piece's M.
+  continues: [B, P] bool, whether piece p's first token continues the segment before it.
+  """
+  count: int
+  length: int
+  starts: jax.Array
+  transitions: jax.Array
+  continues: jax.Array
+
+
+def piece_length(t: int, pieces: int) -> int:
+  """Tokens per piece of a row of t tokens cut into `pieces`: whole PIECE_ALIGN chunks."""
+  return math.ceil(math.ceil(t / PIECE_ALIGN) / pieces) * PIECE_ALIGN
+
+
+def to_pieces(x, pieces: int, length: int):
+  """[B, T, ...] -> [B P, length, ...]: T padded with zeros (False) to P whole pieces, each a row."""
+  if x is None:
+    return None
+  x = jnp.pad(x, ((0, 0), (0, pieces * length - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+  return x.reshape(x.shape[0] * pieces, length, *x.shape[2:])
+
+
+def from_pieces(x, batch: int, t: int):
+  """[B P, length, ...] -> [B, T, ...]."""
+  return x.reshape(batch, -1, *x.shape[2:])[:, :t]
+
+
+def forward(run: Callable, q, k, v, beta, decay, segment_starts, initial_state, *, pieces: int, max_value_dim: int):
+  """The split forward. Returns ((o [B, T, H, E], final state [B, H, D, E] float32), run's extra results on the
+  pieces, `Pieces`).
+
+  run(q, k, v, beta, decay, segment_starts, initial_state, *, main) -> (o,
+  final state, *extra): the kernels' forward on padded piece rows (B P rows);
+  `main` False for the map pass (whose extra results are dropped). Inputs as
+  `pallas_triton.forward`'s: q, k [B, T, H, D], v [B, T, H, E], beta [B, T,
+  H], decay None, [B, T, H] or [B, T, H, D], segment_starts [B, T] bool or
+  None, initial_state [B, H, D, E] float32 or None.
+  """
+  b, t, _, d = q.shape
+  length = piece_length(t, pieces)
+  split = lambda x: to_pieces(x, pieces, length)  # noqa: E731
+  qs, ks, vs, betas, decays = (split(x) for x in (q, k, v, beta, decay))
+  if segment_starts is None:
+    continues = jnp.ones((b, pieces), bool)
+    starts = None
+  else:  # a start at a piece's first token is its continues flag (the kernels' rows never start at token 0)
+    starts = split(segment_starts).reshape(b, pieces, length)
+    continues = ~starts[:, :, 0]
+    starts = starts.at[:, :, 0].set(False).reshape(b * pieces, length)
+
+  def map_run(values, state):  # state: [B P, H, D, E'], one per piece row
+    return run(qs, ks, values, betas, decays, starts, state, main=False)[:2]
+
+  _, _, maps = sequence_parallel.affine_maps(map_run, vs, dim_k=d, max_value_dim=max_value_dim)
+  maps = jnp.moveaxis(maps.reshape(b, pieces, *maps.shape[1:]), 1, 0)  # [P, B, H, D, D + E]
+  before, _ = sequence_parallel.prefix_states(maps, continues, initial_state, d)
+  piece_starts = jnp.moveaxis(before, 0, 1).reshape(b * pieces, *before.shape[2:])
+  o, final_states, *extra = run(qs, ks, vs, betas, decays, starts, piece_starts, main=True)
+  final = None if final_states is None else final_states.reshape(b, pieces, *final_states.shape[1:])[:, -1]
+  transitions = jnp.moveaxis(maps[..., :d], 0, 1).reshape(b * pieces, *maps.shape[2:-1], d)
+  return ((from_pieces(o, b, t), final), extra,
+          Pieces(count=pieces, length=length, starts=piece_starts, transitions=transitions, continues=continues))
+
+
+def backward(run_backward: Callable, pieces: Pieces, q, k, v, beta, decay, segment_starts, do, d_final):
+  """The split backward: (dq, dk, dv, dbeta, d decay or None, dL/dS_0 [B, H, D, E] float32).
+
+  run_backward(q, k, v, beta, decay, segment_starts, initial_state, do,
+  d_final, *, initial_cotangent_only) -> `pallas_triton.backward`'s results
+  on piece rows (just dL/dS_start with `initial_cotangent_only`). Inputs as
+  for `forward` (unsplit), do [B, T, H, E], d_final [B, H, D, E] or None.
+  """
+  b, t = q.shape[:2]
+  count, length = pieces.count, pieces.length
+  split = lambda x: to_pieces(x, count, length)  # noqa: E731
+  qs, ks, vs, betas, decays, dos = (split(x) for x in (q, k, v, beta, decay, do))
+  starts = None
+  if segment_starts is not None:
+    starts = split(segment_starts).reshape(b, count, length).at[:, :, 0].set(False).reshape(b * count, length)
+  by_piece = lambda x: jnp.moveaxis(x.reshape(b, count, *x.shape[1:]), 1, 0)  # noqa: E731  [B P, ...] -> [P, B, ...]
+  own = run_backward(qs, ks, vs, betas, decays, starts, None, dos, None, initial_cotangent_only=True)
+  d_ends = sequence_parallel.end_cotangents(by_piece(pieces.transitions), by_piece(own), pieces.continues, d_final)
+  d_ends = jnp.moveaxis(d_ends, 0, 1).reshape(b * count, *d_ends.shape[2:])
+  dq, dk, dv, d_beta, d_decay, d_starts = run_backward(qs, ks, vs, betas, decays, starts, pieces.starts, dos, d_ends,
+                                                       initial_cotangent_only=False)
+  merge = lambda x: None if x is None else from_pieces(x, b, t)  # noqa: E731
+  return (*(merge(x) for x in (dq, dk, dv, d_beta, d_decay)),
+          d_starts.reshape(b, count, *d_starts.shape[1:])[:, 0])
