@@ -316,7 +316,8 @@ def test_delta_warp_specialized_gradients_match_oracle(case, mode):
 @pytest.mark.parametrize("mode", WS_MODES)
 def test_delta_sequence_split_matches_oracle(mode):
   """The sequence split (`sequence_split`) on the warp-specialised kernels, forward and backward: 300 tokens in 4
-  pieces of 128 (the third partly, the fourth wholly padding), a segment starting at a piece's first token."""
+  pieces of 128 (the third partly, the fourth wholly padding), a segment starting at a piece's first token; without
+  the final state (the last piece's map not formed, the chunks' inverses formed once for both passes)."""
   case = DeltaCase(b=1, t=300, h=2, d=64, e=48, decay="token", segments=True)
   q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=zlib.crc32(f"{case}ws-split".encode()))
   q, k, v = (x.astype(BF16) for x in (q, k, v))
@@ -324,10 +325,11 @@ def test_delta_sequence_split_matches_oracle(mode):
   cot = jax.random.split(jax.random.key(31), 2)
   args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape),
           jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
-  (_, (o, final)), grads = delta_value_and_grads(
-      "pallas", config=lj.DeltaConfig(warp_specialized=True, sequence_pieces=4), interpret=mode == "interpret")(*args)
-  (_, (o_ref, final_ref)), grads_ref = delta_value_and_grads("reference")(*args)
-  assert rel_err(o, o_ref) < TOL[BF16] and rel_err(final, final_ref) < TOL[BF16]
+  (_, (o, _)), grads = delta_value_and_grads(
+      "pallas", False, config=lj.DeltaConfig(warp_specialized=True, sequence_pieces=4),
+      interpret=mode == "interpret")(*args)
+  (_, (o_ref, _)), grads_ref = delta_value_and_grads("reference", False)(*args)
+  assert rel_err(o, o_ref) < TOL[BF16]
   for name, g, g_ref in zip(DELTA_ARG_NAMES, grads, grads_ref):
     assert (g is None) == (g_ref is None), name
     if g_ref is not None:

@@ -23,9 +23,10 @@ outputs, and a reverse scan with the maps' M_p^T
 differentiated through the maps: split at piece boundaries, the chain rule of
 the recurrence is the pieces' backward passes.
 
-What the split costs: the map pass (a forward with D more value columns), the
-reverse sweep from zero end cotangents, the scans, and the [B P, H, D, D]
-float32 maps and [B P, H, D, E] piece states kept for the backward.
+What the split costs: the map pass (a forward with D more value columns, on
+the chunks' inverses the main pass takes, formed once), the reverse sweep from
+zero end cotangents, the scans, and the [B P, H, D, D] float32 maps and
+[B P, H, D, E] piece states kept for the backward.
 """
 
 from __future__ import annotations
@@ -99,16 +100,27 @@ def from_pieces(x, batch: int, t: int):
   return x.reshape(batch, -1, *x.shape[2:])[:, :t]
 
 
-def forward(run: Callable, q, k, v, beta, decay, segment_starts, initial_state, *, pieces: int, max_value_dim: int):
-  """The split forward. Returns ((o [B, T, H, E], final state [B, H, D, E] float32), run's extra results on the
-  pieces, `Pieces`).
+def forward(run: Callable, q, k, v, beta, decay, segment_starts, initial_state, *, pieces: int, max_value_dim: int,
+            with_final_state: bool, chunk_inverses: Callable | None = None):
+  """The split forward. Returns ((o [B, T, H, E], final state [B, H, D, E] float32 or None), run's extra results on
+  the pieces, `Pieces`).
 
-  run(q, k, v, beta, decay, segment_starts, initial_state, *, main) -> (o,
-  final state, *extra): the kernels' forward on padded piece rows (B P rows);
-  `main` False for the map pass (whose extra results are dropped). Inputs as
-  `pallas_triton.forward`'s: q, k [B, T, H, D], v [B, T, H, E], beta [B, T,
-  H], decay None, [B, T, H] or [B, T, H, D], segment_starts [B, T] bool or
-  None, initial_state [B, H, D, E] float32 or None.
+  run(q, k, v, beta, decay, segment_starts, initial_state, *, main,
+  inverses) -> (o, final state, *extra): the kernels' forward on padded piece
+  rows; `main` False for the map pass (which returns its final state and
+  whose extra results are dropped). chunk_inverses(k, beta, decay,
+  segment_starts) -> what the forward would form from those alone (the
+  warp-specialised forward's chunk inverses, arrays over the piece rows), or
+  None: then formed once, and `run` gets them for the rows it runs, else it
+  gets None. Inputs as `pallas_triton.forward`'s: q, k [B, T, H, D], v [B, T,
+  H, E], beta [B, T, H], decay None, [B, T, H] or [B, T, H, D],
+  segment_starts [B, T] bool or None, initial_state [B, H, D, E] float32 or
+  None. with_final_state: whether the final state is returned (and its
+  cotangent may reach the backward); without it, in a batch of one row, the
+  last piece's map is not formed (nothing reads it; with more rows the
+  other pieces' operands would be gathered for the map pass, which cost
+  more than the map: on an H200, B2 H8 T32K D64 and 8 pieces, the forward
+  took 10% more time, and 4% less at B1 H16 T64K D128 with 4 pieces).
   """
   b, t, _, d = q.shape
   length = piece_length(t, pieces)
@@ -121,17 +133,30 @@ def forward(run: Callable, q, k, v, beta, decay, segment_starts, initial_state, 
     starts = split(segment_starts).reshape(b, pieces, length)
     continues = ~starts[:, :, 0]
     starts = starts.at[:, :, 0].set(False).reshape(b * pieces, length)
+  inverses = None if chunk_inverses is None else chunk_inverses(ks, betas, decays, starts)
+  mapped = pieces - 1 if b == 1 and not with_final_state else pieces
 
-  def map_run(values, state):  # state: [B P, H, D, E'], one per piece row
-    return run(qs, ks, values, betas, decays, starts, state, main=False)[:2]
+  def first(x):  # [P, ...] -> the first `mapped` pieces' rows (B = 1)
+    return x if x is None or mapped == pieces else x[:mapped]
 
-  _, _, maps = sequence_parallel.affine_maps(map_run, vs, dim_k=d, max_value_dim=max_value_dim)
-  maps = jnp.moveaxis(maps.reshape(b, pieces, *maps.shape[1:]), 1, 0)  # [P, B, H, D, D + E]
-  before, _ = sequence_parallel.prefix_states(maps, continues, initial_state, d)
+  map_rows = [first(x) for x in (ks, betas, decays, starts)]
+  map_inverses = jax.tree.map(first, inverses)
+
+  def map_run(values, state):  # state: [B mapped, H, D, E'], one per piece row; q unused (the outputs are dropped)
+    return run(map_rows[0], map_rows[0], values, *map_rows[1:], state, main=False, inverses=map_inverses)[:2]
+
+  _, _, maps = sequence_parallel.affine_maps(map_run, first(vs), dim_k=d, max_value_dim=max_value_dim)
+  maps = jnp.moveaxis(maps.reshape(b, mapped, *maps.shape[1:]), 1, 0)  # [mapped, B, H, D, D + E]
+  before, after = sequence_parallel.prefix_states(maps, continues[:, :mapped], initial_state, d)
+  if mapped < pieces:  # the last piece's start: the state after the one before it, where it continues it
+    before = jnp.concatenate([before, jnp.where(continues[:, -1, None, None, None], after, 0.0)[None]])
   piece_starts = jnp.moveaxis(before, 0, 1).reshape(b * pieces, *before.shape[2:])
-  o, final_states, *extra = run(qs, ks, vs, betas, decays, starts, piece_starts, main=True)
+  o, final_states, *extra = run(qs, ks, vs, betas, decays, starts, piece_starts, main=True, inverses=inverses)
   final = None if final_states is None else final_states.reshape(b, pieces, *final_states.shape[1:])[:, -1]
-  transitions = jnp.moveaxis(maps[..., :d], 0, 1).reshape(b * pieces, *maps.shape[2:-1], d)
+  transitions = maps[..., :d]
+  if mapped < pieces:  # no cotangent reaches the last piece's end: its M multiplies zeros
+    transitions = jnp.concatenate([transitions, jnp.zeros_like(transitions[:1])])
+  transitions = jnp.moveaxis(transitions, 0, 1).reshape(b * pieces, *transitions.shape[2:])
   return ((from_pieces(o, b, t), final), extra,
           Pieces(count=pieces, length=length, starts=piece_starts, transitions=transitions, continues=continues))
 

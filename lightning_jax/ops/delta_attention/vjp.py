@@ -87,21 +87,31 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
   each chunk's (T, T') (the warp-specialised forward's), then with a split
   its piece starts, transitions and continues flags (`SPLIT_LABELS`)).
   """
-  forward = warp_specialized.forward if opts.config.warp_specialized else pallas_triton.forward
+  ws = opts.config.warp_specialized
   pieces = opts.config.sequence_pieces or 1
+  kernels = dict(scale=opts.scale, config=opts.config, interpret=opts.interpret)
 
-  def run(*args, main=True):
-    # The split's map pass returns its final state and keeps nothing for the backward.
-    results = forward(*args, scale=opts.scale, with_final_state=opts.with_final_state or not main,
-                      config=opts.config, interpret=opts.interpret,
-                      **(dict(with_inverses=with_inverses and main) if opts.config.warp_specialized else {}))
-    return results[:2] + (tuple(results[2]) if with_inverses and main else ())
+  def run(*args, main=True, inverses=None):
+    if not ws:
+      return pallas_triton.forward(*args, with_final_state=opts.with_final_state or not main, **kernels)
+    if not main:  # the split's map pass: its final state, from T' alone
+      inverses = None if inverses is None else inverses[1] if with_inverses else inverses
+      return warp_specialized.forward(*args, with_final_state=True, inverses=inverses, **kernels)
+    o, final_state, *kept = warp_specialized.forward(*args, with_final_state=opts.with_final_state,
+                                                     with_inverses=with_inverses, inverses=inverses, **kernels)
+    return (o, final_state, *(kept[0] if kept else ()))
+
+  def chunk_inverses(k, beta, decay, segment_starts):  # formed once for both of the split's passes
+    return warp_specialized.chunk_inverses(k, beta, decay, segment_starts, with_unscaled=with_inverses,
+                                           config=opts.config, interpret=opts.interpret)
 
   def local(*args):
     if pieces == 1:
       o, final_state, *kept = run(*args)
     else:
-      (o, final_state), kept, split = sequence_split.forward(run, *args, pieces=pieces, max_value_dim=MAX_VALUE_DIM)
+      (o, final_state), kept, split = sequence_split.forward(
+          run, *args, pieces=pieces, max_value_dim=MAX_VALUE_DIM, with_final_state=opts.with_final_state,
+          chunk_inverses=chunk_inverses if ws else None)
       kept = (*kept, split.starts, split.transitions, split.continues)
     return (o,) + ((final_state,) if opts.with_final_state else ()) + tuple(kept)
 

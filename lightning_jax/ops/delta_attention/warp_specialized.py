@@ -37,11 +37,35 @@ def unsupported(*, dim_k: int, dim_v: int, dtype, per_channel_gate: bool, comput
                                                  compute_capability=compute_capability, interpret=interpret)
 
 
+def _padded_gates(beta, decay, segment_starts, *, tp):
+  """beta [B, H, Tp], the rates [B, Tp, H] (or None), segment starts [B, Tp] (or None), all padded to Tp tokens."""
+  t = beta.shape[1]
+  pad_tokens = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+  return jnp.moveaxis(pad_tokens(beta), 2, 1), pad_tokens(decay), pad_tokens(segment_starts)
+
+
+def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, config: pallas_triton.DeltaConfig, interpret):
+  """Each 64-token chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, 64] in k's dtype, with_unscaled as (T, T')
+  (`pallas_triton.inverse`): what `forward` forms, for a caller that runs it more than once on the same k, beta
+  and gates (`sequence_split`). Arguments as `forward`'s."""
+  t, d = k.shape[1], k.shape[-1]
+  tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
+  dp = WarpSpecializedConfig.padded_dims(d, d)[0]
+  beta_rows, decay, segment_starts = _padded_gates(beta, decay, segment_starts, tp=tp)
+  kp = chunk_common.pad_tokens_and_features(k, num_tokens=tp, dim=dp)
+  g = pallas_triton.gate_logs(decay, seq_len=tp, dim_k=dp, chunk_size=CHUNK_SIZE)
+  gates_ = pallas_triton.gates(g, segment_starts, batch=k.shape[0], heads=k.shape[2], seq_len=tp, dim_k=dp,
+                               chunk_size=CHUNK_SIZE)
+  return pallas_triton.inverse(kp, beta_rows, gates_, with_unscaled=with_unscaled,
+                               config=dataclasses.replace(config, chunk_size=CHUNK_SIZE), interpret=interpret)
+
+
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state,
-            config: pallas_triton.DeltaConfig, interpret, with_inverses=False):
+            config: pallas_triton.DeltaConfig, interpret, with_inverses=False, inverses=None):
   """`pallas_triton.forward`'s contract (same arguments and results) on the warp-specialised sweep; with_inverses:
   also each chunk's (T, T'), [B, H, Tp, 64] in the input dtype (`pallas_triton.inverse(..., with_unscaled=True)`),
-  which `pallas_triton.backward` takes.
+  which `pallas_triton.backward` takes. inverses: `chunk_inverses`' (T', or (T, T') with_inverses) for these k,
+  beta and gates, or None (formed here).
 
   q, k: [B, T, H, D]; v: [B, T, H, E] bf16 or fp16; beta: [B, T, H]
   float32; decay: None or [B, T, H] float32 rates; segment_starts: [B, T]
@@ -57,23 +81,18 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
-  pad_tokens = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
-  beta_rows = jnp.moveaxis(pad_tokens(beta), 2, 1)
-  decay = None if decay is None else pad_tokens(decay)
-  segment_starts = None if segment_starts is None else pad_tokens(segment_starts)
-  qp, kp = pad(q, dp), pad(k, dp)
-  g = pallas_triton.gate_logs(decay, seq_len=tp, dim_k=dp, chunk_size=CHUNK_SIZE)
-  gates_ = pallas_triton.gates(g, segment_starts, batch=b, heads=h, seq_len=tp, dim_k=dp, chunk_size=CHUNK_SIZE)
-  inverses = pallas_triton.inverse(kp, beta_rows, gates_, with_unscaled=with_inverses,
-                                   config=dataclasses.replace(config, chunk_size=CHUNK_SIZE), interpret=interpret)
+  if inverses is None:
+    inverses = chunk_inverses(k, beta, decay, segment_starts, with_unscaled=with_inverses, config=config,
+                              interpret=interpret)
   inverse = inverses[1] if with_inverses else inverses
+  _, decay, segment_starts = _padded_gates(beta, decay, segment_starts, tp=tp)
   # The sweep's own gates, in its per-chunk factors' form.
   chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp)
   if initial_state is not None:  # the kernel carries S^T [E, D], one slice
     initial_state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True)
   result = pallas_mosaic_gpu.forward_padded(
-      qp, kp, pad(v, ep), None, initial_state, chunk_gates=chunk_gates,
+      pad(q, dp), pad(k, dp), pad(v, ep), None, initial_state, chunk_gates=chunk_gates,
       delta_inverse=inverse, scale=scale, seq_len=t,
       return_final_state=with_final_state, cfg=cfg, interpret=interpret)
   o, final_state = result if with_final_state else (result, None)
