@@ -109,7 +109,8 @@ class DeltaConfig:
     sequence_pieces: pieces each row of the sequence is cut into, run in
       parallel from their true initial states (`sequence_split`), forward and
       backward; 1: no split; None: `sequence_split.num_pieces` for the call
-      (where the sweeps' programs would fill at most half the SMs).
+      (4 to 8 pieces where the sweeps' programs would fill at most a quarter
+      of the SMs).
   """
   chunk_size: int = 32
   backward_chunk_size: int = 64

@@ -55,7 +55,8 @@ MAX_PIECES = 8
 def num_pieces(*, programs: int, num_chunks: int, num_sms: int) -> int:
   """Pieces per row (a power of two; 1: no split) for a call whose sweeps run `programs` programs unsplit.
 
-  programs: B * H * value blocks of 64 (the warp-specialised CTAs' width).
+  programs: B * H * value blocks of the sweeps' width (the warp-specialised
+  CTAs' 64 columns, or the Triton sweeps' block_e where narrower).
   num_chunks: the row's 64-token chunks. As many pieces as the `num_sms` SMs
   hold the programs of, at most MAX_PIECES and each at least
   MIN_PIECE_CHUNKS chunks; none unless that is MIN_PIECES.
