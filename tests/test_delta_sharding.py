@@ -58,11 +58,12 @@ def check_close(got, want, got_grads, want_grads):
       assert rel_err(a, b) < 1e-3, (name, rel_err(a, b))
 
 
-@pytest.mark.parametrize("impl,form", [("pallas", "kda"), ("pallas", "gated_deltanet"), ("xla", "deltanet")])
-def test_auto_mesh_inputs_stay_on_their_devices(impl, form):
+@pytest.mark.parametrize("impl,form,pieces", [("pallas", "kda", None), ("pallas", "gated_deltanet", None),
+                                              ("pallas", "gated_deltanet", 2), ("xla", "deltanet", None)])
+def test_auto_mesh_inputs_stay_on_their_devices(impl, form, pieces):
   """A plain Mesh (Auto axes), inputs placed over batch and heads: forward and backward run on each device's
   block, and nothing crosses devices but the loss's sums (every operand and result of the delta rule is per batch
-  and head)."""
+  and head); with a sequence split too (its pieces' states and maps kept per device for the backward)."""
   mesh = cpu_mesh((2, 2), ("data", "model"))
   inputs = make_inputs(37, form, seed=1)
   q, k, v, beta, decay, s0, ids, do, d_final = inputs
@@ -72,6 +73,8 @@ def test_auto_mesh_inputs_stay_on_their_devices(impl, form):
   place = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
   q, k, v, beta, decay, s0, ids, do, d_final = map(place, inputs, specs)
   kwargs = dict(impl=impl, interpret=True) if impl == "pallas" else dict(impl=impl)
+  if pieces:
+    kwargs["config"] = lj.DeltaConfig(sequence_pieces=pieces)
   vg = value_and_grads(ids, do, d_final, **kwargs)
   (_, got), got_grads = vg(q, k, v, beta, decay, s0)
   check_close(got, want, got_grads, want_grads)
