@@ -147,6 +147,9 @@ SHAPE_SETS = {
     "packed": [Shape(1, 32768, 32, 128, 128)],
     # The performance targets of the delta forms.
     "delta": [*_families([2048, 8192, 32768]), Shape(1, 65536, 32, 128, 128)],
+    # The delta forms at few (batch, head) pairs, long T: the sequence split's territory (8 to 64 programs).
+    "delta-long": [Shape(1, 65536, 32, 128, 128), Shape(1, 65536, 16, 128, 128), Shape(2, 32768, 8, 64, 64),
+                   Shape(1, 131072, 8, 64, 64)],
 }
 
 # A sample of 20 ms of back-to-back calls: with 1 ms samples (2 calls of a
@@ -185,6 +188,9 @@ PROFILES = {
     "delta": dict(shapes="delta", impls="lj-delta-pallas,lj-pallas-auto,cudnn-flash,fla-delta-chunk,jla-delta-mosaic",
                   ops="lightning,delta", modes="fwd,fwdbwd", decay="off,token", segments="1", max_seconds=540.0,
                   **_GPU_SETTINGS),
+    # The delta forms at few (batch, head) pairs against the peers that run them.
+    "delta-long": dict(shapes="delta-long", impls="lj-delta-pallas,fla-delta-chunk,jla-delta-mosaic", ops="delta",
+                       modes="fwd,fwdbwd", decay="off", segments="1", max_seconds=540.0, **_GPU_SETTINGS),
     # The same on one tiny shape, with our xla implementation too.
     "smoke-delta": dict(shapes="1x64x2x16", impls="delta,lj-pallas-auto,baseline", ops="lightning,delta",
                         modes="fwd,fwdbwd", decay="off,token", segments="1", **_SMOKE_SETTINGS),

@@ -269,6 +269,11 @@ def test_delta_options_jobs_and_gates():
       ("cudnn-flash", None), *(("lj-pallas-auto", d) for d in (False, "token")),
       *((i, f) for i in ("lj-delta-pallas", "fla-delta-chunk", "jla-delta-mosaic") for f in cases.DELTA_FORMS)}
   assert delta.description["modes"] == ["fwd", "fwdbwd"] and delta.description["dtype"] == "bf16"
+  # Few (batch, head) pairs: 8 to 64 programs of 64 value columns (the sequence split's territory).
+  few = run.make_plan(run.parse_args(["--profile", "delta-long"]))
+  assert {s.batch * s.heads * s.dim_v // 64 for s in map(cases.job_shape, few.jobs)} == {8, 16, 32, 64}
+  assert {(j["impl"], j["decay"]) for j in few.jobs} == {
+      (i, f) for i in ("lj-delta-pallas", "fla-delta-chunk", "jla-delta-mosaic") for f in cases.DELTA_FORMS}
   job = cases.make_jobs(["lj-delta-xla"], [cases.Shape(2, 100, 3, 8, 4)], ["kda"], ["fwd"], "bf16")[0]
   gates = cases.delta_gates(job)
   assert gates["beta"].shape == (2, 100, 3) and gates["decay"].shape == (2, 100, 3, 8)
