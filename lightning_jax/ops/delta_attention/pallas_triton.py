@@ -1181,13 +1181,14 @@ def padded_operands(q, k, v, beta, segment_starts, g, *, chunk_size, dims=None):
 
 
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, config: DeltaConfig,
-            interpret):
+            interpret, with_outputs=True):
   """The delta attention forward on the Pallas Triton kernels.
 
   q, k: [B, T, H, D]; v: [B, T, H, E] (one float dtype); beta: [B, T, H]
   float32; decay: None, [B, T, H] or [B, T, H, D] float32 rates;
   segment_starts: [B, T] bool or None; initial_state: [B, H, D, E] float32
-  or None. Returns (o [B, T, H, E] in q's dtype, final state [B, H, D, E]
+  or None. Returns (o [B, T, H, E] in q's dtype, or None without
+  with_outputs (the sweep then forms no output), final state [B, H, D, E]
   float32 or None).
   """
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
@@ -1197,8 +1198,9 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c)
   w, u, p, _ = prepare(qp, kp, vp, beta_rows, gates_, scale=scale, config=config, interpret=interpret)
   o, final_state, _, _ = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep), scale=scale,
-                            with_final_state=with_final_state, config=config, interpret=interpret)
-  return o[:, :t, :, :e], None if final_state is None else final_state[:, :, :d, :e]
+                               with_outputs=with_outputs, with_final_state=with_final_state, config=config,
+                               interpret=interpret)
+  return None if o is None else o[:, :t, :, :e], None if final_state is None else final_state[:, :, :d, :e]
 
 
 def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale, config: DeltaConfig,

@@ -87,7 +87,8 @@ def affine_maps(run, v, *, dim_k, max_value_dim):
   [B, T, H, E'], final state [B, H, D, E'] float32): the op on one slice; v
   [B, T, H, E]. Where D + E exceeds `max_value_dim` (the largest E `run`
   takes) it runs twice, [0] from I and v from zeros. Returns (carried q [B, T,
-  H, D], local o [B, T, H, E], maps [B, H, D, D + E] float32).
+  H, D], local o [B, T, H, E], maps [B, H, D, D + E] float32); the outputs
+  None where `run` returns None for them (a map alone).
   """
   b, _, h, e = v.shape
   no_values = jnp.zeros((*v.shape[:-1], dim_k), v.dtype)
@@ -95,7 +96,7 @@ def affine_maps(run, v, *, dim_k, max_value_dim):
   if dim_k + e <= max_value_dim:
     outputs, maps = run(jnp.concatenate([no_values, v], axis=-1),
                         jnp.concatenate([identity, jnp.zeros((b, h, dim_k, e), jnp.float32)], axis=-1))
-    return outputs[..., :dim_k], outputs[..., dim_k:], maps
+    return (None, None, maps) if outputs is None else (outputs[..., :dim_k], outputs[..., dim_k:], maps)
   (carried_q, transitions), (local_o, local_states) = run(no_values, identity), run(v, None)
   return carried_q, local_o, jnp.concatenate([transitions, local_states], axis=-1)
 

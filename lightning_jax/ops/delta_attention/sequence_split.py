@@ -24,7 +24,8 @@ differentiated through the maps: split at piece boundaries, the chain rule of
 the recurrence is the pieces' backward passes.
 
 What the split costs: the map pass (a forward with D more value columns, on
-the chunks' inverses the main pass takes, formed once), the reverse sweep from
+the chunks' inverses the main pass takes, formed once; on the Triton sweeps
+without outputs), the reverse sweep from
 zero end cotangents, the scans, and the [B P, H, D, D] float32 maps and
 [B P, H, D, E] piece states kept for the backward.
 """
@@ -108,8 +109,8 @@ def forward(run: Callable, q, k, v, beta, decay, segment_starts, initial_state, 
 
   run(q, k, v, beta, decay, segment_starts, initial_state, *, main,
   inverses) -> (o, final state, *extra): the kernels' forward on padded piece
-  rows; `main` False for the map pass (which returns its final state and
-  whose extra results are dropped). chunk_inverses(k, beta, decay,
+  rows; `main` False for the map pass (which returns its final state; its
+  outputs may be None, and its extra results are dropped). chunk_inverses(k, beta, decay,
   segment_starts) -> what the forward would form from those alone (the
   warp-specialised forward's chunk inverses, arrays over the piece rows), or
   None: then formed once, and `run` gets them for the rows it runs, else it

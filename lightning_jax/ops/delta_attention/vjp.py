@@ -92,8 +92,9 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
   kernels = dict(scale=opts.scale, config=opts.config, interpret=opts.interpret)
 
   def run(*args, main=True, inverses=None):
-    if not ws:
-      return pallas_triton.forward(*args, with_final_state=opts.with_final_state or not main, **kernels)
+    if not ws:  # the split's map pass forms no outputs
+      return pallas_triton.forward(*args, with_final_state=opts.with_final_state or not main, with_outputs=main,
+                                   **kernels)
     if not main:  # the split's map pass: its final state, from T' alone
       inverses = None if inverses is None else inverses[1] if with_inverses else inverses
       return warp_specialized.forward(*args, with_final_state=True, inverses=inverses, **kernels)
