@@ -102,6 +102,15 @@ def from_pieces(x, batch: int, t: int):
   return x.reshape(batch, -1, *x.shape[2:])[:, :t]
 
 
+def _piece_starts(segment_starts, b: int, pieces: int, length: int):
+  """(segment starts on the piece rows [B P, length] or None, continues [B, P]): a start at a piece's first token is
+  its continues flag, not a start (the kernels' rows never start a segment at token 0)."""
+  if segment_starts is None:
+    return None, jnp.ones((b, pieces), bool)
+  starts = to_pieces(segment_starts, pieces, length).reshape(b, pieces, length)
+  return starts.at[:, :, 0].set(False).reshape(b * pieces, length), ~starts[:, :, 0]
+
+
 def forward(run: Callable, q, k, v, beta, decay, segment_starts, initial_state, *, pieces: int, max_value_dim: int,
             with_final_state: bool, chunk_inverses: Callable | None = None):
   """The split forward. Returns ((o [B, T, H, E], final state [B, H, D, E] float32 or None), run's extra results on
@@ -110,11 +119,11 @@ def forward(run: Callable, q, k, v, beta, decay, segment_starts, initial_state, 
   run(q, k, v, beta, decay, segment_starts, initial_state, *, main,
   inverses) -> (o, final state, *extra): the kernels' forward on padded piece
   rows; `main` False for the map pass (which returns its final state; its
-  outputs may be None, and its extra results are dropped). chunk_inverses(k, beta, decay,
-  segment_starts) -> what the forward would form from those alone (the
-  warp-specialised forward's chunk inverses, arrays over the piece rows), or
-  None: then formed once, and `run` gets them for the rows it runs, else it
-  gets None. Inputs as `pallas_triton.forward`'s: q, k [B, T, H, D], v [B, T,
+  outputs may be None, and its extra results are dropped).
+  chunk_inverses(k, beta, decay, segment_starts) -> what the forward would
+  form from those alone (the warp-specialised forward's chunk inverses,
+  arrays over the piece rows), or None: then formed once, and `run` gets
+  them for the rows it runs, else it gets None. Inputs as `pallas_triton.forward`'s: q, k [B, T, H, D], v [B, T,
   H, E], beta [B, T, H], decay None, [B, T, H] or [B, T, H, D],
   segment_starts [B, T] bool or None, initial_state [B, H, D, E] float32 or
   None. with_final_state: whether the final state is returned (and its
@@ -128,13 +137,7 @@ def forward(run: Callable, q, k, v, beta, decay, segment_starts, initial_state, 
   length = piece_length(t, pieces)
   split = lambda x: to_pieces(x, pieces, length)  # noqa: E731
   qs, ks, vs, betas, decays = (split(x) for x in (q, k, v, beta, decay))
-  if segment_starts is None:
-    continues = jnp.ones((b, pieces), bool)
-    starts = None
-  else:  # a start at a piece's first token is its continues flag (the kernels' rows never start at token 0)
-    starts = split(segment_starts).reshape(b, pieces, length)
-    continues = ~starts[:, :, 0]
-    starts = starts.at[:, :, 0].set(False).reshape(b * pieces, length)
+  starts, continues = _piece_starts(segment_starts, b, pieces, length)
   inverses = None if chunk_inverses is None else chunk_inverses(ks, betas, decays, starts)
   mapped = pieces - 1 if b == 1 and not with_final_state else pieces
 
@@ -144,7 +147,7 @@ def forward(run: Callable, q, k, v, beta, decay, segment_starts, initial_state, 
   map_rows = [first(x) for x in (ks, betas, decays, starts)]
   map_inverses = jax.tree.map(first, inverses)
 
-  def map_run(values, state):  # state: [B mapped, H, D, E'], one per piece row; q unused (the outputs are dropped)
+  def map_run(values, state):  # state: [B mapped, H, D, E'], one per piece row; k stands in for q (no outputs kept)
     return run(map_rows[0], map_rows[0], values, *map_rows[1:], state, main=False, inverses=map_inverses)[:2]
 
   _, _, maps = sequence_parallel.affine_maps(map_run, first(vs), dim_k=d, max_value_dim=max_value_dim)
@@ -175,9 +178,7 @@ def backward(run_backward: Callable, pieces: Pieces, q, k, v, beta, decay, segme
   count, length = pieces.count, pieces.length
   split = lambda x: to_pieces(x, count, length)  # noqa: E731
   qs, ks, vs, betas, decays, dos = (split(x) for x in (q, k, v, beta, decay, do))
-  starts = None
-  if segment_starts is not None:
-    starts = split(segment_starts).reshape(b, count, length).at[:, :, 0].set(False).reshape(b * count, length)
+  starts = _piece_starts(segment_starts, b, count, length)[0]
   by_piece = lambda x: jnp.moveaxis(x.reshape(b, count, *x.shape[1:]), 1, 0)  # noqa: E731  [B P, ...] -> [P, B, ...]
   own = run_backward(qs, ks, vs, betas, decays, starts, None, dos, None, initial_cotangent_only=True)
   d_ends = sequence_parallel.end_cotangents(by_piece(pieces.transitions), by_piece(own), pieces.continues, d_final)
