@@ -374,7 +374,7 @@ def test_pallas_gradients_any_blocks(case, config, kernel_mode):
 SPLIT_CASES = [
     # 150 tokens in 4 pieces of 64: the third partly, the fourth wholly padding.
     (Case(b=1, t=150, d=8, e=12, decay="token", segments=True), 4, True),
-    # Without the final state the last piece's map is not formed.
+    # Without the final state: every piece's map with two rows; the last one's not formed with one row.
     (Case(b=2, t=130, d=6, e=5, decay="channel", initial_state=False), 2, False),
     (Case(b=1, t=200, d=16, e=16, decay=None, beta="edges", segments=True), 4, False),
 ]
