@@ -76,8 +76,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   ms, 2 0.170 and 8 0.367); its chunk is the sweep's, 64 tokens, whatever
   `config.chunk_size`.
   """
-  b, t, h, d = q.shape
-  e = v.shape[-1]
+  t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
