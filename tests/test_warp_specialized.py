@@ -336,6 +336,37 @@ def test_delta_sequence_split_matches_oracle(mode):
       assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
 
 
+# The split's map pass (`warp_specialized.piece_maps`): K and Ep equal, and both ways apart (the narrower side's last
+# block run twice). Interpreted on the first alone.
+PIECE_MAPS_PARAMS = [
+    pytest.param(d, e, *mode.values, marks=mode.marks, id=f"D{d}E{e}-{mode.id}")
+    for i, (d, e) in enumerate([(48, 80), (128, 128), (128, 40)]) for mode in (WS_MODES if i == 0 else WS_MODES[1:])]
+
+
+@pytest.mark.parametrize("d,e,mode", PIECE_MAPS_PARAMS)
+def test_delta_piece_maps_match_oracle(d, e, mode):
+  """Each row's map [M | L]: the oracle's final state from [I | 0] over the values [0 | v] (q = k), T off the chunk,
+  per-token rates and segment starts (none at token 0, as on the split's piece rows)."""
+  from lightning_jax.ops.delta_attention import warp_specialized
+
+  case = DeltaCase(b=2, t=200, h=2, d=d, e=e, decay="token", segments=True)
+  _, k, v, beta, decay, _, ids = delta_inputs(case, seed=zlib.crc32(f"{case}maps".encode()))
+  k, v = k.astype(BF16), v.astype(BF16)
+  starts = jnp.concatenate([jnp.zeros_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+  config = lj.DeltaConfig(warp_specialized=True)
+  interpret = mode == "interpret"
+  maps = jax.jit(lambda: warp_specialized.piece_maps(
+      k, v, beta, decay, starts, interpret=interpret, inverse=warp_specialized.chunk_inverses(
+          k, beta, decay, starts, with_unscaled=False, config=config, interpret=interpret)))()
+  values = jnp.concatenate([jnp.zeros((*v.shape[:-1], d), BF16), v], axis=-1)
+  identity = jnp.broadcast_to(jnp.eye(d, d + e), (case.b, case.h, d, d + e))
+  _, maps_ref = jax.jit(lambda: lj.delta_attention(k, k, values, beta, decay, initial_state=identity, segment_ids=ids,
+                                                   return_final_state=True, impl="reference"))()
+  assert maps.shape == maps_ref.shape and maps.dtype == F32
+  assert rel_err(maps[..., :d], maps_ref[..., :d]) < TOL[BF16], "M"
+  assert rel_err(maps[..., d:], maps_ref[..., d:]) < TOL[BF16], "L"
+
+
 @pytest.mark.parametrize("mode", WS_MODES)
 def test_delta_backward_takes_the_inverses_the_forward_formed(mode):
   """The warp-specialised backward on the forward's T and T' (the op's residuals) and on those it forms itself
@@ -414,10 +445,33 @@ def test_delta_backward_sweeps_lower_for_cuda(dim_k, dim_v, gated, segments, wit
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, inverse, do, gates, d_final)
   assert "delta_state_cotangents_warp_specialized" in exported.mlir_module()
   assert [o.shape for o in exported.out_avals] == [(2, 3, 3, dim_v, dim_k), (2, 3, dim_v, dim_k), (2, 3, dim_v, 192)]
+  # The sequence split's pass from zero end cotangents: dL/dS_0^T alone.
+  fn = jax.jit(lambda q, k, inverse, do, gates: delta_mosaic.state_cotangents(q, k, inverse, do, gates, None,
+                                                                             scale=0.125, initial_only=True))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, inverse, do, gates)
+  assert [o.shape for o in exported.out_avals] == [(2, 3, dim_v, dim_k)]
   # The state sweep before it: the forward's kernel storing S_n^T and U^T.
   fn = jax.jit(lambda k, v, inverse, gates, s0: delta_mosaic.state_sweep(k, v, inverse, gates, s0))
   exported = jax.export.export(fn, platforms=["cuda"])(q, do, inverse, gates, d_final)
   assert [o.shape for o in exported.out_avals] == [(2, 3, 3, dim_v, dim_k), (2, 3, dim_v, 192)]
+
+
+@needs_ws_jax
+@pytest.mark.parametrize("dim_k,dim_v,gated,segments", [(128, 128, True, True), (64, 128, False, False),
+                                                        (128, 64, True, False)])
+def test_delta_piece_maps_lower_for_cuda(dim_k, dim_v, gated, segments):
+  """The split's map pass lowers as the GPU compiles it (its ring of 4 slots within sm90's shared memory at K = 128,
+  both chains' wgmma operands), from any backend."""
+  assert delta_mosaic.piece_maps_shared_memory_bytes(num_stages=4, dim_k=128, itemsize=2) <= 232448
+  k = jax.ShapeDtypeStruct((2, 192, 3, dim_k), BF16)
+  v = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
+  gates = (jax.ShapeDtypeStruct((2, 3, 192), F32) if gated else None,
+           jax.ShapeDtypeStruct((2, 192), jnp.int32) if segments else None)
+  inverse = jax.ShapeDtypeStruct((2, 3, 192, 64), BF16)
+  fn = jax.jit(lambda k, v, inverse, gates: delta_mosaic.piece_maps(k, v, inverse, gates))
+  exported = jax.export.export(fn, platforms=["cuda"])(k, v, inverse, gates)
+  assert "delta_piece_maps_warp_specialized" in exported.mlir_module()
+  assert [o.shape for o in exported.out_avals] == [(2, 3, dim_k + dim_v, dim_k)]
 
 
 @pytest.mark.parametrize("mode", WS_MODES[1:])

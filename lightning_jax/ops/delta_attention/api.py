@@ -204,7 +204,7 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
         value_blocks = -(-v.shape[-1] // min(config.block_e, WarpSpecializedConfig.BLOCK_E))
         config = dataclasses.replace(config, sequence_pieces=sequence_split.num_pieces(
             programs=q.shape[0] * q.shape[2] * value_blocks, num_chunks=-(-q.shape[1] // sequence_split.PIECE_ALIGN),
-            num_sms=heuristics.num_sms(device)))
+            num_sms=heuristics.num_sms(device), warp_specialized=config.warp_specialized))
       opts = vjp.PallasOptions(scale=scale, with_final_state=return_final_state, config=config, interpret=interpret)
       o, final_state = vjp.delta_attention_pallas(q, k, v, beta, decay, starts, initial_state, opts)
     else:

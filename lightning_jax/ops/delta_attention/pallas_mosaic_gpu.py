@@ -1,4 +1,5 @@
-"""The delta rule's backward sweeps in Pallas Mosaic GPU (Hopper, sm90), warp-specialised.
+"""The delta rule's backward sweeps and the sequence split's map pass in Pallas Mosaic GPU (Hopper, sm90),
+warp-specialised.
 
 `state_sweep` is `pallas_triton.sweep`'s job in the backward (S_n and U, no
 output): the forward's warp-specialised kernel in its `delta_states` mode,
@@ -30,7 +31,16 @@ The state warpgroup stores G_n^T and dU^T from the shared memory it
 publishes them in, so both come out transposed: G^T [B, H, N, Ep, K] and
 dU^T [B, H, Ep, Tp], as `pallas_triton.tile_gradients` reads them with
 `cotangents_transposed` (and `state_sweep`'s S_n^T and U^T with
-`states_transposed`). Where the kernels run is
+`states_transposed`). The sequence split's pass from zero end cotangents
+(`state_cotangents(..., initial_only=True)`) stores neither: it needs
+dL/dS_0 alone.
+
+`piece_maps` is the split's forward map pass: the forward's chain step
+(`lightning_mosaic.delta_pseudo_values`, `delta_update`) from [I | 0] over
+[0 | v], two chains a CTA (one warpgroup each, I's 64 rows and 64 value
+columns), no outputs.
+
+Where the kernels run is
 `warp_specialized.unsupported` (sm90, bf16/fp16, K <= 128) and
 `pallas_triton.backward`; they also run in the Mosaic GPU interpreter.
 """
@@ -82,10 +92,12 @@ def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3) -> int:
 
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, has_segments,
-            has_final, scale, in_registers):
+            has_final, scale, in_registers, per_chunk):
   refs = list(refs)
   d_final_ref = refs.pop(0) if has_final else None
-  d_next_ref, du_ref, d_initial_ref, buffers, barriers = refs
+  # Without `per_chunk`, dL/dS_0^T alone: G_n^T and dU^T are formed in shared memory but not stored.
+  d_next_ref, du_ref = (refs.pop(0), refs.pop(0)) if per_chunk else (None, None)
+  d_initial_ref, buffers, barriers = refs
   (q_smem, k_smem, inverse_smem, do_smem, rows_smem, columns_smem, intra_smem, pairs_smem, w_smem,
    (g_smem, g_f32_smem), du_smem, *staged) = buffers
   # Interpreted: the left operands dO^T Diag(row) (the chain's) and T' Diag(2^-c) (the pairs') staged, as Diag(row) dO
@@ -145,12 +157,16 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
                                                                        has_segments=has_segments)
       # -scale 2^-c_t (zero past a segment start): dO^T Diag(row) Q is dO^T Q_g, negated with the state term below.
       row = -scale * jnp.exp2(lightning_mosaic.row_exponents(rows, has_segments=has_segments))
-      # G_n^T out; the stores of chunk i - 2 have read their buffers (two stores a chunk).
-      plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+      # G_n^T out; the stores of chunk i - 2 have read their buffers (two stores a chunk). Staged where stored or
+      # read from shared memory by wgmma.
+      staged = per_chunk or not in_registers
       grad_in = grad_t.astype(g_smem.dtype)
-      g_smem[buf] = grad_in
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(g_smem.at[buf], d_next_ref.at[batch, head, chunk_of(i), cols])
+      if staged:
+        plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+        g_smem[buf] = grad_in
+        plgpu.commit_smem()
+      if per_chunk:
+        plgpu.copy_smem_to_gmem(g_smem.at[buf], d_next_ref.at[batch, head, chunk_of(i), cols])
       do_t = do_smem.at[slot].transpose((1, 0))
       plgpu.barrier_wait(pairs_ready.at[pub])
 
@@ -162,9 +178,11 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
       through_pairs, through_keys = pl.run_scoped(cotangent_products, plgpu.ACC((be, c), _F32),
                                                   plgpu.ACC((be, c), _F32))
       du_t = (through_pairs + through_keys * by_column(jnp.exp2(key_exponent))).astype(du_smem.dtype)
-      du_smem[buf] = du_t
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(du_smem.at[buf], du_ref.at[batch, head, cols, chunk_rows(i)])
+      if staged:
+        du_smem[buf] = du_t
+        plgpu.commit_smem()
+      if per_chunk:
+        plgpu.copy_smem_to_gmem(du_smem.at[buf], du_ref.at[batch, head, cols, chunk_rows(i)])
       if in_registers:
         queries_t = (do_t[...].astype(_F32) * by_column(row)).astype(do_smem.dtype)
       else:  # staged untransposed, read transposed by wgmma
@@ -238,6 +256,20 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
       plgpu.barrier_wait(pairs_read.at[lax.rem(i, _PUBLISHED_PAIRS)])
 
 
+def _checked_factors(keys, dim_v: int, inverse, chunk_gates):
+  """The chunks' factor rows (`lightning_mosaic.chunk_factors`) for padded operands, which it checks: keys [B, Tp, H,
+  K] with Tp a multiple of 64 and K 64 or 128, Ep = dim_v a multiple of 64, inverse [B, H, Tp, 64]."""
+  b, tp, h, dim_k = keys.shape
+  c, be = CHUNK_SIZE, BLOCK_E
+  if tp % c or dim_k not in (64, 128) or dim_v % be or inverse.shape != (b, h, tp, c):
+    raise ValueError(f"padded operands: Tp a multiple of {c}, K 64 or 128, Ep a multiple of {be}, inverse [B, H, Tp, "
+                     f"{c}]; got keys {keys.shape}, Ep {dim_v}, inverse {inverse.shape}")
+  cumdecay, runs = chunk_gates
+  if cumdecay is None:
+    cumdecay = jnp.zeros((b, h, tp), _F32)
+  return lightning_mosaic.chunk_factors(cumdecay, runs)
+
+
 def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = False):
   """The backward's state sweep on padded operands: (S_n^T [B, H, N, Ep, K], the state before chunk n; U^T [B, H, Ep,
   Tp]), both in the input dtype.
@@ -254,9 +286,11 @@ def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = 
       delta_inverse=inverse, delta_states=True, scale=1.0, seq_len=tp, cfg=cfg, interpret=interpret)
 
 
-def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, interpret: bool = False):
+def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, interpret: bool = False,
+                     initial_only: bool = False):
   """The reverse sweep on padded operands: (G^T [B, H, N, Ep, K] in the input dtype, G_n^T = (dL/dS after chunk
-  n)^T; dL/dS_0^T [B, H, Ep, K] float32; dU^T [B, H, Ep, Tp] in the input dtype).
+  n)^T; dL/dS_0^T [B, H, Ep, K] float32; dU^T [B, H, Ep, Tp] in the input dtype); with `initial_only`, dL/dS_0^T
+  alone (the sequence split's pass from zero end cotangents, which stores nothing a chunk).
 
   q, k: [B, Tp, H, K]; inverse: T' [B, H, Tp, 64] as for `state_sweep`; do:
   [B, Tp, H, Ep]; bf16 or fp16, Tp a multiple of 64, K = 64 or 128, Ep a multiple
@@ -268,13 +302,8 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
   b, tp, h, dim_k = q.shape
   dim_v = do.shape[-1]
   c, be = CHUNK_SIZE, BLOCK_E
-  if tp % c or dim_k not in (64, 128) or dim_v % be:
-    raise ValueError(f"padded operands: Tp a multiple of {c}, K 64 or 128, Ep a multiple of {be}; got {q.shape}, "
-                     f"{do.shape}")
-  cumdecay, runs = chunk_gates
-  if cumdecay is None:
-    cumdecay = jnp.zeros((b, h, tp), _F32)
-  vectors = lightning_mosaic.chunk_factors(cumdecay, runs)
+  vectors = _checked_factors(q, dim_v, inverse, chunk_gates)
+  runs = chunk_gates[1]
   intra = scale * chunk_common.causal_mask(c, reverse=False).astype(_F32)
   dtype = q.dtype
   stages = num_stages(dim_k=dim_k, itemsize=dtype.itemsize)
@@ -294,25 +323,142 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
        plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS))
       + ((plgpu.Barrier(num_barriers=1),) if d_final is not None else ()),
   )
-  if inverse.shape != (b, h, tp, c):
-    raise ValueError(f"inverse must be [B, H, Tp, {c}] = {(b, h, tp, c)}, got {inverse.shape}")
   inputs = (intra, vectors, q, k, inverse, do) + (() if d_final is None else (d_final,))
   n = tp // c
   out_type = (manual_axes.struct((b, h, n, dim_v, dim_k), dtype, *inputs),
-              manual_axes.struct((b, h, dim_v, tp), dtype, *inputs),
-              manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs))
+              manual_axes.struct((b, h, dim_v, tp), dtype, *inputs))
+  out_type = (() if initial_only else out_type) + (manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs),)
   kernel = functools.partial(_kernel, num_chunks=n, num_stages=stages, has_segments=runs is not None,
-                             has_final=d_final is not None, scale=scale, in_registers=in_registers)
-  d_next_t, du_t, d_initial_t = plgpu.kernel(
-      kernel,
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=(h, b, dim_v // be),
-      grid_names=("heads", "batch", "value_blocks"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else False,
-      kernel_name="delta_state_cotangents_warp_specialized",
-  )(*inputs)
+                             has_final=d_final is not None, scale=scale, in_registers=in_registers,
+                             per_chunk=not initial_only)
+  *per_chunk, d_initial_t = lightning_mosaic.warpgroup_kernel(
+      kernel, out_type=out_type, scratch_types=scratch, grid=(h, b, dim_v // be),
+      grid_names=("heads", "batch", "value_blocks"), interpret=interpret,
+      kernel_name="delta_state_cotangents_warp_specialized")(*inputs)
+  if initial_only:
+    return d_initial_t
+  d_next_t, du_t = per_chunk
   return d_next_t, d_initial_t, du_t
+
+
+# Deepest ring of `piece_maps`: four slots of k, v, T' and the factor rows take 130 KB at K = 128 in 16 bits.
+_MAP_STAGES = 4
+
+
+def piece_maps_shared_memory_bytes(*, num_stages: int, dim_k: int, itemsize: int, factor_rows: int = 2,
+                                   staged: bool = False) -> int:
+  """`piece_maps`' shared memory: the ring (k [C, K], v [C, 64], T' [C, C] and the factor rows per slot), each
+  chain's float32 [64, K] state, and with `staged` (interpreted) each chain's staged left operands."""
+  c, be = CHUNK_SIZE, BLOCK_E
+  ring = num_stages * (c * (dim_k + be + c) * itemsize + factor_rows * c * 4)
+  chains = 2 * be * dim_k * 4 + (2 * be * (dim_k + c) * itemsize if staged else 0)
+  return ring + chains + _RESERVED
+
+
+def _maps_kernel(identity_ref, vectors_ref, k_ref, v_ref, inverse_ref, maps_ref, buffers, barriers, *, num_chunks,
+                 num_stages, identity_blocks, value_blocks, has_segments, in_registers):
+  k_smem, v_smem, inverse_smem, rows_smem, state_smem, *staged = buffers
+  loaded, released, identity_loaded = barriers
+  c, be = CHUNK_SIZE, BLOCK_E
+  head, batch, col = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("blocks")
+  wg = lax.axis_index("wg")
+  # CTA `col` carries identity block min(col, identity_blocks - 1) and value block min(col, value_blocks - 1):
+  # where K and Ep differ, the narrower side's last block runs twice and writes the same rows twice.
+  identity_block = jnp.minimum(col, identity_blocks - 1)
+  value_block = jnp.minimum(col, value_blocks - 1)
+
+  @pl.when(wg == 0)
+  def _memory():
+    value_cols = pl.ds(pl.multiple_of(value_block * be, be), be)
+
+    def load(n, slot):  # n static for the ring's first slots
+      rows = pl.ds(n * c if isinstance(n, int) else pl.multiple_of(n * c, c), c)
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, value_cols], v_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(inverse_ref.at[batch, head, rows], inverse_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, n], rows_smem.at[slot], loaded.at[slot])
+
+    lightning_mosaic.fill_ring(load, released, num_chunks=num_chunks, num_stages=num_stages)
+
+  # Two chains, one warpgroup each, on the same chunks: the identity block's (from I's rows, no values: M^T) and the
+  # value block's (from zeros: L^T). Each chain's products wait on its own last ones; two chains in one CTA fill
+  # those waits, and halve the CTAs of one chain a CTA.
+  for chain, carries_identity in enumerate((True, False)):
+    @pl.when(wg == 1 + chain)
+    def _chain():
+      state_f32 = state_smem.at[chain]
+      staging = None if in_registers else tuple(buffer.at[chain] for buffer in staged)
+      if carries_identity:
+        plgpu.copy_gmem_to_smem(identity_ref.at[identity_block], state_f32, identity_loaded.at[0])
+        plgpu.barrier_wait(identity_loaded.at[0])
+        state = state_f32[...]
+        first_row = identity_block * be
+      else:
+        state = jnp.zeros((be, k_smem.shape[-1]), _F32)
+        first_row = (identity_blocks + value_block) * be
+
+      def body(n, state_t):
+        slot = lax.rem(n, num_stages)
+        plgpu.barrier_wait(loaded.at[slot])
+        rows = rows_smem.at[slot]
+        values_t = lightning_mosaic.delta_pseudo_values(
+            state_t.astype(k_smem.dtype), k_smem.at[slot], inverse_smem.at[slot],
+            None if carries_identity else v_smem.at[slot], rows, has_segments=has_segments, staging=staging)
+        exponents = lightning_mosaic.update_exponents(
+            rows, cum_end=rows_smem[slot, lightning_mosaic.CUM, c - 1],
+            runs_end=rows_smem[slot, lightning_mosaic.RUNS, c - 1] if has_segments else None,
+            has_segments=has_segments)
+        state_t = lightning_mosaic.delta_update(state_t, values_t, k_smem.at[slot], *exponents, staging=staging)
+        plgpu.barrier_arrive(released.at[slot])
+        return state_t
+
+      state = lax.fori_loop(0, num_chunks, body, state)
+      state_f32[...] = state
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(state_f32, maps_ref.at[batch, head, pl.ds(pl.multiple_of(first_row, be), be)])
+      plgpu.wait_smem_to_gmem(0)
+
+
+def piece_maps(k, v, inverse, chunk_gates, *, interpret: bool = False):
+  """Each row's affine map, transposed: [M | L]^T [B, H, K + Ep, K] float32, M [K, K] the product of the row's
+  transitions (I - beta_t k_t k_t^T) Diag(a_t) and L [K, Ep] its state from zeros (`sequence_split`).
+
+  The forward from [I | 0] over the values [0 | v] (`sequence_parallel.affine_maps`),
+  without its outputs, q or the augmented operands: one CTA per (head, row,
+  64 rows of I and 64 value columns) walks the row's chunks, its memory
+  warpgroup loading k, v, T' and the factor rows into a ring and two chain
+  warpgroups running the forward's chain step (`delta_pseudo_values`,
+  `delta_update`), one from I's 64 rows without values and one from zeros over
+  the 64 value columns. Operands as `state_sweep`'s: k [B, Tp, H, K], v [B,
+  Tp, H, Ep], inverse T' [B, H, Tp, 64], chunk_gates (cumdecay or None, runs
+  or None).
+  """
+  b, tp, h, dim_k = k.shape
+  dim_v = v.shape[-1]
+  c, be = CHUNK_SIZE, BLOCK_E
+  vectors = _checked_factors(k, dim_v, inverse, chunk_gates)
+  runs = chunk_gates[1]
+  identity_blocks, value_blocks = dim_k // be, dim_v // be
+  identity = jnp.eye(dim_k, dtype=_F32).reshape(identity_blocks, be, dim_k)  # I^T's rows, 64 a block
+  dtype = k.dtype
+  in_registers = not interpret  # the interpreter's wgmma reads shared memory alone
+  factor_rows = vectors.shape[-2]
+  smem = lightning_mosaic.swizzled_smem
+  budget = lightning_config.shared_memory_budget(WarpSpecializedConfig.COMPUTE_CAPABILITY)
+  stages = next(s for s in range(_MAP_STAGES, 0, -1) if piece_maps_shared_memory_bytes(
+      num_stages=s, dim_k=dim_k, itemsize=dtype.itemsize, factor_rows=factor_rows, staged=not in_registers) <= budget)
+  scratch = (
+      (smem((stages, c, dim_k), dtype), smem((stages, c, be), dtype), smem((stages, c, c), dtype),
+       plgpu.SMEM((stages, factor_rows, c), _F32), plgpu.SMEM((2, be, dim_k), _F32))
+      + (() if in_registers else (smem((2, be, dim_k), dtype), smem((2, be, c), dtype))),
+      # k, v, T' and the factor rows, one arrival each; both chains release a slot.
+      (plgpu.Barrier(num_arrivals=4, num_barriers=stages), plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+       plgpu.Barrier(num_barriers=1)),
+  )
+  inputs = (identity, vectors, k, v, inverse)
+  kernel = functools.partial(_maps_kernel, num_chunks=tp // c, num_stages=stages, identity_blocks=identity_blocks,
+                             value_blocks=value_blocks, has_segments=runs is not None, in_registers=in_registers)
+  return lightning_mosaic.warpgroup_kernel(
+      kernel, out_type=manual_axes.struct((b, h, dim_k + dim_v, dim_k), _F32, *inputs), scratch_types=scratch,
+      grid=(h, b, max(identity_blocks, value_blocks)), grid_names=("heads", "batch", "blocks"), interpret=interpret,
+      kernel_name="delta_piece_maps_warp_specialized")(*inputs)

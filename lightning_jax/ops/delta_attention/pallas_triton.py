@@ -110,7 +110,7 @@ class DeltaConfig:
       parallel from their true initial states (`sequence_split`), forward and
       backward; 1: no split; None: `sequence_split.num_pieces` for the call
       (4 to 8 pieces where the sweeps' programs would fill at most a quarter
-      of the SMs).
+      of the SMs; on the warp-specialised sweeps 2 to 8, from half).
   """
   chunk_size: int = 32
   backward_chunk_size: int = 64
@@ -1245,12 +1245,14 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
     chunk_gates = lightning_mosaic.sweep_gates(decay, segment_starts, num_tokens=qp.shape[1])
     tri, tri_beta = inverses or inverse(kp, beta_rows, gates_, with_unscaled=True, config=config,
                                         interpret=interpret)
+    if initial_cotangent_only:
+      return transpose(pallas_mosaic_gpu.state_cotangents(qp, kp, tri_beta, dop, chunk_gates, transpose(d_final),
+                                                          scale=scale, interpret=interpret,
+                                                          initial_only=True))[:, :, :d, :e]
     d_next, d_initial, d_values = pallas_mosaic_gpu.state_cotangents(qp, kp, tri_beta, dop, chunk_gates,
                                                                      transpose(d_final), scale=scale,
                                                                      interpret=interpret)
     d_initial = transpose(d_initial)
-    if initial_cotangent_only:
-      return d_initial[:, :, :d, :e]
     states, values = pallas_mosaic_gpu.state_sweep(kp, vp, tri_beta, chunk_gates, transpose(initial_state),
                                                    interpret=interpret)
   else:  # S_n and U, G_n and dU from the Triton sweeps, on prepare's W and U_v (and P, T)

@@ -9,7 +9,8 @@ maps the state before it to S_end = M_p S_start + L_p.
 
 Forward:
   1. the forward over every piece with the values [0 | v] from [I | 0]
-     (`sequence_parallel.affine_maps`) gives each piece's map [M_p | L_p];
+     (`sequence_parallel.affine_maps`; on sm90 the chain alone,
+     `warp_specialized.piece_maps`) gives each piece's map [M_p | L_p];
   2. a scan over the pieces (`sequence_parallel.prefix_states`) gives the
      state before each, P_p (zeros where a piece starts a segment);
   3. the forward over the pieces from P_p gives o and the final state, exactly
@@ -23,9 +24,9 @@ outputs, and a reverse scan with the maps' M_p^T
 differentiated through the maps: split at piece boundaries, the chain rule of
 the recurrence is the pieces' backward passes.
 
-What the split costs: the map pass (a forward with D more value columns, on
-the chunks' inverses the main pass takes, formed once; on the Triton sweeps
-without outputs), the reverse sweep from
+What the split costs: the map pass (the chain of a forward with D more value
+columns, without outputs, on the chunks' inverses the main pass takes,
+formed once), the reverse sweep from
 zero end cotangents, the scans, and the [B P, H, D, D] float32 maps and
 [B P, H, D, E] piece states kept for the backward.
 """
@@ -45,28 +46,31 @@ from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
 PIECE_ALIGN = WarpSpecializedConfig.CHUNK_SIZE
 # Pieces walk at least this many chunks: shorter ones pay the map pass and the pipelines' fill for too little.
 MIN_PIECE_CHUNKS = 16
-# The split pays where it gives at least MIN_PIECES pieces, and was measured up to MAX_PIECES (PERFORMANCE.md,
-# "Delta attention"): on an H200 (Gated DeltaNet, bf16, fwd+bwd) 4 pieces took 23% less time at B1 H16 T64K D128
-# (32 programs) and 8 pieces 39% less at B2 H8 T32K D64 (16), where 2 pieces at B1 H32 D128 (64) took 20% more:
-# the map pass runs D more value columns in twice the programs.
-MIN_PIECES = 4
+# The split pays where it gives at least min_pieces(...) pieces, and was measured up to MAX_PIECES (PERFORMANCE.md,
+# "Delta attention"). On an H200 (Gated DeltaNet, bf16, fwd+bwd), with the map pass a forward of D more value columns
+# in twice the programs (the Triton sweeps' today), 4 pieces took 23% less time at B1 H16 T64K D128 (32 programs)
+# and 8 pieces 39% less at B2 H8 T32K D64 (16), where 2 pieces at B1 H32 D128 (64) took 20% more; with the
+# warp-specialised chain alone (`warp_specialized.piece_maps`), 2 pieces there took 5% less.
+MIN_PIECES, MIN_PIECES_WARP_SPECIALIZED = 4, 2
 MAX_PIECES = 8
 
 
-def num_pieces(*, programs: int, num_chunks: int, num_sms: int) -> int:
+def num_pieces(*, programs: int, num_chunks: int, num_sms: int, warp_specialized: bool) -> int:
   """Pieces per row (a power of two; 1: no split) for a call whose sweeps run `programs` programs unsplit.
 
   programs: B * H * value blocks of the sweeps' width (the warp-specialised
   CTAs' 64 columns, or the Triton sweeps' block_e where narrower).
   num_chunks: the row's 64-token chunks. As many pieces as the `num_sms` SMs
   hold the programs of, at most MAX_PIECES and each at least
-  MIN_PIECE_CHUNKS chunks; none unless that is MIN_PIECES.
+  MIN_PIECE_CHUNKS chunks; none unless that is MIN_PIECES, or
+  MIN_PIECES_WARP_SPECIALIZED where the sweeps (and so the map pass) are
+  warp-specialised.
   """
   pieces = 1
   while (2 * pieces <= MAX_PIECES and 2 * pieces * programs <= num_sms
          and num_chunks // (2 * pieces) >= MIN_PIECE_CHUNKS):
     pieces *= 2
-  return pieces if pieces >= MIN_PIECES else 1
+  return pieces if pieces >= (MIN_PIECES_WARP_SPECIALIZED if warp_specialized else MIN_PIECES) else 1
 
 
 class Pieces(NamedTuple):
@@ -111,27 +115,28 @@ def _piece_starts(segment_starts, b: int, pieces: int, length: int):
   return starts.at[:, :, 0].set(False).reshape(b * pieces, length), ~starts[:, :, 0]
 
 
-def forward(run: Callable, q, k, v, beta, decay, segment_starts, initial_state, *, pieces: int, max_value_dim: int,
+def forward(run: Callable, piece_maps: Callable, q, k, v, beta, decay, segment_starts, initial_state, *, pieces: int,
             with_final_state: bool, chunk_inverses: Callable | None = None):
   """The split forward. Returns ((o [B, T, H, E], final state [B, H, D, E] float32 or None), run's extra results on
   the pieces, `Pieces`).
 
-  run(q, k, v, beta, decay, segment_starts, initial_state, *, main,
-  inverses) -> (o, final state, *extra): the kernels' forward on padded piece
-  rows; `main` False for the map pass (which returns its final state; its
-  outputs may be None, and its extra results are dropped).
+  run(q, k, v, beta, decay, segment_starts, initial_state, *, inverses) ->
+  (o, final state, *extra): the kernels' forward on padded piece rows.
+  piece_maps(k, v, beta, decay, segment_starts, inverses) -> each row's map
+  [M | L] [rows, H, D, D + E] float32 (`sequence_parallel.affine_maps`').
   chunk_inverses(k, beta, decay, segment_starts) -> what the forward would
   form from those alone (the warp-specialised forward's chunk inverses,
-  arrays over the piece rows), or None: then formed once, and `run` gets
-  them for the rows it runs, else it gets None. Inputs as `pallas_triton.forward`'s: q, k [B, T, H, D], v [B, T,
-  H, E], beta [B, T, H], decay None, [B, T, H] or [B, T, H, D],
-  segment_starts [B, T] bool or None, initial_state [B, H, D, E] float32 or
-  None. with_final_state: whether the final state is returned (and its
-  cotangent may reach the backward); without it, in a batch of one row, the
-  last piece's map is not formed (nothing reads it; with more rows the
-  other pieces' operands would be gathered for the map pass, which cost
-  more than the map: on an H200, B2 H8 T32K D64 and 8 pieces, the forward
-  took 10% more time, and 4% less at B1 H16 T64K D128 with 4 pieces).
+  arrays over the piece rows), or None: then formed once, and `run` and
+  `piece_maps` get them for the rows they run, else None. Inputs as
+  `pallas_triton.forward`'s: q, k [B, T, H, D], v [B, T, H, E], beta [B, T,
+  H], decay None, [B, T, H] or [B, T, H, D], segment_starts [B, T] bool or
+  None, initial_state [B, H, D, E] float32 or None. with_final_state: whether
+  the final state is returned (and its cotangent may reach the backward);
+  without it, in a batch of one row, the last piece's map is not formed
+  (nothing reads it; with more rows the other pieces' operands would be
+  gathered for the map pass, which cost more than the map: on an H200, B2 H8
+  T32K D64 and 8 pieces, the forward took 10% more time, and 4% less at B1
+  H16 T64K D128 with 4 pieces).
   """
   b, t, _, d = q.shape
   length = piece_length(t, pieces)
@@ -144,19 +149,13 @@ def forward(run: Callable, q, k, v, beta, decay, segment_starts, initial_state, 
   def first(x):  # [P, ...] -> the first `mapped` pieces' rows (B = 1)
     return x if x is None or mapped == pieces else x[:mapped]
 
-  map_rows = [first(x) for x in (ks, betas, decays, starts)]
-  map_inverses = jax.tree.map(first, inverses)
-
-  def map_run(values, state):  # state: [B mapped, H, D, E'], one per piece row; k stands in for q (no outputs kept)
-    return run(map_rows[0], map_rows[0], values, *map_rows[1:], state, main=False, inverses=map_inverses)[:2]
-
-  _, _, maps = sequence_parallel.affine_maps(map_run, first(vs), dim_k=d, max_value_dim=max_value_dim)
+  maps = piece_maps(*(first(x) for x in (ks, vs, betas, decays, starts)), jax.tree.map(first, inverses))
   maps = jnp.moveaxis(maps.reshape(b, mapped, *maps.shape[1:]), 1, 0)  # [mapped, B, H, D, D + E]
   before, after = sequence_parallel.prefix_states(maps, continues[:, :mapped], initial_state, d)
   if mapped < pieces:  # the last piece's start: the state after the one before it, where it continues it
     before = jnp.concatenate([before, jnp.where(continues[:, -1, None, None, None], after, 0.0)[None]])
   piece_starts = jnp.moveaxis(before, 0, 1).reshape(b * pieces, *before.shape[2:])
-  o, final_states, *extra = run(qs, ks, vs, betas, decays, starts, piece_starts, main=True, inverses=inverses)
+  o, final_states, *extra = run(qs, ks, vs, betas, decays, starts, piece_starts, inverses=inverses)
   final = None if final_states is None else final_states.reshape(b, pieces, *final_states.shape[1:])[:, -1]
   transitions = maps[..., :d]
   if mapped < pieces:  # no cotangent reaches the last piece's end: its M multiplies zeros

@@ -43,6 +43,7 @@ import functools
 import jax
 
 from lightning_jax.ops.delta_attention import pallas_triton
+from lightning_jax.ops.delta_attention import sequence_parallel
 from lightning_jax.ops.delta_attention import sequence_split
 from lightning_jax.ops.delta_attention import warp_specialized
 from lightning_jax.ops.lightning_attention import manual_axes
@@ -91,16 +92,22 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
   pieces = opts.config.sequence_pieces or 1
   kernels = dict(scale=opts.scale, config=opts.config, interpret=opts.interpret)
 
-  def run(*args, main=True, inverses=None):
-    if not ws:  # the split's map pass forms no outputs
-      return pallas_triton.forward(*args, with_final_state=opts.with_final_state or not main, with_outputs=main,
-                                   **kernels)
-    if not main:  # the split's map pass: its final state, from T' alone
-      inverses = None if inverses is None else inverses[1] if with_inverses else inverses
-      return warp_specialized.forward(*args, with_final_state=True, inverses=inverses, **kernels)
+  def run(*args, inverses=None):
+    if not ws:
+      return pallas_triton.forward(*args, with_final_state=opts.with_final_state, **kernels)
     o, final_state, *kept = warp_specialized.forward(*args, with_final_state=opts.with_final_state,
                                                      with_inverses=with_inverses, inverses=inverses, **kernels)
     return (o, final_state, *(kept[0] if kept else ()))
+
+  def piece_maps(k, v, beta, decay, segment_starts, inverses):  # the split's map pass: final states alone
+    if ws:
+      return warp_specialized.piece_maps(k, v, beta, decay, segment_starts, interpret=opts.interpret,
+                                         inverse=inverses[1] if with_inverses else inverses)
+
+    def forward(values, state):  # k stands in for q: no outputs are formed
+      return pallas_triton.forward(k, k, values, beta, decay, segment_starts, state, with_final_state=True,
+                                   with_outputs=False, **kernels)
+    return sequence_parallel.affine_maps(forward, v, dim_k=k.shape[-1], max_value_dim=MAX_VALUE_DIM)[2]
 
   def chunk_inverses(k, beta, decay, segment_starts):  # formed once for both of the split's passes
     return warp_specialized.chunk_inverses(k, beta, decay, segment_starts, with_unscaled=with_inverses,
@@ -111,7 +118,7 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
       o, final_state, *kept = run(*args)
     else:
       (o, final_state), kept, split = sequence_split.forward(
-          run, *args, pieces=pieces, max_value_dim=MAX_VALUE_DIM, with_final_state=opts.with_final_state,
+          run, piece_maps, *args, pieces=pieces, with_final_state=opts.with_final_state,
           chunk_inverses=chunk_inverses if ws else None)
       kept = (*kept, split.starts, split.transitions, split.continues)
     return (o,) + ((final_state,) if opts.with_final_state else ()) + tuple(kept)

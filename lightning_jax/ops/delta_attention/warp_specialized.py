@@ -11,6 +11,7 @@ leave the serial chain, which the Triton sweep's one instruction stream
 cannot do. The backward's sweeps are warp-specialised too
 (`pallas_mosaic_gpu`): they take the inverses this forward formed, T and T'
 (`forward(..., with_inverses=True)`, the op's residuals), and recompute the rest.
+The sequence split's map pass (`piece_maps`) runs the chain alone, twice a CTA.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from lightning_jax.ops.delta_attention import pallas_mosaic_gpu as delta_mosaic
 from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import heuristics
@@ -100,3 +102,19 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   if with_inverses:
     return o[:, :t, :, :e], final_state, inverses
   return o[:, :t, :, :e], final_state
+
+
+def piece_maps(k, v, beta, decay, segment_starts, *, inverse, interpret):
+  """Each row's affine map [M | L] [B, H, D, D + E] float32 (`sequence_parallel.affine_maps`' maps: the state
+  after the row from [I | 0] over the values [0 | v]), by `pallas_mosaic_gpu.piece_maps`: no outputs, q or
+  augmented operands. inverse: `chunk_inverses`' T' for these k, beta and gates; the rest as `forward`'s."""
+  t, d, e = k.shape[1], k.shape[-1], v.shape[-1]
+  tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
+  dp, ep = WarpSpecializedConfig.padded_dims(d, e)
+  _, decay, segment_starts = _padded_gates(beta, decay, segment_starts, tp=tp)
+  maps_t = delta_mosaic.piece_maps(
+      chunk_common.pad_tokens_and_features(k, num_tokens=tp, dim=dp),
+      chunk_common.pad_tokens_and_features(v, num_tokens=tp, dim=ep), inverse,
+      pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp), interpret=interpret)
+  maps = jnp.swapaxes(maps_t, -1, -2)[:, :, :d]  # [B, H, D, Dp + Ep]
+  return jnp.concatenate([maps[..., :d], maps[..., dp:dp + e]], axis=-1)

@@ -231,6 +231,59 @@ def pair_weights(intra, rows, columns, *, cum_end, has_segments):
   return lax.cond(cum_end <= chunk_common.FACTORIZED_MAX_LOG2, factorized, clamped)
 
 
+def delta_pseudo_values(state_in, keys, inverse, values, rows, *, has_segments, staging=None):
+  """A delta chunk's U^T = (V - K_g S)^T T'^T [BLOCK_E, C] float32 (K_g = 2^-c K, zero on rows after a segment
+  start): the first half of the chain's step.
+
+  state_in: S^T [BLOCK_E, K] in the input dtype; keys [C, K], inverse T' [C, C]
+  and values [C, BLOCK_E] the chunk's tiles in shared memory (values None:
+  zeros, the identity columns of the sequence split's map pass); rows: its
+  factor rows (`chunk_factors`). staging: None (the left operands of wgmma in
+  registers, compiled), or shared memory for them, (S^T [BLOCK_E, K], [BLOCK_E,
+  C]), as the interpreter needs.
+  """
+  c, be = CHUNK_SIZE, BLOCK_E
+  dtype = state_in.dtype
+  if staging is not None:
+    staging[0][...] = state_in
+    plgpu.commit_smem()
+    state_in = staging[0]
+
+  def projection(acc):  # (K S)^T
+    plgpu.wgmma(acc, state_in, keys.transpose((1, 0)))
+    return acc[...]
+
+  projected = pl.run_scoped(projection, plgpu.ACC((be, c), _F32))
+  by_column = lambda x: lax.broadcast_in_dim(x, (be, c), (1,))  # noqa: E731
+  correction = (projected * by_column(-jnp.exp2(row_exponents(rows, has_segments=has_segments)))).astype(dtype)
+  if staging is not None:
+    staging[1][...] = correction
+    plgpu.commit_smem()
+    correction = staging[1]
+  inverse_t = inverse.transpose((1, 0))
+
+  # U^T = V^T T'^T + correction T'^T, V^T read transposed from shared memory by wgmma (no register copy).
+  def pseudo_values(acc):
+    if values is not None:
+      plgpu.wgmma(acc, values.transpose((1, 0)), inverse_t)
+    plgpu.wgmma(acc, correction, inverse_t)
+    return acc[...]
+
+  return pl.run_scoped(pseudo_values, plgpu.ACC((be, c), _F32))
+
+
+def delta_update(state_t, values_t, keys, key_exponent, state_exponent, *, staging=None):
+  """The chain step's second half: S^T <- 2^state_exponent S^T + (2^key_exponent * U^T) k, float32 [BLOCK_E, K].
+  values_t: `delta_pseudo_values`'; the exponents `update_exponents`'; keys, staging as there."""
+  dtype = keys.dtype
+  scaled = (values_t * lax.broadcast_in_dim(jnp.exp2(key_exponent), values_t.shape, (1,))).astype(dtype)
+  if staging is not None:
+    staging[1][...] = scaled
+    plgpu.commit_smem()
+    scaled = staging[1]
+  return update(state_t * jnp.exp2(state_exponent), (scaled, keys), in_registers=staging is None)
+
+
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, published,
             per_chunk, has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state,
             register_scores, delta, delta_states):
@@ -391,49 +444,21 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
           publish(n + 1, new_state)
       return new_state
 
+    staging = None if register_state else (state_in_smem, vk_smem)
+
     def delta_body(n, state_t):
-      """Chunk n of the delta rule: U^T = (V - K_g S)^T T'^T (K_g = e^g K, zero on rows after a segment start),
-      then S^T <- a S^T + (key * U^T) k. S_n and the chunk's U^T go out together, before the update."""
+      """Chunk n of the delta rule: S_n and the chunk's U^T go out together, before the update."""
       slot = slot_of(n)
       plgpu.barrier_wait(loaded.at[slot])
       rows = chunk_factor_rows(n)
       buf = claim(n)
       state_in = state_t.astype(state_smem.dtype)
       state_smem[buf] = state_in
-      if not register_state:
-        state_in_smem[...] = state_in
-        plgpu.commit_smem()
-
-      def projection(acc):  # (K S)^T
-        plgpu.wgmma(acc, state_in if register_state else state_in_smem, k_smem.at[slot].transpose((1, 0)))
-        return acc[...]
-
-      by_column = lambda x: lax.broadcast_in_dim(x, (be, c), (1,))  # noqa: E731
-      projected = pl.run_scoped(projection, plgpu.ACC((be, c), _F32))
-      correction = (projected * by_column(-jnp.exp2(row_exponents(rows, has_segments=has_segments)))).astype(
-          v_smem.dtype)
-      if not register_state:
-        vk_smem[...] = correction
-        plgpu.commit_smem()
-        correction = vk_smem
-      inverse_t = inverse_smem.at[slot].transpose((1, 0))
-
-      # U^T = V^T T'^T + correction T'^T, V^T read transposed from shared memory by wgmma (no register copy).
-      def pseudo_values(acc):
-        plgpu.wgmma(acc, v_smem.at[slot].transpose((1, 0)), inverse_t)
-        plgpu.wgmma(acc, correction, inverse_t)
-        return acc[...]
-
-      values_t = pl.run_scoped(pseudo_values, plgpu.ACC((be, c), _F32))
+      values_t = delta_pseudo_values(state_in, k_smem.at[slot], inverse_smem.at[slot], v_smem.at[slot], rows,
+                                     has_segments=has_segments, staging=staging)
       values_smem[buf] = values_t.astype(values_smem.dtype)
       hand_over(buf)
-      key_exponent, state_exponent = decay_exponents(slot, rows)
-      scaled = (values_t * by_column(jnp.exp2(key_exponent))).astype(v_smem.dtype)
-      if not register_state:
-        vk_smem[...] = scaled
-        plgpu.commit_smem()
-        scaled = vk_smem
-      state_t = update(state_t * jnp.exp2(state_exponent), (scaled, k_smem.at[slot]), in_registers=register_state)
+      state_t = delta_update(state_t, values_t, k_smem.at[slot], *decay_exponents(slot, rows), staging=staging)
       plgpu.barrier_arrive(released.at[slot])
       return state_t
 
@@ -584,6 +609,23 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool
               register_scores=compiled and (per_chunk or dim_k > 64))
 
 
+def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names, interpret, kernel_name):
+  """plgpu.kernel of three warpgroups (axis "wg") in warpgroup lowering, as every kernel of this file and of the delta
+  rule's runs; approx_math: exp2 as the one ex2.approx instruction (relative error ~2^-22), not a library routine."""
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      scratch_types=scratch_types,
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else False,
+      kernel_name=kernel_name,
+  )
+
+
 def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None,
                    delta_inverse=None, delta_states: bool = False, scale: float, seq_len: int,
                    return_final_state: bool = False, cfg: WarpSpecializedConfig, num_slices: int = 1,
@@ -708,19 +750,10 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                              has_initial=initial_state is not None, has_final=return_final_state,
                              last_rows=last_rows, scale=scale, delta=is_delta, delta_states=delta_states,
                              **registers)
-  return plgpu.kernel(
-      kernel,
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=(h, b * num_slices, dim_v // be),
-      grid_names=("heads", "batch_slices", "value_blocks"),
-      num_threads=3,
-      thread_name="wg",
-      # approx_math: exp2 as the one ex2.approx instruction (relative error ~2^-22), not a library routine.
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else False,
-      kernel_name="delta_warp_specialized" if is_delta else "lightning_warp_specialized",
-  )(*inputs)
+  return warpgroup_kernel(
+      kernel, out_type=out_type, scratch_types=scratch, grid=(h, b * num_slices, dim_v // be),
+      grid_names=("heads", "batch_slices", "value_blocks"), interpret=interpret,
+      kernel_name="delta_warp_specialized" if is_delta else "lightning_warp_specialized")(*inputs)
 
 
 def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=None):
