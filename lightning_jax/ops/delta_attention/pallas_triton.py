@@ -110,7 +110,7 @@ class DeltaConfig:
       parallel from their true initial states (`sequence_split`), forward and
       backward; 1: no split; None: `sequence_split.num_pieces` for the call
       (4 to 8 pieces where the sweeps' programs would fill at most a quarter
-      of the SMs; on the warp-specialised sweeps 2 to 8, from half).
+      of the SMs; on the warp-specialised sweeps 2 to 16, from half).
   """
   chunk_size: int = 32
   backward_chunk_size: int = 64

@@ -50,9 +50,10 @@ MIN_PIECE_CHUNKS = 16
 # "Delta attention"). On an H200 (Gated DeltaNet, bf16, fwd+bwd), with the map pass a forward of D more value columns
 # in twice the programs (the Triton sweeps' today), 4 pieces took 23% less time at B1 H16 T64K D128 (32 programs)
 # and 8 pieces 39% less at B2 H8 T32K D64 (16), where 2 pieces at B1 H32 D128 (64) took 20% more; with the
-# warp-specialised chain alone (`warp_specialized.piece_maps`), 2 pieces there took 5% less.
+# warp-specialised chain alone (`warp_specialized.piece_maps`), 2 pieces there took 5% less, and 16 pieces 19-20%
+# less than 8 at B1 H8 T128K D64 (8 programs).
 MIN_PIECES, MIN_PIECES_WARP_SPECIALIZED = 4, 2
-MAX_PIECES = 8
+MAX_PIECES, MAX_PIECES_WARP_SPECIALIZED = 8, 16
 
 
 def num_pieces(*, programs: int, num_chunks: int, num_sms: int, warp_specialized: bool) -> int:
@@ -62,15 +63,17 @@ def num_pieces(*, programs: int, num_chunks: int, num_sms: int, warp_specialized
   CTAs' 64 columns, or the Triton sweeps' block_e where narrower).
   num_chunks: the row's 64-token chunks. As many pieces as the `num_sms` SMs
   hold the programs of, at most MAX_PIECES and each at least
-  MIN_PIECE_CHUNKS chunks; none unless that is MIN_PIECES, or
-  MIN_PIECES_WARP_SPECIALIZED where the sweeps (and so the map pass) are
-  warp-specialised.
+  MIN_PIECE_CHUNKS chunks; none unless that is MIN_PIECES. Where the sweeps
+  (and so the map pass) are warp-specialised, MIN_PIECES_WARP_SPECIALIZED
+  and MAX_PIECES_WARP_SPECIALIZED instead.
   """
+  most, least = (MAX_PIECES_WARP_SPECIALIZED, MIN_PIECES_WARP_SPECIALIZED) if warp_specialized else (MAX_PIECES,
+                                                                                                     MIN_PIECES)
   pieces = 1
-  while (2 * pieces <= MAX_PIECES and 2 * pieces * programs <= num_sms
+  while (2 * pieces <= most and 2 * pieces * programs <= num_sms
          and num_chunks // (2 * pieces) >= MIN_PIECE_CHUNKS):
     pieces *= 2
-  return pieces if pieces >= (MIN_PIECES_WARP_SPECIALIZED if warp_specialized else MIN_PIECES) else 1
+  return pieces if pieces >= least else 1
 
 
 class Pieces(NamedTuple):
