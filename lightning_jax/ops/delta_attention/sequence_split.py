@@ -47,11 +47,11 @@ PIECE_ALIGN = WarpSpecializedConfig.CHUNK_SIZE
 # Pieces walk at least this many chunks: shorter ones pay the map pass and the pipelines' fill for too little.
 MIN_PIECE_CHUNKS = 16
 # The split pays where it gives at least MIN_PIECES pieces, and was measured up to MAX_PIECES (the _WARP_SPECIALIZED
-# pair where the map pass is `warp_specialized.piece_maps`; PERFORMANCE.md, "Delta attention"). On an H200 (Gated DeltaNet, bf16, fwd+bwd), with the map pass a forward of D more value columns
-# in twice the programs (the Triton sweeps' today), 4 pieces took 23% less time at B1 H16 T64K D128 (32 programs)
-# and 8 pieces 39% less at B2 H8 T32K D64 (16), where 2 pieces at B1 H32 D128 (64) took 20% more; with the
-# warp-specialised chain alone (`warp_specialized.piece_maps`), 2 pieces there took 5% less, and 16 pieces 19-20%
-# less than 8 at B1 H8 T128K D64 (8 programs).
+# pair where the map pass is `warp_specialized.piece_maps`; PERFORMANCE.md, "Delta attention"). On an H200 (Gated
+# DeltaNet, bf16, fwd+bwd), with the map pass a forward of D more value columns in twice the programs (the Triton
+# sweeps' today), 4 pieces took 23% less time at B1 H16 T64K D128 (32 programs) and 8 pieces 39% less at B2 H8 T32K
+# D64 (16), where 2 pieces at B1 H32 D128 (64) took 20% more; with the warp-specialised chain alone, 2 pieces there
+# took 5% less, and 16 pieces 19-20% less than 8 at B1 H8 T128K D64 (8 programs).
 MIN_PIECES, MIN_PIECES_WARP_SPECIALIZED = 4, 2
 MAX_PIECES, MAX_PIECES_WARP_SPECIALIZED = 8, 16
 
