@@ -668,8 +668,8 @@ def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref,
 
 def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_ref, do_ref, d_final_ref, d_next_ref,
                              d_initial_ref, du_ref, *, scale, chunk_size, num_chunks, exact):
-  """Walking back: G_n = dL/dS_{n+1} (written for every chunk n), dU = P^T dO + K_C G_n (written where du_ref is
-  given), dL/dS_n = Diag(e^{g_C}) G_n + Q_g^T dO - W^T dU."""
+  """Walking back: G_n = dL/dS_{n+1} (written for every chunk n where d_next_ref is given), dU = P^T dO + K_C G_n
+  (written where du_ref is given), dL/dS_n = Diag(e^{g_C}) G_n + Q_g^T dO - W^T dU."""
   c = chunk_size
   dtype = k_ref.dtype
   dim_k = k_ref.shape[-1]
@@ -680,7 +680,8 @@ def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_
     rows = _rows(start, c)
     state_rows = _rows(pl.multiple_of((num_chunks - 1 - step) * dim_k, dim_k), dim_k)
     grad_in = grad.astype(dtype)
-    d_next_ref[state_rows, :] = grad_in.astype(d_next_ref.dtype)
+    if d_next_ref is not None:
+      d_next_ref[state_rows, :] = grad_in.astype(d_next_ref.dtype)
     do = do_ref[rows, :]
     row_decay, to_end = _decay_factors(g_ref, runs_ref, start=start, size=c, last_row=start + c - 1)
     q_gated, p = _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, row_decay, start=start, chunk_size=c,
@@ -1077,9 +1078,10 @@ def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_outputs=Tr
 
 
 def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, with_value_cotangents=False,
-                     config: DeltaConfig, interpret):
-  """(G_n = dL/dS after every chunk [B, H, N Dp, Ep] in the input dtype, dL/dS_0 [B, H, Dp, Ep] float32,
-  dU [B, Tp, H, Ep] in the input dtype `with_value_cotangents`, else None).
+                     with_chunk_cotangents=True, config: DeltaConfig, interpret):
+  """(G_n = dL/dS after every chunk [B, H, N Dp, Ep] in the input dtype `with_chunk_cotangents` (else None: the
+  sequence split's pass from zero end cotangents), dL/dS_0 [B, H, Dp, Ep] float32, dU [B, Tp, H, Ep] in the input
+  dtype `with_value_cotangents`, else None).
 
   Padded operands as for `sweep`; do: [B, Tp, H, Ep]; d_final: [B, H, Dp, Ep] or None.
   """
@@ -1101,8 +1103,9 @@ def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, with_valu
                 None if gates_.state_decay is None else pl.BlockSpec((None, None, n * dp, 1),
                                                                      lambda bi, hi, ei: (bi, hi, 0, 0)),
                 columns, None if d_final is None else state_spec],
-      out_specs=[states_spec, state_spec, columns if with_value_cotangents else None],
-      out_shape=[struct((b, h, n * dp, ep), q.dtype), struct((b, h, dp, ep), _F32),
+      out_specs=[states_spec if with_chunk_cotangents else None, state_spec,
+                 columns if with_value_cotangents else None],
+      out_shape=[struct((b, h, n * dp, ep), q.dtype) if with_chunk_cotangents else None, struct((b, h, dp, ep), _F32),
                  struct((b, tp, h, ep), q.dtype) if with_value_cotangents else None],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_state_cotangents")(q, k, w, p, gates_.g, gates_.runs,
@@ -1260,10 +1263,11 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
       (w, u, tri), p = prepare_by_tiles(kp, vp, beta_rows, gates_, config=config, interpret=interpret), None
     else:
       w, u, p, tri = prepare(qp, kp, vp, beta_rows, gates_, with_inverse=split, **kernels)
+    if initial_cotangent_only:
+      return state_cotangents(qp, kp, w, p, gates_, dop, d_final, with_chunk_cotangents=False,
+                              **kernels)[1][:, :, :d, :e]
     d_next, d_initial, d_values = state_cotangents(qp, kp, w, p, gates_, dop, d_final, with_value_cotangents=split,
                                                    **kernels)
-    if initial_cotangent_only:
-      return d_initial[:, :, :d, :e]
     _, _, states, values = sweep(qp, kp, w, u, p, gates_, initial_state, with_outputs=False, with_final_state=False,
                                  with_states=True, with_values=split, **kernels)
   if split:
