@@ -411,9 +411,8 @@ def test_sequence_split_matches_oracle(case, pieces, with_final_state, kernel_mo
 
 def test_sequence_pieces_where_measured():
   """The split runs where the sweeps' programs fill at most a quarter of the SMs (4 or 8 pieces, each at least 16
-  chunks), not at 2, but for the warp-specialised sweeps (their map pass the chain alone): there from half the SMs,
-  2 to 16 pieces;
-  `default_config` leaves it to the call, an explicit count is checked."""
+  chunks), not at 2; on the warp-specialised sweeps (their map pass the chain alone) from half the SMs, 2 to 16
+  pieces. `default_config` leaves it to the call, an explicit count is checked."""
   from lightning_jax.ops.delta_attention import sequence_split
 
   pieces = lambda programs, chunks=1024, ws=False: sequence_split.num_pieces(  # noqa: E731
