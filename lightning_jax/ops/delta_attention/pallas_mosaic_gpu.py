@@ -82,13 +82,19 @@ def shared_memory_bytes(*, num_stages: int, dim_k: int, itemsize: int, factor_ro
   return ring + c * c * 4 + published + max(stores, be * dim_k * 4 + 2 * be * c * itemsize) + _RESERVED
 
 
-def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3) -> int:
-  """The deepest ring of at most `max_stages` that fits sm90 (2 at K = 128 in 16 bits, 3 at K = 64)."""
+def _deepest_ring(bytes_at, max_stages: int) -> int:
+  """The most ring slots, at most `max_stages`, whose kernel fits sm90's shared memory (bytes_at(stages))."""
   budget = lightning_config.shared_memory_budget(WarpSpecializedConfig.COMPUTE_CAPABILITY)
   for stages in range(max_stages, 0, -1):
-    if shared_memory_bytes(num_stages=stages, dim_k=dim_k, itemsize=itemsize) <= budget:
+    if bytes_at(stages) <= budget:
       return stages
   raise AssertionError("unreachable: one stage fits sm90 at every K <= 128")
+
+
+def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3) -> int:
+  """The deepest ring of at most `max_stages` that fits sm90 (2 at K = 128 in 16 bits, 3 at K = 64)."""
+  return _deepest_ring(lambda stages: shared_memory_bytes(num_stages=stages, dim_k=dim_k, itemsize=itemsize),
+                       max_stages)
 
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, has_segments,
@@ -444,9 +450,9 @@ def piece_maps(k, v, inverse, chunk_gates, *, interpret: bool = False):
   in_registers = not interpret  # the interpreter's wgmma reads shared memory alone
   factor_rows = vectors.shape[-2]
   smem = lightning_mosaic.swizzled_smem
-  budget = lightning_config.shared_memory_budget(WarpSpecializedConfig.COMPUTE_CAPABILITY)
-  stages = next(s for s in range(_MAP_STAGES, 0, -1) if piece_maps_shared_memory_bytes(
-      num_stages=s, dim_k=dim_k, itemsize=dtype.itemsize, factor_rows=factor_rows, staged=not in_registers) <= budget)
+  stages = _deepest_ring(lambda stages: piece_maps_shared_memory_bytes(
+      num_stages=stages, dim_k=dim_k, itemsize=dtype.itemsize, factor_rows=factor_rows, staged=not in_registers),
+      _MAP_STAGES)
   scratch = (
       (smem((stages, c, dim_k), dtype), smem((stages, c, be), dtype), smem((stages, c, c), dtype),
        plgpu.SMEM((stages, factor_rows, c), _F32), plgpu.SMEM((2, be, dim_k), _F32))
