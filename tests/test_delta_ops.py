@@ -551,55 +551,68 @@ def test_pallas_low_precision_gradients(decay, kernel_mode):
     assert g.dtype == g_ref.dtype and rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case", [Case(t=150, d=48, decay=None, segments=True),
-                                  Case(t=100, d=64, rates="extreme", beta="edges"),
-                                  Case(t=70, d=40, decay="token", segments=True)], ids=str)
-@pytest.mark.parametrize("aligned_keys", [False, True])
-@pytest.mark.parametrize("kernel", ["inverse", "prepare", "prepare_by_tiles"])
-def test_inverse_matches_float64(kernel, case, dtype, aligned_keys, kernel_mode):
-  """Each 64-token chunk's T = (I + A)^{-1} against numpy's float64 inverse of A's definition, with random keys
-  and keys near one direction: `pallas_triton.inverse`'s T Diag(beta) (the warp-specialised forward's),
-  `prepare`'s T (by 16-row blocks) and `prepare_by_tiles`' (the split backward's, whole tiles)."""
-  from lightning_jax.ops.delta_attention import pallas_triton as pt
-  _, k, _, beta, decay, _, ids = make_inputs(case, seed=11)
+# Chunk inverses' cases: segments without decay; extreme rates with beta at 0 and 2; per-token rates and segments.
+INVERSE_CASES = [Case(t=150, d=48, decay=None, segments=True), Case(t=100, d=64, rates="extreme", beta="edges"),
+                 Case(t=70, d=40, decay="token", segments=True)]
+
+
+def inverse_inputs(case, dtype, aligned_keys, seed=11):
+  """(k in dtype, beta, rates or None, segment starts [B, T] or None) for `inverse_error`: random keys of norm 1, or
+  keys near one direction (`aligned_keys`), where T's entries grow and its rounding shows."""
+  _, k, _, beta, decay, _, ids = make_inputs(case, seed=seed)
   if aligned_keys:
     k = k * 0.3 + jnp.ones_like(k)
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-  k = k.astype(dtype)
-  c = 64
   starts = None if ids is None else jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], 1)
+  return k.astype(dtype), beta, decay, starts
+
+
+def inverse_error(got, k, beta, decay, starts, *, scaled):
+  """The largest error of got [B, H, Tp, 64], each 64-token chunk's T = (I + A)^{-1} (with `scaled`, T Diag(beta)),
+  against numpy's float64 inverse of A's definition on k as given (its rounding, then exact), relative to the
+  chunk's largest entry where that exceeds 1."""
+  b, t, h, _ = k.shape
+  c, tp = 64, got.shape[2]
+  got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+  pad = lambda x: np.pad(np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64),  # noqa: E731
+                         [(0, 0), (0, tp - t)] + [(0, 0)] * (np.ndim(x) - 2))
+  k64, beta64 = pad(k), pad(beta)
+  rates = np.zeros((b, tp, h)) if decay is None else pad(decay)
+  seg = np.zeros((b, tp)) if starts is None else np.cumsum(pad(starts), axis=1)
+  worst = 0.0
+  for bi in range(b):
+    for hi in range(h):
+      for start in range(0, tp, c):
+        rows = slice(start, start + c)
+        gate = -np.cumsum(rates[bi, rows, hi])
+        # e^{g_t - g_s} <= 1 on the pairs kept (s <= t); clamped where they are dropped, which overflow
+        pairs = k64[bi, rows, hi] @ k64[bi, rows, hi].T * np.exp(np.minimum(gate[:, None] - gate[None, :], 0.0))
+        same = seg[bi, rows][:, None] == seg[bi, rows][None, :]
+        a = np.where(np.tri(c, k=-1, dtype=bool) & same, beta64[bi, rows, hi][:, None] * pairs, 0.0)
+        want = np.linalg.inv(np.eye(c) + a) * (beta64[bi, rows, hi][None, :] if scaled else 1.0)
+        worst = max(worst, np.max(np.abs(got[bi, hi, rows] - want)) / max(1.0, np.max(np.abs(want))))
+  return worst
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", INVERSE_CASES, ids=str)
+@pytest.mark.parametrize("aligned_keys", [False, True])
+@pytest.mark.parametrize("kernel", ["prepare", "prepare_by_tiles"])
+def test_inverse_matches_float64(kernel, case, dtype, aligned_keys, kernel_mode):
+  """Each 64-token chunk's T = (I + A)^{-1} against numpy's float64 inverse of A's definition, with random keys
+  and keys near one direction: `prepare`'s T (by 16-row blocks) and `prepare_by_tiles`' (the split backward's,
+  whole tiles). The warp-specialised path's Mosaic GPU kernel: tests/test_warp_specialized.py."""
+  from lightning_jax.ops.delta_attention import pallas_triton as pt
+  k, beta, decay, starts = inverse_inputs(case, dtype, aligned_keys)
+  c = 64
   g = pt.gate_logs(decay, seq_len=case.t, dim_k=case.d, chunk_size=c)
   _, kp, _, beta_rows, gates = pt.padded_operands(k, k, k, beta, starts, g, chunk_size=c)
   config = lj.DeltaConfig(chunk_size=c)
-  if kernel == "inverse":
-    call = lambda: pt.inverse(kp, beta_rows, gates, config=config, interpret=kernel_mode)  # noqa: E731
-  elif kernel == "prepare":
+  if kernel == "prepare":
     call = lambda: pt.prepare(kp, kp, kp, beta_rows, gates, scale=1.0, with_inverse=True, config=config,  # noqa: E731
                               interpret=kernel_mode)[3]
   else:
     call = lambda: pt.prepare_by_tiles(kp, kp, beta_rows, gates, config=config, interpret=kernel_mode)[2]  # noqa: E731
-  got = np.asarray(jax.jit(call)().astype(jnp.float32), np.float64)
-  tp = got.shape[2]
-  k64 = np.zeros((case.b, tp, case.h, case.d))
-  k64[:, :case.t] = np.asarray(k.astype(jnp.float32), np.float64)  # the kernel's operand rounding, then exact
-  beta64 = np.zeros((case.b, tp, case.h))
-  beta64[:, :case.t] = np.asarray(beta, np.float64)
-  rates = np.zeros((case.b, tp, case.h))
-  if decay is not None:
-    rates[:, :case.t] = np.asarray(decay, np.float64)
-  seg = np.zeros((case.b, tp), np.int64)
-  seg[:, :case.t] = 0 if ids is None else np.asarray(ids)
-  worst = 0.0
-  for bi in range(case.b):
-    for hi in range(case.h):
-      for start in range(0, tp, c):
-        rows = slice(start, start + c)
-        gate = -np.cumsum(rates[bi, rows, hi])
-        pairs = k64[bi, rows, hi] @ k64[bi, rows, hi].T * np.exp(gate[:, None] - gate[None, :])
-        same = seg[bi, rows][:, None] == seg[bi, rows][None, :]
-        a = np.where(np.tri(c, k=-1, dtype=bool) & same, beta64[bi, rows, hi][:, None] * pairs, 0.0)
-        want = np.linalg.inv(np.eye(c) + a) * (beta64[bi, rows, hi][None, :] if kernel == "inverse" else 1.0)
-        worst = max(worst, np.max(np.abs(got[bi, hi, rows] - want)) / max(1.0, np.max(np.abs(want))))
+  worst = inverse_error(jax.jit(call)(), k, beta, decay, starts, scaled=False)
   # bfloat16: T's own rounding is 4e-3 of its largest entry; the float16 products add up to 7e-3 (aligned keys)
   assert worst < (1e-5 if dtype == jnp.float32 else 1e-2), worst

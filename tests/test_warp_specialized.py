@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from helpers import BF16, F16, F32, TOL, WS_JAX, WS_MODES, Case, check_against_oracle, needs_ws_jax, on_sm90, rel_err
 from test_delta_ops import ARG_NAMES as DELTA_ARG_NAMES
+from test_delta_ops import INVERSE_CASES, inverse_error, inverse_inputs
 from test_delta_ops import Case as DeltaCase
 from test_delta_ops import make_inputs as delta_inputs
 from test_delta_ops import value_and_grads as delta_value_and_grads
@@ -353,11 +354,10 @@ def test_delta_piece_maps_match_oracle(d, e, mode):
   _, k, v, beta, decay, _, ids = delta_inputs(case, seed=zlib.crc32(f"{case}maps".encode()))
   k, v = k.astype(BF16), v.astype(BF16)
   starts = jnp.concatenate([jnp.zeros_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-  config = lj.DeltaConfig(warp_specialized=True)
   interpret = mode == "interpret"
   maps = jax.jit(lambda: warp_specialized.piece_maps(
       k, v, beta, decay, starts, interpret=interpret, inverse=warp_specialized.chunk_inverses(
-          k, beta, decay, starts, with_unscaled=False, config=config, interpret=interpret)))()
+          k, beta, decay, starts, with_unscaled=False, interpret=interpret)))()
   values = jnp.concatenate([jnp.zeros((*v.shape[:-1], d), BF16), v], axis=-1)
   identity = jnp.broadcast_to(jnp.eye(d, d + e), (case.b, case.h, d, d + e))
   _, maps_ref = jax.jit(lambda: lj.delta_attention(k, k, values, beta, decay, initial_state=identity, segment_ids=ids,
@@ -365,6 +365,63 @@ def test_delta_piece_maps_match_oracle(d, e, mode):
   assert maps.shape == maps_ref.shape and maps.dtype == F32
   assert rel_err(maps[..., :d], maps_ref[..., :d]) < TOL[BF16], "M"
   assert rel_err(maps[..., d:], maps_ref[..., d:]) < TOL[BF16], "L"
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("case", INVERSE_CASES, ids=str)
+@pytest.mark.parametrize("aligned_keys", [False, True])
+def test_delta_inverse_matches_float64(aligned_keys, case, dtype, mode):
+  """The Mosaic GPU inverse kernel's T and T' = T Diag(beta) against numpy's float64 inverse of A's definition, D
+  padded to 64, T off the chunk (its substitution runs compiled alone: interpreted, every block merges)."""
+  from lightning_jax.ops.delta_attention import warp_specialized
+
+  k, beta, decay, starts = inverse_inputs(case, dtype, aligned_keys)
+  tri, tri_beta = jax.jit(lambda: warp_specialized.chunk_inverses(k, beta, decay, starts, with_unscaled=True,
+                                                                  interpret=mode == "interpret"))()
+  assert tri.shape == tri_beta.shape == (case.b, case.h, -(-case.t // 64) * 64, 64) and tri.dtype == dtype
+  # T's own rounding is 4e-3 of its largest entry in bfloat16; the float16 products add up to 7e-3 (aligned keys)
+  assert inverse_error(tri, k, beta, decay, starts, scaled=False) < 1e-2
+  assert inverse_error(tri_beta, k, beta, decay, starts, scaled=True) < 1e-2
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
+def test_delta_inverse_walks_any_chunks_per_cta(mode):
+  """A CTA walking 2 or 4 chunks (the next one's loads in flight) writes what one chunk a CTA does, bit for bit;
+  a count that does not divide the chunks is refused."""
+  b, t, h, d = 2, 256, 3, 64
+  k, beta, decay, starts = inverse_inputs(DeltaCase(b=b, t=t, h=h, d=d, decay="token", segments=True), BF16, False)
+  chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, starts, num_tokens=t)
+  beta = jnp.moveaxis(beta, 2, 1)
+  interpret = mode == "interpret"
+  walk = lambda n: jax.jit(lambda: delta_mosaic.inverse(k, beta, chunk_gates, with_unscaled=True,  # noqa: E731
+                                                        chunks_per_cta=n, interpret=interpret))()
+  one = walk(1)
+  for n in (2, 4):
+    for got, want in zip(walk(n), one):
+      np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)))
+  with pytest.raises(ValueError, match="chunks_per_cta must divide the 4 chunks, got 3"):
+    delta_mosaic.inverse(k, beta, chunk_gates, chunks_per_cta=3, interpret=interpret)
+  assert delta_mosaic.default_chunks_per_cta(batch_heads=16, num_chunks=1024, num_sms=132) == 8
+  # At least 2 CTAs per SM: 8 chunks a CTA give 128 CTAs at one head, 4 give 256, 2 give 512.
+  assert delta_mosaic.default_chunks_per_cta(batch_heads=1, num_chunks=1024, num_sms=132) == 2
+  assert delta_mosaic.default_chunks_per_cta(batch_heads=1, num_chunks=12, num_sms=132) == 1
+
+
+@needs_ws_jax
+@pytest.mark.parametrize("dim_k,gated,segments,with_unscaled", [(128, True, True, True), (64, False, False, False)])
+def test_delta_inverse_lowers_for_cuda(dim_k, gated, segments, with_unscaled):
+  """The inverse kernel (its inline Mosaic GPU substitution included) lowers as the GPU compiles it, from any
+  backend."""
+  k = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
+  beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
+  gates = (jax.ShapeDtypeStruct((2, 3, 512), F32) if gated else None,
+           jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None)
+  fn = jax.jit(lambda k, beta, gates: delta_mosaic.inverse(k, beta, gates, with_unscaled=with_unscaled,
+                                                           chunks_per_cta=4))
+  exported = jax.export.export(fn, platforms=["cuda"])(k, beta, gates)
+  assert "delta_inverse_mosaic" in exported.mlir_module()
+  assert [o.shape for o in exported.out_avals] == [(2, 3, 512, 64)] * (2 if with_unscaled else 1)
 
 
 @pytest.mark.parametrize("mode", WS_MODES)
@@ -417,9 +474,9 @@ def test_delta_state_sweep_matches_the_triton_sweep(gated, segments, with_initia
   _, _, states, values = pallas_triton.sweep(k, k, w, u_v, None, gates, s0, scale=1.0, with_outputs=False,
                                              with_final_state=False, with_states=True, with_values=True,
                                              config=config, interpret=interpret)
-  inverse = pallas_triton.inverse(k, beta, gates, config=config, interpret=interpret)
   cumdecay, runs = (None, None) if rates is None and starts is None else chunk_common.token_chunk_gates(
       rates, starts, chunk_size=64, num_tokens=t, reverse=False)
+  inverse = delta_mosaic.inverse(k, beta, (cumdecay, runs if segments else None), interpret=interpret)
   states_t, values_t = delta_mosaic.state_sweep(k, v, inverse, (cumdecay, runs if segments else None),
                                                 None if s0 is None else jnp.swapaxes(s0, -1, -2), interpret=interpret)
   assert states_t.shape == (b, h, t // 64, e, d) and values_t.shape == (b, h, e, t)

@@ -1,5 +1,5 @@
-"""The delta rule's backward sweeps and the sequence split's map pass in Pallas Mosaic GPU (Hopper, sm90),
-warp-specialised.
+"""The delta rule's chunk inverses, backward sweeps and the sequence split's map pass in Pallas Mosaic GPU (Hopper,
+sm90), the sweeps and the map pass warp-specialised.
 
 `state_sweep` is `pallas_triton.sweep`'s job in the backward (S_n and U, no
 output): the forward's warp-specialised kernel in its `delta_states` mode,
@@ -35,6 +35,10 @@ dU^T [B, H, Ep, Tp], as `pallas_triton.tile_gradients` reads them with
 (`state_cotangents(..., initial_only=True)`) stores neither: it needs
 dL/dS_0 alone.
 
+`inverse` forms each chunk's T' = (I + A)^{-1} Diag(beta), which all of them
+and the forward's sweep take: one warpgroup, the 16 x 16 diagonal blocks of T
+solved in float32 registers, then merged on the tensor cores.
+
 `piece_maps` is the split's forward map pass: the forward's chain step
 (`lightning_mosaic.delta_pseudo_values`, `delta_update`) from [I | 0] over
 [0 | v], two chains a CTA (one warpgroup each, I's 64 rows and 64 value
@@ -42,17 +46,25 @@ columns), no outputs.
 
 Where the kernels run is
 `warp_specialized.unsupported` (sm90, bf16/fp16, K <= 128) and
-`pallas_triton.backward`; they also run in the Mosaic GPU interpreter.
+`pallas_triton.backward`; they also run in the Mosaic GPU interpreter (the
+inverse's solve aside: it is inline Mosaic GPU, which the interpreter does not
+run).
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, memref, vector
+from jaxlib.mlir.dialects import math as mlir_math
 
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as lightning_config
@@ -281,7 +293,7 @@ def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = 
   Tp]), both in the input dtype.
 
   k: [B, Tp, H, K]; v: [B, Tp, H, Ep] (as for `state_cotangents`); inverse:
-  each chunk's T' = T Diag(beta) [B, H, Tp, 64] (`pallas_triton.inverse`, as
+  each chunk's T' = T Diag(beta) [B, H, Tp, 64] (`inverse`, as
   the forward's); chunk_gates: as for `state_cotangents`; initial_state: None or
   S_0^T [B, H, Ep, K] float32.
   """
@@ -468,3 +480,235 @@ def piece_maps(k, v, inverse, chunk_gates, *, interpret: bool = False):
       kernel, out_type=manual_axes.struct((b, h, dim_k + dim_v, dim_k), _F32, *inputs), scratch_types=scratch,
       grid=(h, b, max(identity_blocks, value_blocks)), grid_names=("heads", "batch", "blocks"), interpret=interpret,
       kernel_name="delta_piece_maps_warp_specialized")(*inputs)
+
+
+# The inverse kernel's diagonal blocks: each is solved by substitution, then the blocks merge 16 -> 32 -> 64.
+_SOLVE_BLOCK = 16
+# Float32 padding of the solve's shared-memory rows: a [64, 64] register tile is stored 8 rows a warp instruction,
+# and 256-byte rows put all 8 on the same banks; rows of 72 floats put them on distinct ones.
+_SOLVE_PAD = 8
+# The CTAs per SM below which a CTA of `inverse` walks fewer chunks (at most 8, the next one's keys loading during
+# this one's chain): one chunk's chain is latency-bound, so CTAs sharing an SM fill its waits.
+_INVERSE_CTAS_PER_SM = 2
+# The inverse kernel's factor row of beta (`_inverse_rows`).
+_BETA_ROW = 0
+
+
+def _solve_diagonal_blocks(neg_upper, upper_ref, solved_ref):
+  """The inverses of the 16 x 16 diagonal blocks of I + A, [C, C] float32 (entries outside them undefined).
+
+  neg_upper: -A^T on the diagonal blocks (A strictly lower), float32 [C, C]
+  registers; upper_ref, solved_ref: float32 [C, C + _SOLVE_PAD] shared
+  memory. Thread c of the warpgroup's first 64 solves column c of its block by
+  forward substitution, right-looking: with r = e_c, for j = 0, 1, ... of the
+  block's rows, x_j = r_j and r_i -= A_ij x_j for the rows i > j. So the
+  dependent chain is one FMA a row, -A^T's row j holds the column of A that
+  step j reads (16-byte loads, broadcast within a warp), and the 16 values of
+  r stay in registers. Off the tensor cores: merging up to 16-row blocks took
+  eight of the Triton kernel's ten dependent products.
+  """
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()),
+                     return_type=plgpu.ShapeDtypeStruct((CHUNK_SIZE, CHUNK_SIZE), _F32, layout=plgpu.Layout.WGMMA))
+  def solve(_, neg_upper, upper_ref, solved_ref):
+    c, block = CHUNK_SIZE, _SOLVE_BLOCK
+    f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
+    quad = ir.VectorType.get([4], f32)
+    const = mgpu_utils.c
+    upper = mgpu_utils.memref_slice(upper_ref, (slice(None), slice(0, c)))
+    solved = mgpu_utils.memref_slice(solved_ref, (slice(None), slice(0, c)))
+    neg_upper.store_untiled(upper, optimized=False)
+    mgpu_utils.warpgroup_barrier()  # every thread reads rows the others stored
+    column = arith.remui(mgpu_utils.thread_idx(), const(128, i32))
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, column, const(c, i32))):
+      local = arith.remui(column, const(block, i32))
+      first = arith.index_cast(index, arith.subi(column, local))  # the block's first row
+      col = arith.index_cast(index, column)
+      zero, one = const(0.0, f32), const(1.0, f32)
+      residual = [arith.select(arith.cmpi(arith.CmpIPredicate.eq, local, const(i, i32)), one, zero)
+                  for i in range(block)]
+      for j in range(block):
+        row = arith.addi(first, const(j, index))
+        memref.store(residual[j], solved_ref, [row, col])
+        for i0 in range((j + 1) // 4 * 4, block, 4):
+          entries = vector.load(quad, upper_ref, [row, arith.addi(first, const(i0, index))])
+          for i in range(max(i0, j + 1), i0 + 4):
+            entry = vector.extract(entries, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i - i0]))
+            residual[i] = mlir_math.fma(entry, residual[j], residual[i])
+    mgpu_utils.warpgroup_barrier()  # every column is stored
+    return mgpu.FragmentedArray.load_untiled(solved, layout=mgpu.WGMMA_LAYOUT, optimized=False)
+
+  return solve(neg_upper, upper_ref, solved_ref)
+
+
+def _half_product(a, b, staging, *, in_registers):
+  """a @ b for float32 [C, C] registers, each operand rounded to float16 (as the Triton inverse's merges: bfloat16's
+  8 bits made T 5x less accurate with keys near one direction). staging: (b's tile,) in shared memory, and a's
+  where the interpreter runs (its wgmma reads shared memory alone)."""
+  b_tile, *a_tile = staging
+  b_tile[...] = b.astype(jnp.float16)
+  a = a.astype(jnp.float16)
+  if not in_registers:
+    a_tile[0][...] = a
+    a = a_tile[0]
+  plgpu.commit_smem()
+
+  def product(acc):
+    plgpu.wgmma(acc, a, b_tile)
+    return acc[...]
+
+  return pl.run_scoped(product, plgpu.ACC((CHUNK_SIZE, CHUNK_SIZE), _F32))
+
+
+def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, with_unscaled, in_registers):
+  *outputs, buffers, loaded = refs
+  k_smem, rows_smem, out_smem, solve_smem, staging = buffers
+  c, block = CHUNK_SIZE, _SOLVE_BLOCK
+  head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+  first_chunk = lax.axis_index("chunk_blocks") * chunks_per_cta
+
+  def load(n, slot):  # chunk first_chunk + n: its keys, and its factor rows twice (one copy per layout)
+    chunk = first_chunk + n
+    rows = pl.ds(pl.multiple_of(chunk * c, c), c)
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], loaded.at[slot])
+    for copy in range(2):
+      plgpu.copy_gmem_to_smem(rows_ref.at[batch, head, chunk], rows_smem.at[slot, copy], loaded.at[slot])
+
+  load(0, 0)
+  t = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+  s = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  by_row = lambda x: lax.broadcast_in_dim(x, (c, c), (0,))  # noqa: E731
+  by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
+  same_block = lambda size: lax.div(t, size) == lax.div(s, size)  # noqa: E731
+
+  @pl.loop(0, chunks_per_cta)
+  def _chunk(n):
+    slot = lax.rem(n, 2)
+    plgpu.barrier_wait(loaded.at[slot])
+
+    @pl.when(n + 1 < chunks_per_cta)
+    def _prefetch():  # into the other slot, which chunk n - 1's products (complete) read last
+      load(n + 1, 1 - slot)
+
+    keys = k_smem.at[slot]
+    rows, columns = rows_smem.at[slot, 0], rows_smem.at[slot, 1]
+
+    def key_products(acc):
+      plgpu.wgmma(acc, keys, keys.transpose((1, 0)))
+      return acc[...]
+
+    # The pair products (k_t . k_s) 2^-|c_t - c_s| of one segment: symmetric, so that A (strictly lower, beta_t by
+    # rows) and A^T (strictly upper, beta_s by columns) both come from them.
+    pairs = pl.run_scoped(key_products, plgpu.ACC((c, c), _F32))
+    if cum_row is not None:
+      gap = by_column(columns[cum_row]) - by_row(rows[cum_row])
+      pairs = pairs * jnp.exp2(jnp.minimum(gap, -gap))
+    if runs_row is not None:
+      pairs = jnp.where(by_row(rows[runs_row]) == by_column(columns[runs_row]), pairs, 0.0)
+    a = jnp.where(t > s, pairs * by_row(rows[_BETA_ROW]), 0.0)
+    if in_registers:
+      neg_upper = jnp.where((s > t) & same_block(block), pairs * by_column(-columns[_BETA_ROW]), 0.0)
+      x = jnp.where(same_block(block), _solve_diagonal_blocks(neg_upper, *solve_smem), 0.0)
+      size = 2 * block
+    else:  # the interpreter runs no inline Mosaic GPU: it merges from single rows
+      x = jnp.where(t == s, 1.0, 0.0)
+      size = 2
+    # Inverses of blocks of size/2 merge into blocks of size: X <- X - X (L X), L the lower-left blocks of A in
+    # each, so that every step writes exact blocks of T.
+    while size <= c:
+      links = jnp.where(same_block(size) & (lax.rem(t, size) >= size // 2) & (lax.rem(s, size) < size // 2), a, 0.0)
+      linked = _half_product(links, x, staging, in_registers=in_registers)
+      x = x - _half_product(x, linked, staging, in_registers=in_registers)
+      size *= 2
+
+    results = ((x * by_column(columns[_BETA_ROW]),) + ((x,) if with_unscaled else ()))
+    plgpu.wait_smem_to_gmem(len(results), wait_read_only=True)  # chunk n - 2's stores have read this slot
+    rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
+    for result, tile, out_ref in zip(results, out_smem, outputs):
+      tile.at[slot][...] = result.astype(tile.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(tile.at[slot], out_ref.at[batch, head, rows_out])
+
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _inverse_rows(beta, chunk_gates):
+  """The inverse kernel's factor rows [B, H, N, R, C] float32 from beta [B, H, Tp] and `sweep_gates`' (cumdecay,
+  runs): beta (`_BETA_ROW`), then the cumulative rates (log2 units) and the segment-start counts where given; and
+  those two rows' indices (None where not given)."""
+  b, h, tp = beta.shape
+  cumdecay, runs = chunk_gates
+  rows, cum_row, runs_row = [beta.astype(_F32)], None, None
+  if cumdecay is not None:
+    cum_row = len(rows)
+    rows.append(cumdecay)
+  if runs is not None:
+    runs_row = len(rows)
+    rows.append(jnp.broadcast_to(runs[:, None].astype(_F32), (b, h, tp)))
+  rows = jnp.stack(rows, axis=2).reshape(b, h, len(rows), tp // CHUNK_SIZE, CHUNK_SIZE)
+  return jnp.swapaxes(rows, 2, 3), cum_row, runs_row
+
+
+def default_chunks_per_cta(*, batch_heads: int, num_chunks: int, num_sms: int) -> int:
+  """Chunks each CTA of `inverse` walks: the most of 8, 4, 2 dividing num_chunks that leave at least
+  `_INVERSE_CTAS_PER_SM` CTAs per SM, else 1."""
+  for chunks in (8, 4, 2):
+    if num_chunks % chunks == 0 and (
+        batch_heads * (num_chunks // chunks) >= _INVERSE_CTAS_PER_SM * num_sms):
+      return chunks
+  return 1
+
+
+def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta: int | None = None,
+            interpret: bool = False):
+  """Each 64-token chunk's T' = T Diag(beta), T = (I + A)^{-1}, [B, H, Tp, 64] in k's dtype; with_unscaled, (T, T').
+
+  A_ts = beta_t (k_t . k_s) 2^(c_s - c_t) for s < t in one segment (c the
+  cumulative rates, log2 units), as the Triton kernels form it, for the
+  warp-specialised sweeps. One warpgroup a CTA walks `chunks_per_cta` chunks
+  (None: `default_chunks_per_cta`; it must divide the chunks),
+  the next chunk's keys and factor rows loading by TMA during this one's chain:
+  k k^T on the tensor cores, the 16 x 16 diagonal blocks of T by substitution in
+  float32 registers (`_solve_diagonal_blocks`), then two merges, 16 -> 32 -> 64
+  rows (four dependent products with float16 operands, against the Triton
+  kernel's ten). Compiled only on sm90; the interpreter, which runs no inline
+  Mosaic GPU, merges from single rows instead of the solve.
+
+  Args:
+    k: [B, Tp, H, K] bf16 or fp16, Tp a multiple of 64, K 64 or 128.
+    beta: [B, H, Tp] float32, zero on padding.
+    chunk_gates: (cumdecay [B, H, Tp] float32 or None, runs [B, Tp] int32 or
+      None), `lightning_mosaic.sweep_gates`' for these tokens.
+  """
+  b, tp, h, dim_k = k.shape
+  c = CHUNK_SIZE
+  if tp % c or dim_k not in (64, 128) or beta.shape != (b, h, tp):
+    raise ValueError(f"padded operands: k [B, Tp, H, K] with Tp a multiple of {c} and K 64 or 128, beta [B, H, Tp]; "
+                     f"got k {k.shape}, beta {beta.shape}")
+  rows, cum_row, runs_row = _inverse_rows(beta, chunk_gates)
+  n = tp // c
+  per_cta = chunks_per_cta or default_chunks_per_cta(batch_heads=b * h, num_chunks=n,
+                                                     num_sms=heuristics.num_sms(jax.devices()[0]))
+  if n % per_cta:
+    raise ValueError(f"chunks_per_cta must divide the {n} chunks, got {per_cta}")
+  in_registers = not interpret
+  dtype = k.dtype
+  smem = lightning_mosaic.swizzled_smem
+  num_outputs = 2 if with_unscaled else 1
+  solve_tile = plgpu.SMEM((c, c + _SOLVE_PAD), _F32)
+  scratch = (
+      (smem((2, c, dim_k), dtype), plgpu.SMEM((2, 2) + rows.shape[-2:], _F32),
+       tuple(smem((2, c, c), dtype) for _ in range(num_outputs)), (solve_tile, solve_tile),
+       tuple(smem((c, c), jnp.float16) for _ in range(1 if in_registers else 2))),
+      plgpu.Barrier(num_arrivals=3, num_barriers=2),  # the keys and the factor rows twice
+  )
+  out_type = tuple(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(num_outputs))
+  kernel = functools.partial(_inverse_kernel, chunks_per_cta=per_cta, cum_row=cum_row, runs_row=runs_row,
+                             with_unscaled=with_unscaled, in_registers=in_registers)
+  tri_beta, *tri = plgpu.kernel(
+      kernel, out_type=out_type, scratch_types=scratch, grid=(h, b, n // per_cta),
+      grid_names=("heads", "batch", "chunk_blocks"),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else False,
+      kernel_name="delta_inverse_mosaic")(rows, k)
+  return (tri[0], tri_beta) if with_unscaled else tri_beta

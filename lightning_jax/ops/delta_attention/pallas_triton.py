@@ -12,9 +12,10 @@ Forward, two passes:
     [D, block_e] on chip: U = U_v - W S, O = scale Q_g S + P U,
     S <- Diag(e^{g_C}) S + K_C^T U. With a scalar gate (or none) it forms P
     itself: one [C, D] x [D, C] product, cheaper than a float32 round trip.
-On sm90 the forward is `inverse` instead, grid (B, H, N): each chunk's
-T' = (I + A)^{-1} Diag(beta) over whole [C, C] tiles, from which the
-warp-specialised sweep (`warp_specialized`) forms U itself.
+On sm90 the forward is Mosaic GPU instead (`warp_specialized`): an inverse
+kernel writes each chunk's T' = (I + A)^{-1} Diag(beta)
+(`pallas_mosaic_gpu.inverse`), from which the warp-specialised sweep forms U
+itself.
 
 Backward (`backward`), recomputing instead of storing: prepare again; the
 sweep again, writing the state before every chunk S_n instead of outputs;
@@ -32,7 +33,7 @@ G_n. On sm90 (where the forward's sweep is warp-specialised) both sweeps
 are too (`pallas_mosaic_gpu.state_sweep` and `state_cotangents`, writing S_n,
 U, G_n and dU transposed, as `tile_gradients(transposed=True)` reads them)
 and no prepare runs: they and the gradient kernel take the T and T' of the
-forward's `inverse` kernel; `backward` says where.
+forward's inverse kernel; `backward` says where.
 
 The gates arrive as chunk-local cumulative log decays g (`chunk.chunk_log_decays`):
 [B, H, T] for a scalar per token, [B, H, T, D] per key channel (KDA), with
@@ -96,12 +97,13 @@ class DeltaConfig:
     gradient_stages: Triton's pipeline stages of the split backward's
       gradient kernel (None: num_stages).
     prepare_warps: Triton's warps of the Triton forward's prepare kernel
-      (None: num_warps; the backward's prepare, at backward_chunk_size, and
-      the warp-specialised forward's `inverse` take num_warps).
+      (None: num_warps; the backward's prepare, at backward_chunk_size,
+      takes num_warps).
     warp_specialized: the forward on the warp-specialised Mosaic GPU kernel
       (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256, a scalar
       decay per token or none), which takes each 64-token chunk's inverse
-      (times beta) from the `inverse` kernel instead of W and U_v from prepare,
+      (times beta) from a Mosaic GPU kernel (`pallas_mosaic_gpu.inverse`)
+      instead of W and U_v from prepare,
       and where block_e >= 64 the backward's sweeps on warp-specialised
       kernels too, with no prepare (`pallas_mosaic_gpu`; `backward`). None:
       wherever it runs compiled; True: required (ValueError where it cannot
@@ -575,10 +577,10 @@ def _prepare_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref
       p_ref[_block(i), _block(j)] = scale * p_ij
 
 
-def _tiles_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref, t_ref, t_beta_ref, *, exact):
+def _tiles_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref, t_ref, *, exact):
   """One chunk by whole [C, C] tiles, for a scalar gate or none: A in one product, then T = (I + A)^{-1} by
-  `_unit_lower_inverse` over the whole chunk. Writes each result whose ref is given: T, T' = T Diag(beta),
-  W = T beta K_g and (from v) U_v = T beta V, each product one [C, C] x [C, D] tile."""
+  `_unit_lower_inverse` over the whole chunk; writes T, W = T beta K_g and U_v = T beta V, each product one [C, C]
+  x [C, D] tile."""
   c = k_ref.shape[0]
   k = k_ref[...]
   beta = beta_ref[...].astype(_F32)
@@ -588,16 +590,11 @@ def _tiles_kernel(k_ref, v_ref, beta_ref, g_ref, runs_ref, w_ref, u_ref, t_ref, 
   # (7e-3 against 3.5e-2 of its largest entry, tests/test_delta_ops.py), at the same speed; A's entries are at most 2
   # for keys of norm at most 1.
   x = _unit_lower_inverse(a, dtype=_F32 if exact else jnp.float16, exact=exact)
-  if t_beta_ref is not None:
-    t_beta_ref[...] = (x * beta[None, :]).astype(t_beta_ref.dtype)
-  if t_ref is not None:
-    t_ref[...] = x.astype(t_ref.dtype)
+  t_ref[...] = x.astype(t_ref.dtype)
   product = lambda rows: triton_lowering.dot(x.astype(k.dtype), rows.astype(k.dtype), exact=exact)  # noqa: E731
-  if w_ref is not None:
-    row_decay, _ = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
-    w_ref[...] = product(k.astype(_F32) * (row_decay * beta[:, None])).astype(w_ref.dtype)
-  if u_ref is not None:
-    u_ref[...] = product(v_ref[...].astype(_F32) * beta[:, None]).astype(u_ref.dtype)
+  row_decay, _ = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
+  w_ref[...] = product(k.astype(_F32) * (row_decay * beta[:, None])).astype(w_ref.dtype)
+  u_ref[...] = product(v_ref[...].astype(_F32) * beta[:, None]).astype(u_ref.dtype)
 
 
 def _pair_factors(g_ref, runs_ref, *, start, size, inclusive):
@@ -797,7 +794,7 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
 
   q_ref, k_ref: [C, Dp]; v_ref, u_ref, du_ref, do_ref: V, U (the sweep's),
   dU (`state_cotangents`') and dO [C, Ep]; t_ref: T [C, C] (`prepare`, or
-  `inverse` where the sweeps are warp-specialised);
+  `pallas_mosaic_gpu.inverse` where the sweeps are warp-specialised);
   states_ref, d_next_ref: S_n and G_n [Dp, Ep]. `transposed`: S_n^T, G_n^T
   [Ep, Dp] and U^T, dU^T [Ep, C] instead (the warp-specialised sweeps', which
   store them from the buffers they publish them in). W enters only U = U_v - W S_n,
@@ -999,42 +996,23 @@ def prepare(q, k, v, beta, gates_: Gates, *, scale, with_inverse=False, config: 
       interpret=interpret, name="delta_attention_prepare")(q, k, v, beta, gates_.g, gates_.runs)
 
 
-def _by_tiles(k, v, beta, gates_: Gates, *, with_w, with_t, with_t_beta, name, config: DeltaConfig, interpret):
-  """`_tiles_kernel` over every chunk: (W, U_v, T, T'), each None unless asked for (U_v: with v)."""
+def prepare_by_tiles(k, v, beta, gates_: Gates, *, config: DeltaConfig, interpret):
+  """`prepare(..., with_inverse=True)`'s (W, U_v, T) by whole [C, C] tiles (`_tiles_kernel`), for a scalar gate or
+  none: the split backward's on the Triton sweeps, where D and E <= 128 (its [C, D] tiles stay whole; larger dims
+  take `prepare`). k: [B, Tp, H, Dp]; v: [B, Tp, H, Ep]; beta: [B, H, Tp]."""
   b, tp, h, dp = k.shape
   c = config.chunk_size
   if gates_.g is not None and gates_.g.ndim == 4:
     raise ValueError("the whole-tile kernel takes a scalar gate per token or none; per key channel, prepare writes T")
   struct = lambda shape: manual_axes.struct(shape, k.dtype, k)  # noqa: E731
-  inverses = (_head_rows(c, c), struct((b, h, tp, c)))
-  outputs = [(_chunk_rows_spec(c, dp), struct(k.shape)) if with_w else (None, None),
-             (None, None) if v is None else (_chunk_rows_spec(c, v.shape[-1]), struct(v.shape)),
-             inverses if with_t else (None, None), inverses if with_t_beta else (None, None)]
+  rows = (_chunk_rows_spec(c, dp), _chunk_rows_spec(c, v.shape[-1]))
   return pl.pallas_call(
       functools.partial(_tiles_kernel, exact=k.dtype == _F32), grid=(b, h, tp // c),
-      in_specs=[_chunk_rows_spec(c, dp), None if v is None else _chunk_rows_spec(c, v.shape[-1]), _head_rows(c),
-                *_gate_specs(gates_, c, dp, per_chunk=True)],
-      out_specs=[spec for spec, _ in outputs], out_shape=[shape for _, shape in outputs],
+      in_specs=[*rows, _head_rows(c), *_gate_specs(gates_, c, dp, per_chunk=True)],
+      out_specs=[*rows, _head_rows(c, c)], out_shape=[struct(k.shape), struct(v.shape), struct((b, h, tp, c))],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret, name=name,
+      interpret=interpret, name="delta_attention_prepare_by_tiles",
   )(k, v, beta, gates_.g, gates_.runs)
-
-
-def inverse(k, beta, gates_: Gates, *, with_unscaled=False, config: DeltaConfig, interpret):
-  """Each chunk's T' = T Diag(beta) [B, H, Tp, C] in the input dtype (`_tiles_kernel`), from padded k [B, Tp, H,
-  Dp] and beta [B, H, Tp], with T what `prepare(..., with_inverse=True)` writes, for a scalar gate or none.
-  with_unscaled: (T, T'), as the warp-specialised backward takes them."""
-  _, _, tri, tri_beta = _by_tiles(k, None, beta, gates_, with_w=False, with_t=with_unscaled, with_t_beta=True,
-                                  name="delta_attention_inverse", config=config, interpret=interpret)
-  return (tri, tri_beta) if with_unscaled else tri_beta
-
-
-def prepare_by_tiles(k, v, beta, gates_: Gates, *, config: DeltaConfig, interpret):
-  """`prepare(..., with_inverse=True)`'s (W, U_v, T) by whole [C, C] tiles (`_tiles_kernel`), for a scalar gate or
-  none: the split backward's on the Triton sweeps, where D and E <= 128 (its [C, D] tiles stay whole; larger dims
-  take `prepare`). k: [B, Tp, H, Dp]; v: [B, Tp, H, Ep]; beta: [B, H, Tp]."""
-  return _by_tiles(k, v, beta, gates_, with_w=True, with_t=True, with_t_beta=False,
-                   name="delta_attention_prepare_by_tiles", config=config, interpret=interpret)[:3]
 
 
 def _state_specs(b, h, n, dp, be):
@@ -1139,7 +1117,8 @@ def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do,
   """`_tile_gradients_kernel` over the grid (B, H, N) on padded operands: (dq, dk [B, Tp, H, Dp], dv [B, Tp, H,
   Ep] in the input dtype, dbeta [B, H, Tp] float32, dg [B, H, Tp] float32 (every share) or None).
 
-  tri: T [B, H, Tp, C] (`prepare`, or `inverse(..., with_unscaled=True)`); states, d_next: S_n (`sweep`) and G_n
+  tri: T [B, H, Tp, C] (`prepare`, or `pallas_mosaic_gpu.inverse(...,
+  with_unscaled=True)`); states, d_next: S_n (`sweep`) and G_n
   (`state_cotangents`) [B, H, N Dp, Ep]; u, du: U (`sweep`) and dU
   (`state_cotangents`) [B, Tp, H, Ep]; do: [B, Tp, H, Ep].
   `transposed`: S_n^T, G_n^T [B, H, N, Ep, Dp] and U^T, dU^T [B, H, Ep, Tp]
@@ -1221,7 +1200,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   forms U from T' as the forward does, the reverse sweep forms W from T', and
   the gradient kernel reads T. inverses: then (T, T') [B, H, Tp, 64], padded
   as the forward's (`warp_specialized.forward(..., with_inverses=True)`, its
-  residuals); None: the `inverse` kernel forms them here.
+  residuals); None: `pallas_mosaic_gpu.inverse` forms them here.
   initial_cotangent_only: return only dL/dS_0 [B, H, D, E] float32 (the
   reverse sweep's; initial_state may be None): the sequence split's
   cotangent of each piece's start from its own outputs (`sequence_split`).
@@ -1246,8 +1225,8 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   if warp_specialized:  # S_n^T and U^T, G_n^T and dU^T from the warp-specialised sweeps
     transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
     chunk_gates = lightning_mosaic.sweep_gates(decay, segment_starts, num_tokens=qp.shape[1])
-    tri, tri_beta = inverses or inverse(kp, beta_rows, gates_, with_unscaled=True, config=config,
-                                        interpret=interpret)
+    tri, tri_beta = inverses or pallas_mosaic_gpu.inverse(kp, beta_rows, chunk_gates, with_unscaled=True,
+                                                          interpret=interpret)
     if initial_cotangent_only:
       return transpose(pallas_mosaic_gpu.state_cotangents(qp, kp, tri_beta, dop, chunk_gates, transpose(d_final),
                                                           scale=scale, interpret=interpret,

@@ -111,7 +111,7 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
 
   def chunk_inverses(k, beta, decay, segment_starts):  # formed once for both of the split's passes
     return warp_specialized.chunk_inverses(k, beta, decay, segment_starts, with_unscaled=with_inverses,
-                                           config=opts.config, interpret=opts.interpret)
+                                           interpret=opts.interpret)
 
   def local(*args):
     if pieces == 1:

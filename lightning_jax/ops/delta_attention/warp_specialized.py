@@ -1,6 +1,6 @@
-"""The delta rule's forward on sm90: the Triton inverse kernel, then the warp-specialised sweep.
+"""The delta rule's forward on sm90: the inverse kernel, then the warp-specialised sweep.
 
-The Triton `pallas_triton.inverse` kernel writes every 64-token chunk's
+The inverse kernel (`delta_mosaic.inverse`) writes every 64-token chunk's
 T' = (I + A)^{-1} Diag(beta); the Mosaic GPU kernel of
 `lightning_attention.pallas_mosaic_gpu`, in its delta mode, walks the chunks
 with three warpgroups: the memory warpgroup loads q, k, v and T ahead, the
@@ -46,26 +46,23 @@ def _padded_gates(beta, decay, segment_starts, *, tp):
   return jnp.moveaxis(pad_tokens(beta), 2, 1), pad_tokens(decay), pad_tokens(segment_starts)
 
 
-def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, config: pallas_triton.DeltaConfig, interpret):
+def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
   """Each 64-token chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, 64] in k's dtype, with_unscaled as (T, T')
-  (`pallas_triton.inverse`): what `forward` forms, for a caller that runs it more than once on the same k, beta
+  (`delta_mosaic.inverse`): what `forward` forms, for a caller that runs it more than once on the same k, beta
   and gates (`sequence_split`). Arguments as `forward`'s."""
   t, d = k.shape[1], k.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp = WarpSpecializedConfig.padded_dims(d, d)[0]
   beta_rows, decay, segment_starts = _padded_gates(beta, decay, segment_starts, tp=tp)
-  kp = chunk_common.pad_tokens_and_features(k, num_tokens=tp, dim=dp)
-  g = pallas_triton.gate_logs(decay, seq_len=tp, dim_k=dp, chunk_size=CHUNK_SIZE)
-  gates_ = pallas_triton.gates(g, segment_starts, batch=k.shape[0], heads=k.shape[2], seq_len=tp, dim_k=dp,
-                               chunk_size=CHUNK_SIZE)
-  return pallas_triton.inverse(kp, beta_rows, gates_, with_unscaled=with_unscaled,
-                               config=dataclasses.replace(config, chunk_size=CHUNK_SIZE), interpret=interpret)
+  return delta_mosaic.inverse(chunk_common.pad_tokens_and_features(k, num_tokens=tp, dim=dp), beta_rows,
+                              pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp),
+                              with_unscaled=with_unscaled, interpret=interpret)
 
 
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state,
             config: pallas_triton.DeltaConfig, interpret, with_inverses=False, inverses=None):
   """`pallas_triton.forward`'s contract (same arguments and results) on the warp-specialised sweep; with_inverses:
-  also each chunk's (T, T'), [B, H, Tp, 64] in the input dtype (`pallas_triton.inverse(..., with_unscaled=True)`),
+  also each chunk's (T, T'), [B, H, Tp, 64] in the input dtype (`delta_mosaic.inverse(..., with_unscaled=True)`),
   which `pallas_triton.backward` takes. inverses: `chunk_inverses`' (T', or (T, T') with_inverses) for these k,
   beta and gates, or None (formed here).
 
@@ -73,18 +70,15 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   float32; decay: None or [B, T, H] float32 rates; segment_starts: [B, T]
   bool or None; initial_state: [B, H, D, E] float32 or None. T is padded to
   whole 64-token chunks (zero beta and rates: the padding changes no state),
-  D to 64 or 128 and E to a multiple of 64. The inverse kernel takes
-  `config.num_warps` (on an H200, B2 H32 T8K D128 bf16, 4 warps took 0.125
-  ms, 2 0.170 and 8 0.367); its chunk is the sweep's, 64 tokens, whatever
-  `config.chunk_size`.
+  D to 64 or 128 and E to a multiple of 64. The chunk is the sweep's, 64
+  tokens, whatever `config.chunk_size`.
   """
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
   if inverses is None:
-    inverses = chunk_inverses(k, beta, decay, segment_starts, with_unscaled=with_inverses, config=config,
-                              interpret=interpret)
+    inverses = chunk_inverses(k, beta, decay, segment_starts, with_unscaled=with_inverses, interpret=interpret)
   inverse = inverses[1] if with_inverses else inverses
   _, decay, segment_starts = _padded_gates(beta, decay, segment_starts, tp=tp)
   # The sweep's own gates, in its per-chunk factors' form.

@@ -650,7 +650,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       counts of packed sequences, [B, Tp] int32 (`token_chunk_gates`' runs).
     delta_inverse: None, or the delta rule's T' = (I + A)^{-1} Diag(beta) of
       each chunk, [B, H, Tp, C] in the input dtype
-      (`delta_attention.pallas_triton.inverse`; with chunk_gates and one slice).
+      (`delta_attention.pallas_mosaic_gpu.inverse`; with chunk_gates and one slice).
     delta_states: with delta_inverse, the delta backward's state sweep:
       instead of o, return each chunk's S_n^T (the state before it) [B, H,
       N, V, K] and U^T [B, H, V, Tp] in the input dtype, stored by the
