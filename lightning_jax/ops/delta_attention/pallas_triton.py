@@ -844,7 +844,7 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
   last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
 
   def keys(di, acc):
-    d_beta, dg, g_end, d_state_decay = acc
+    d_beta, dg, g_end_rows, d_state_decay = acc
     key_cols = key_columns(di)
 
     def along_values(ei, acc):
@@ -875,21 +875,22 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
     rising = beta * row_decay * d_k_gated + dot(d_key_pairs, k)
     through_end = to_end * d_k_end
     if with_gate:
-      g_end = g_end + jnp.sum(jnp.sum(k32 * through_end, axis=0, keepdims=True), axis=1, keepdims=True)
+      g_end_rows = g_end_rows + jnp.sum(k32 * through_end, axis=1)  # summed over the rows once, after the loop
     falling = through_end + dot(d_query_pairs, q, trans_a=True) + dot(d_key_pairs, k, trans_a=True)
     dk_ref[:, key_cols] = (rising + falling).astype(dk_ref.dtype)
     if with_gate:
       dg = dg + jnp.sum(k32 * (rising - falling), axis=1)
-    return d_beta, dg, g_end, d_state_decay
+    return d_beta, dg, g_end_rows, d_state_decay
 
-  d_beta, dg, g_end, d_state_decay = jax.lax.fori_loop(0, dp // block_d, keys,
-                                                        (d_beta, zeros(c), zeros(1, 1),
-                                                         zeros(block_e, 1) if transposed else zeros(1, block_e)))
+  d_beta, dg, g_end_rows, d_state_decay = jax.lax.fori_loop(0, dp // block_d, keys,
+                                                             (d_beta, zeros(c), zeros(c),
+                                                              zeros(block_e, 1) if transposed else zeros(1, block_e)))
   d_beta_ref[...] = d_beta
   if with_gate:  # g_C's share (through K_C and the state decay a_n) goes to the last row
     # The last row's e^{g_C}, 0 where a segment starts in the chunk: the state decay a_n.
     state_decay = jnp.sum(jnp.where(last_row, row_decay, 0.0), axis=0, keepdims=True)
-    g_end = g_end + state_decay * jnp.sum(d_state_decay, axis=0 if transposed else 1, keepdims=True)
+    g_end = (jnp.sum(g_end_rows[:, None], axis=0, keepdims=True)
+             + state_decay * jnp.sum(d_state_decay, axis=0 if transposed else 1, keepdims=True))
     dg_ref[...] = dg + jnp.sum(jnp.where(last_row, g_end, 0.0), axis=1)
 
 
