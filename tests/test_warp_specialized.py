@@ -400,8 +400,10 @@ def test_delta_inverse_walks_any_chunks_per_cta(mode):
   for n in (2, 4):
     for got, want in zip(walk(n), one):
       np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)))
-  with pytest.raises(ValueError, match="chunks_per_cta must divide the 4 chunks, got 3"):
-    delta_mosaic.inverse(k, beta, chunk_gates, chunks_per_cta=3, interpret=interpret)
+  for bad in (3, 0, True):
+    with pytest.raises(ValueError, match=f"chunks_per_cta must be None or a positive int dividing the 4 chunks, "
+                                         f"got {bad!r}"):
+      delta_mosaic.inverse(k, beta, chunk_gates, chunks_per_cta=bad, interpret=interpret)
   assert delta_mosaic.default_chunks_per_cta(batch_heads=16, num_chunks=1024, num_sms=132) == 8
   # At least 2 CTAs per SM: 8 chunks a CTA give 128 CTAs at one head, 4 give 256, 2 give 512.
   assert delta_mosaic.default_chunks_per_cta(batch_heads=1, num_chunks=1024, num_sms=132) == 2

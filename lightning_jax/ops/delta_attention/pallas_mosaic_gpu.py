@@ -687,10 +687,11 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
                      f"got k {k.shape}, beta {beta.shape}")
   rows, cum_row, runs_row = _inverse_rows(beta, chunk_gates)
   n = tp // c
-  per_cta = chunks_per_cta or default_chunks_per_cta(batch_heads=b * h, num_chunks=n,
-                                                     num_sms=heuristics.num_sms(jax.devices()[0]))
-  if n % per_cta:
-    raise ValueError(f"chunks_per_cta must divide the {n} chunks, got {per_cta}")
+  per_cta = chunks_per_cta
+  if per_cta is None:
+    per_cta = default_chunks_per_cta(batch_heads=b * h, num_chunks=n, num_sms=heuristics.num_sms(jax.devices()[0]))
+  if not isinstance(per_cta, int) or isinstance(per_cta, bool) or per_cta < 1 or n % per_cta:
+    raise ValueError(f"chunks_per_cta must be None or a positive int dividing the {n} chunks, got {per_cta!r}")
   in_registers = not interpret
   dtype = k.dtype
   smem = lightning_mosaic.swizzled_smem

@@ -16,8 +16,6 @@ The sequence split's map pass (`piece_maps`) runs the chain alone, twice a CTA.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 
 from lightning_jax.ops.delta_attention import pallas_mosaic_gpu as delta_mosaic
