@@ -634,19 +634,16 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
 
 def _inverse_rows(beta, chunk_gates):
   """The inverse kernel's factor rows [B, H, N, R, C] float32 from beta [B, H, Tp] and `sweep_gates`' (cumdecay,
-  runs): beta (`_BETA_ROW`), then the cumulative rates (log2 units) and the segment-start counts where given; and
-  those two rows' indices (None where not given)."""
+  runs): beta (`_BETA_ROW`), then where gates are given `lightning_mosaic.chunk_factors`' rows; and the indices of
+  the cumulative rates' and the segment counts' rows (None where not given)."""
   b, h, tp = beta.shape
+  rows = beta.astype(_F32).reshape(b, h, tp // CHUNK_SIZE, 1, CHUNK_SIZE)
   cumdecay, runs = chunk_gates
-  rows, cum_row, runs_row = [beta.astype(_F32)], None, None
-  if cumdecay is not None:
-    cum_row = len(rows)
-    rows.append(cumdecay)
-  if runs is not None:
-    runs_row = len(rows)
-    rows.append(jnp.broadcast_to(runs[:, None].astype(_F32), (b, h, tp)))
-  rows = jnp.stack(rows, axis=2).reshape(b, h, len(rows), tp // CHUNK_SIZE, CHUNK_SIZE)
-  return jnp.swapaxes(rows, 2, 3), cum_row, runs_row
+  if cumdecay is None and runs is None:
+    return rows, None, None
+  factors = lightning_mosaic.chunk_factors(jnp.zeros((b, h, tp), _F32) if cumdecay is None else cumdecay, runs)
+  return (jnp.concatenate([rows, factors], axis=3), None if cumdecay is None else 1 + lightning_mosaic.CUM,
+          None if runs is None else 1 + lightning_mosaic.RUNS)
 
 
 def default_chunks_per_cta(*, batch_heads: int, num_chunks: int, num_sms: int) -> int:
@@ -706,10 +703,8 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   out_type = tuple(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(num_outputs))
   kernel = functools.partial(_inverse_kernel, chunks_per_cta=per_cta, cum_row=cum_row, runs_row=runs_row,
                              with_unscaled=with_unscaled, in_registers=in_registers)
-  tri_beta, *tri = plgpu.kernel(
+  tri_beta, *tri = lightning_mosaic.warpgroup_kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(h, b, n // per_cta),
-      grid_names=("heads", "batch", "chunk_blocks"),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else False,
-      kernel_name="delta_inverse_mosaic")(rows, k)
+      grid_names=("heads", "batch", "chunk_blocks"), interpret=interpret, kernel_name="delta_inverse_mosaic",
+      num_warpgroups=1)(rows, k)
   return (tri[0], tri_beta) if with_unscaled else tri_beta

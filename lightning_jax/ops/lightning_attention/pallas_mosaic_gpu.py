@@ -609,17 +609,19 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool
               register_scores=compiled and (per_chunk or dim_k > 64))
 
 
-def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names, interpret, kernel_name):
-  """plgpu.kernel of three warpgroups (axis "wg") in warpgroup lowering, as every kernel of this file and of the delta
-  rule's runs; approx_math: exp2 as the one ex2.approx instruction (relative error ~2^-22), not a library routine."""
+def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names, interpret, kernel_name,
+                     num_warpgroups: int = 3):
+  """plgpu.kernel in warpgroup lowering, as every kernel of this file and of the delta rule's runs: of
+  `num_warpgroups` warpgroups (axis "wg"; 1: no such axis); approx_math: exp2 as the one ex2.approx instruction
+  (relative error ~2^-22), not a library routine."""
   return plgpu.kernel(
       body,
       out_type=out_type,
       scratch_types=scratch_types,
       grid=grid,
       grid_names=grid_names,
-      num_threads=3,
-      thread_name="wg",
+      num_threads=num_warpgroups if num_warpgroups > 1 else None,
+      thread_name="wg" if num_warpgroups > 1 else None,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name=kernel_name,
