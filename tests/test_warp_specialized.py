@@ -23,6 +23,7 @@ from test_packed import EXTREME_RATES, Packing, check_packed
 
 import lightning_jax as lj
 from lightning_jax.ops.delta_attention import pallas_mosaic_gpu as delta_mosaic
+from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu
 from lightning_jax.ops.lightning_attention import reference
@@ -427,10 +428,10 @@ def test_delta_inverse_lowers_for_cuda(dim_k, gated, segments, with_unscaled):
 
 
 @pytest.mark.parametrize("mode", WS_MODES)
-def test_delta_backward_takes_the_inverses_the_forward_formed(mode):
-  """The warp-specialised backward on the forward's T and T' (the op's residuals) and on those it forms itself
-  without them: the same gradients, so the forward padded and gated them as the backward does (T off the chunk,
-  packed, per-token rates, from and to states)."""
+def test_delta_backward_takes_what_the_forward_kept(mode):
+  """The warp-specialised backward on the forward's T and T' and its S_n^T and U^T (the op's residuals) and on
+  those it forms itself without them: the same gradients, so the forward padded and gated them as the backward
+  does (T off the chunk, packed, per-token rates, from and to states); the states bit for bit (the same chain)."""
   from lightning_jax.ops.delta_attention import pallas_triton
   from lightning_jax.ops.delta_attention import warp_specialized
 
@@ -443,12 +444,26 @@ def test_delta_backward_takes_the_inverses_the_forward_formed(mode):
   config = lj.DeltaConfig(warp_specialized=True)
   assert config.warp_specializes_backward(per_channel_gate=False)
   options = dict(scale=case.d ** -0.5, config=config, interpret=mode == "interpret")
-  _, _, inverses = jax.jit(lambda: warp_specialized.forward(q, k, v, beta, decay, starts, s0, with_final_state=True,
-                                                            with_inverses=True, **options))()
+  o, final, kept = jax.jit(lambda: warp_specialized.forward(q, k, v, beta, decay, starts, s0, with_final_state=True,
+                                                             with_inverses=True, with_states=True, **options))()
+  o_alone, final_alone = jax.jit(lambda: warp_specialized.forward(q, k, v, beta, decay, starts, s0,
+                                                                  with_final_state=True, **options))()
+  assert jnp.array_equal(o, o_alone) and jnp.array_equal(final, final_alone)  # storing the states changes neither
+  inverses, states = kept[:2], kept[2:]
   assert [x.shape for x in inverses] == [(case.b, case.h, 192, 64)] * 2
-  backward = jax.jit(lambda inverses: pallas_triton.backward(q, k, v, beta, decay, starts, s0, do, d_final,
-                                                             inverses=inverses, **options))
-  for name, g, g_formed in zip(DELTA_ARG_NAMES, backward(inverses), backward(None)):
+  assert [x.shape for x in states] == [(case.b, case.h, 3, 64, 64), (case.b, case.h, 64, 192)]
+  # The backward's state sweep on the same padded operands.
+  pad = lambda x, **kw: chunk_common.pad_tokens_and_features(x, num_tokens=192, **kw)  # noqa: E731
+  pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, 192 - case.t)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+  swept = jax.jit(lambda: delta_mosaic.state_sweep(
+      pad(k, dim=64), pad(v, dim=64), inverses[1],
+      pallas_mosaic_gpu.sweep_gates(pad_rows(decay), pad_rows(starts), num_tokens=192),
+      jnp.swapaxes(chunk_common.pad_state(s0, 64, 64), -1, -2), interpret=mode == "interpret"))()
+  for x, y in zip(states, swept):
+    assert jnp.array_equal(x, y)
+  backward = jax.jit(lambda inverses, states: pallas_triton.backward(q, k, v, beta, decay, starts, s0, do, d_final,
+                                                                     inverses=inverses, states=states, **options))
+  for name, g, g_formed in zip(DELTA_ARG_NAMES, backward(inverses, states), backward(None, None)):
     assert g.shape == g_formed.shape and rel_err(g, g_formed) < 1e-3, (name, rel_err(g, g_formed))
 
 
@@ -556,11 +571,12 @@ def test_compiled_at_every_short_chunk_count(op, dim, num_chunks, mode):
 
 
 @needs_ws_jax
-@pytest.mark.parametrize("dim_k,dim_v,gated,segments,with_states", [
-    (128, 128, True, True, True), (64, 64, False, False, False), (128, 64, True, False, False),
-    (64, 128, True, True, True)])
-def test_delta_warp_specialized_lowers_for_cuda(dim_k, dim_v, gated, segments, with_states):
-  """The delta mode lowers as the GPU compiles it (wgmma's operand shapes and layouts), from any backend."""
+@pytest.mark.parametrize("dim_k,dim_v,gated,segments,with_states,kept", [
+    (128, 128, True, True, True, True), (64, 64, False, False, False, False), (128, 64, True, False, False, True),
+    (64, 128, True, True, True, False)])
+def test_delta_warp_specialized_lowers_for_cuda(dim_k, dim_v, gated, segments, with_states, kept):
+  """The delta mode lowers as the GPU compiles it (wgmma's operand shapes and layouts), from any backend; kept: the
+  output warpgroup also stores S_n^T and U^T (the backward's residuals)."""
   q = jax.ShapeDtypeStruct((2, 192, 3, dim_k), BF16)
   v = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
   gates = (jax.ShapeDtypeStruct((2, 3, 192), F32) if gated else None,
@@ -569,10 +585,12 @@ def test_delta_warp_specialized_lowers_for_cuda(dim_k, dim_v, gated, segments, w
   s0 = jax.ShapeDtypeStruct((2, 3, 1, dim_v, dim_k), F32) if with_states else None
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2, delta=True)
   fn = jax.jit(lambda q, k, v, s0, gates, inverse: pallas_mosaic_gpu.forward_padded(
-      q, k, v, None, s0, chunk_gates=gates, delta_inverse=inverse, scale=0.125, seq_len=150,
+      q, k, v, None, s0, chunk_gates=gates, delta_inverse=inverse, delta_states=kept, scale=0.125, seq_len=150,
       return_final_state=with_states, cfg=cfg))
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, s0, gates, inverse)
   assert "delta_warp_specialized" in exported.mlir_module()
+  assert [o.shape for o in exported.out_avals] == ([(2, 192, 3, dim_v)] + [(2, 3, 3, dim_v, dim_k), (2, 3, dim_v, 192)]
+                                                  * kept + [(2, 3, dim_v, dim_k)] * with_states)
 
 
 def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():

@@ -2,8 +2,9 @@
 sm90), the sweeps and the map pass warp-specialised.
 
 `state_sweep` is `pallas_triton.sweep`'s job in the backward (S_n and U, no
-output): the forward's warp-specialised kernel in its `delta_states` mode,
-whose third warpgroup stores the S_n^T and U^T the chain publishes.
+output): the forward's warp-specialised kernel with `delta_states` and no
+outputs, whose third warpgroup stores the S_n^T and U^T the chain publishes
+(where the forward kept them, `DeltaConfig.forward_states`, it does not run).
 
 `state_cotangents` is `pallas_triton.state_cotangents`' job (its results
 transposed, below) for a scalar gate or none. One CTA per (head, batch, 64
@@ -301,7 +302,8 @@ def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = 
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=k.dtype.itemsize, delta=True)
   return lightning_mosaic.forward_padded(
       None, k, v, None, None if initial_state is None else initial_state[:, :, None], chunk_gates=chunk_gates,
-      delta_inverse=inverse, delta_states=True, scale=1.0, seq_len=tp, cfg=cfg, interpret=interpret)
+      delta_inverse=inverse, delta_states=True, with_outputs=False, scale=1.0, seq_len=tp, cfg=cfg,
+      interpret=interpret)
 
 
 def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, interpret: bool = False,

@@ -108,6 +108,13 @@ class DeltaConfig:
       kernels too, with no prepare (`pallas_mosaic_gpu`; `backward`). None:
       wherever it runs compiled; True: required (ValueError where it cannot
       run); False: the Triton sweeps.
+    forward_states: where the backward's sweeps are warp-specialised
+      (`warp_specializes_backward`), the forward's output warpgroup also
+      stores each chunk's S_n^T and U^T as the chain publishes them, and the
+      backward takes them instead of running its state sweep: residuals of
+      E/64 times q's bytes (S_n^T [B, H, T/64, E, D]) plus v's (U^T), held
+      from the forward to the backward. None or True: so; False: the
+      backward's state sweep recomputes them (less memory between the two).
     sequence_pieces: pieces each row of the sequence is cut into, run in
       parallel from their true initial states (`sequence_split`), forward and
       backward; 1: no split; None: `sequence_split.num_pieces` for the call
@@ -124,6 +131,7 @@ class DeltaConfig:
   gradient_stages: int | None = None
   prepare_warps: int | None = None
   warp_specialized: bool | None = None
+  forward_states: bool | None = None
   sequence_pieces: int | None = None
 
   def __post_init__(self):
@@ -143,7 +151,7 @@ class DeltaConfig:
     if self.sequence_pieces is not None and (not isinstance(self.sequence_pieces, int)
                                              or isinstance(self.sequence_pieces, bool) or self.sequence_pieces < 1):
       raise ValueError(f"sequence_pieces must be None or an int >= 1, got {self.sequence_pieces!r}")
-    for name in ("split_backward", "warp_specialized"):
+    for name in ("split_backward", "warp_specialized", "forward_states"):
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be None or a bool, got {getattr(self, name)!r}")
 
@@ -160,6 +168,10 @@ class DeltaConfig:
     columns those kernels' CTAs take."""
     return (self.splits_backward(per_channel_gate=per_channel_gate) and bool(self.warp_specialized)
             and self.block_e >= WarpSpecializedConfig.BLOCK_E)
+
+  def keeps_forward_states(self, *, per_channel_gate: bool) -> bool:
+    """Whether the forward keeps S_n^T and U^T for the backward (`forward_states`)."""
+    return self.warp_specializes_backward(per_channel_gate=per_channel_gate) and self.forward_states is not False
 
 
 # What shrinks, by (operand bytes, padded D at least, budget at most), and the largest backward chunk there.
@@ -1187,7 +1199,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
 
 
 def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale, config: DeltaConfig,
-             interpret, inverses=None, initial_cotangent_only=False):
+             interpret, inverses=None, states=None, initial_cotangent_only=False):
   """The cotangents (dq, dk, dv, dbeta, d decay or None, d initial_state or None) of `forward`'s inputs.
 
   do: [B, T, H, E] the output cotangent; d_final: [B, H, D, E] or None.
@@ -1201,7 +1213,10 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   forms U from T' as the forward does, the reverse sweep forms W from T', and
   the gradient kernel reads T. inverses: then (T, T') [B, H, Tp, 64], padded
   as the forward's (`warp_specialized.forward(..., with_inverses=True)`, its
-  residuals); None: `pallas_mosaic_gpu.inverse` forms them here.
+  residuals); None: `pallas_mosaic_gpu.inverse` forms them here. states:
+  then (S_n^T [B, H, N, Ep, Dp], U^T [B, H, Ep, Tp]) as the forward kept them
+  (`warp_specialized.forward(..., with_states=True)`; `forward_states`), or
+  None: the state sweep forms them here.
   initial_cotangent_only: return only dL/dS_0 [B, H, D, E] float32 (the
   reverse sweep's; initial_state may be None): the sequence split's
   cotangent of each piece's start from its own outputs (`sequence_split`).
@@ -1215,6 +1230,8 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   if warp_specialized and c != WarpSpecializedConfig.CHUNK_SIZE:
     raise ValueError(f"the warp-specialised backward takes backward_chunk_size={WarpSpecializedConfig.CHUNK_SIZE}, "
                      f"got {c}")
+  if (inverses is not None or states is not None) and not warp_specialized:
+    raise ValueError("inverses and states are the warp-specialised backward's (DeltaConfig.warp_specializes_backward)")
   dp, ep = (WarpSpecializedConfig.padded_dims(d, e) if warp_specialized
             else (lightning_config.padded_dim(d), lightning_config.padded_dim(e)))
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
@@ -1236,8 +1253,8 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
                                                                      transpose(d_final), scale=scale,
                                                                      interpret=interpret)
     d_initial = transpose(d_initial)
-    states, values = pallas_mosaic_gpu.state_sweep(kp, vp, tri_beta, chunk_gates, transpose(initial_state),
-                                                   interpret=interpret)
+    states, values = states or pallas_mosaic_gpu.state_sweep(kp, vp, tri_beta, chunk_gates,
+                                                             transpose(initial_state), interpret=interpret)
   else:  # S_n and U, G_n and dU from the Triton sweeps, on prepare's W and U_v (and P, T)
     if split and max(dp, ep) <= 128:  # by whole tiles (`prepare_by_tiles`)
       (w, u, tri), p = prepare_by_tiles(kp, vp, beta_rows, gates_, config=config, interpret=interpret), None

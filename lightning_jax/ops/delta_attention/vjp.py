@@ -3,10 +3,10 @@ forward's sweep and both of the backward's sweeps are warp-specialised Mosaic GP
 
 Residuals are the inputs, and where the backward's sweeps are
 warp-specialised each chunk's inverses T and T' = T Diag(beta) [B, H, Tp, 64]
-that the forward formed (O(T C): nothing of size O(T D E) is kept). The
+that the forward formed, and (`DeltaConfig.forward_states`) each chunk's S_n,
+the state before chunk n, and U, as the forward's sweep formed them. Else the
 backward (`pallas_triton.backward`) runs the state sweep again (after the
-prepare kernel, on the Triton sweeps), the sweep writing S_n, the state before
-chunk n. Per chunk (`chunk`'s
+prepare kernel, on the Triton sweeps), the sweep writing S_n and U. Per chunk (`chunk`'s
 notation; Y = [W, U_v] = T X, X = [beta K_g, beta V], T = (I + A)^{-1}):
 
     U = U_v - W S_n,   O = Q_g S_n + P U,   S_{n+1} = Diag(a_n) S_n + K_C^T U.
@@ -48,7 +48,9 @@ from lightning_jax.ops.delta_attention import sequence_split
 from lightning_jax.ops.delta_attention import warp_specialized
 from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import auto_sharding
+from lightning_jax.ops.lightning_attention.auto_sharding import CHUNK_STATES
 from lightning_jax.ops.lightning_attention.auto_sharding import CHUNK_TILES
+from lightning_jax.ops.lightning_attention.auto_sharding import CHUNK_VALUES
 from lightning_jax.ops.lightning_attention.auto_sharding import ROWS_D
 from lightning_jax.ops.lightning_attention.auto_sharding import ROWS_E
 from lightning_jax.ops.lightning_attention.auto_sharding import STARTS
@@ -79,14 +81,15 @@ def _labelled(q, k, v, beta, decay, segment_starts, initial_state):
           (initial_state, STATE))
 
 
-def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=False):
+def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=False, with_states=False):
   """The forward kernels on each device's block of B and H (see `auto_sharding`): the prepare (or inverse) kernel,
   then the warp-specialised sweep where `DeltaConfig.warp_specialized` (resolved by the op) says so, else the
   Triton one, over pieces of the sequence where `DeltaConfig.sequence_pieces` > 1 (`sequence_split`).
 
   Returns ((o, final state or None), the backward's residuals: with_inverses
-  each chunk's (T, T') (the warp-specialised forward's), then with a split
-  its piece starts, transitions and continues flags (`SPLIT_LABELS`)).
+  each chunk's (T, T') (the warp-specialised forward's), with_states each
+  chunk's (S_n^T, U^T) (its sweep's), then with a split its piece starts,
+  transitions and continues flags (`SPLIT_LABELS`)).
   """
   ws = opts.config.warp_specialized
   pieces = opts.config.sequence_pieces or 1
@@ -96,7 +99,8 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
     if not ws:
       return pallas_triton.forward(*args, with_final_state=opts.with_final_state, **kernels)
     o, final_state, *kept = warp_specialized.forward(*args, with_final_state=opts.with_final_state,
-                                                     with_inverses=with_inverses, inverses=inverses, **kernels)
+                                                     with_inverses=with_inverses, with_states=with_states,
+                                                     inverses=inverses, **kernels)
     return (o, final_state, *(kept[0] if kept else ()))
 
   def piece_maps(k, v, beta, decay, segment_starts, inverses):  # the split's map pass: final states alone
@@ -126,6 +130,7 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
   out = auto_sharding.blockwise(local, _labelled(q, k, v, beta, decay, segment_starts, initial_state),
                                 (ROWS_E,) + ((STATE,) if opts.with_final_state else ())
                                 + ((CHUNK_TILES, CHUNK_TILES) if with_inverses else ())
+                                + ((CHUNK_STATES, CHUNK_VALUES) if with_states else ())
                                 + (SPLIT_LABELS if pieces > 1 else ()))
   return (out[0], out[1] if opts.with_final_state else None), tuple(out[1 + opts.with_final_state:])
 
@@ -137,38 +142,47 @@ def delta_attention_pallas(q, k, v, beta, decay, segment_starts, initial_state, 
 
 
 def _forward(q, k, v, beta, decay, segment_starts, initial_state, opts):
-  # The warp-specialised backward takes the forward's inverses (`pallas_triton.backward`).
-  with_inverses = opts.config.warp_specializes_backward(per_channel_gate=decay is not None and decay.ndim == 4)
-  out, kept = _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=with_inverses)
-  inverses = kept[:2] if with_inverses else (None, None)
-  return out, (q, k, v, beta, decay, segment_starts, initial_state, *inverses, kept[2 if with_inverses else 0:])
+  # The warp-specialised backward takes the forward's inverses, and its states where it keeps them
+  # (`pallas_triton.backward`).
+  per_channel_gate = decay is not None and decay.ndim == 4
+  with_inverses = opts.config.warp_specializes_backward(per_channel_gate=per_channel_gate)
+  with_states = opts.config.keeps_forward_states(per_channel_gate=per_channel_gate)
+  out, kept = _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=with_inverses,
+                      with_states=with_states)
+  kept = list(kept)
+  inverses = (kept.pop(0), kept.pop(0)) if with_inverses else (None, None)
+  states = (kept.pop(0), kept.pop(0)) if with_states else (None, None)
+  return out, (q, k, v, beta, decay, segment_starts, initial_state, *inverses, *states, tuple(kept))
 
 
 def _backward(opts, residuals, cotangents):
-  q, k, v, beta, decay, segment_starts, initial_state, tri, tri_beta, split = residuals
+  q, k, v, beta, decay, segment_starts, initial_state, tri, tri_beta, states_t, values_t, split = residuals
   do, d_final = cotangents
   operands = _labelled(q, k, v, beta, decay, segment_starts, initial_state)
   # The cotangents `pallas_triton.backward` returns: of q, k, v, beta, and of decay and initial_state if given.
   returned = [label for x, label in operands[:5] + operands[6:] if x is not None]
   kernels = dict(scale=opts.scale, config=opts.config, interpret=opts.interpret)
 
-  def local(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, tri, tri_beta, *split_arrays):
+  def local(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, tri, tri_beta, states_t, values_t,
+            *split_arrays):
     inverses = None if tri is None else (tri, tri_beta)
+    states = None if states_t is None else (states_t, values_t)
     if not split_arrays:
       grads = pallas_triton.backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final,
-                                     inverses=inverses, **kernels)
+                                     inverses=inverses, states=states, **kernels)
     else:
       starts, transitions, continues = split_arrays
       pieces = sequence_split.Pieces(count=continues.shape[1],
                                      length=sequence_split.piece_length(q.shape[1], continues.shape[1]),
                                      starts=starts, transitions=transitions, continues=continues)
-      run = functools.partial(pallas_triton.backward, inverses=inverses, **kernels)
+      run = functools.partial(pallas_triton.backward, inverses=inverses, states=states, **kernels)
       grads = sequence_split.backward(run, pieces, q, k, v, beta, decay, segment_starts, do, d_final)
       grads = grads if initial_state is not None else grads[:-1]
     return tuple(g for g in grads if g is not None)
 
   grads = iter(auto_sharding.blockwise(local, (*operands, (do, ROWS_E), (d_final, STATE), (tri, CHUNK_TILES),
-                                               (tri_beta, CHUNK_TILES), *zip(split, SPLIT_LABELS)), returned))
+                                               (tri_beta, CHUNK_TILES), (states_t, CHUNK_STATES),
+                                               (values_t, CHUNK_VALUES), *zip(split, SPLIT_LABELS)), returned))
   dq, dk, dv, d_beta = (next(grads) for _ in range(4))
   d_decay = None if decay is None else next(grads)
   d_initial = None if initial_state is None else next(grads)

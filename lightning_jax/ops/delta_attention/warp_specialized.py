@@ -10,7 +10,9 @@ the U it publishes. So W and U_v never cross HBM, and the output products
 leave the serial chain, which the Triton sweep's one instruction stream
 cannot do. The backward's sweeps are warp-specialised too
 (`pallas_mosaic_gpu`): they take the inverses this forward formed, T and T'
-(`forward(..., with_inverses=True)`, the op's residuals), and recompute the rest.
+(`forward(..., with_inverses=True)`, the op's residuals), and, as the output
+warpgroup stores them too (`with_states`), each chunk's S_n^T and U^T in place
+of their state sweep (`DeltaConfig.forward_states`).
 The sequence split's map pass (`piece_maps`) runs the chain alone, twice a CTA.
 """
 
@@ -58,11 +60,12 @@ def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
 
 
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state,
-            config: pallas_triton.DeltaConfig, interpret, with_inverses=False, inverses=None):
-  """`pallas_triton.forward`'s contract (same arguments and results) on the warp-specialised sweep; with_inverses:
-  also each chunk's (T, T'), [B, H, Tp, 64] in the input dtype (`delta_mosaic.inverse(..., with_unscaled=True)`),
-  which `pallas_triton.backward` takes. inverses: `chunk_inverses`' (T', or (T, T') with_inverses) for these k,
-  beta and gates, or None (formed here).
+            config: pallas_triton.DeltaConfig, interpret, with_inverses=False, with_states=False, inverses=None):
+  """`pallas_triton.forward`'s contract (same arguments and results) on the warp-specialised sweep; with_inverses
+  or with_states, a third result, the backward's residuals (`pallas_triton.backward`'s inverses and states): each
+  chunk's (T, T') [B, H, Tp, 64] (`delta_mosaic.inverse(..., with_unscaled=True)`) with_inverses, then with_states
+  (S_n^T [B, H, Tp / 64, Ep, Dp], U^T [B, H, Ep, Tp]), all in the input dtype. inverses: `chunk_inverses`' (T', or
+  (T, T') with_inverses) for these k, beta and gates, or None (formed here).
 
   q, k: [B, T, H, D]; v: [B, T, H, E] bf16 or fp16; beta: [B, T, H]
   float32; decay: None or [B, T, H] float32 rates; segment_starts: [B, T]
@@ -86,14 +89,14 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True)
   result = pallas_mosaic_gpu.forward_padded(
       pad(q, dp), pad(k, dp), pad(v, ep), None, initial_state, chunk_gates=chunk_gates,
-      delta_inverse=inverse, scale=scale, seq_len=t,
+      delta_inverse=inverse, delta_states=with_states, scale=scale, seq_len=t,
       return_final_state=with_final_state, cfg=cfg, interpret=interpret)
-  o, final_state = result if with_final_state else (result, None)
-  if final_state is not None:
-    final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :d, :e]
-  if with_inverses:
-    return o[:, :t, :, :e], final_state, inverses
-  return o[:, :t, :, :e], final_state
+  o, *results = result if isinstance(result, tuple) else (result,)
+  final_state = jnp.swapaxes(results.pop(), -1, -2)[:, :, :d, :e] if with_final_state else None
+  o = o[:, :t, :, :e]
+  if with_inverses or with_states:
+    return o, final_state, (tuple(inverses) if with_inverses else ()) + tuple(results)
+  return o, final_state
 
 
 def piece_maps(k, v, beta, decay, segment_starts, *, inverse, interpret):

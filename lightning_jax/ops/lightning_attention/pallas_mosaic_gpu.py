@@ -49,9 +49,10 @@ kernel in its delta mode (`forward_padded`'s `delta_inverse`): the memory
 warpgroup also loads each chunk's T' = (I + A)^{-1} Diag(beta), and the state
 warpgroup forms its pseudo-values U = T' (V - K_g S) before its update and
 publishes them with S_n for the output warpgroup, which multiplies them in
-place of v. The delta backward's state sweep runs it with `delta_states`:
-no q, and the third warpgroup stores the published S_n^T and U^T instead of
-outputs (`delta_attention.pallas_mosaic_gpu.state_sweep`).
+place of v. With `delta_states` the third warpgroup also stores the published
+S_n^T and U^T (the delta backward's residuals); the backward's state sweep
+(`delta_attention.pallas_mosaic_gpu.state_sweep`) runs it so without outputs:
+no q, and the third warpgroup stores them alone.
 
 Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 """
@@ -286,7 +287,7 @@ def delta_update(state_t, values_t, keys, key_exponent, state_exponent, *, stagi
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, published,
             per_chunk, has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state,
-            register_scores, delta, delta_states):
+            register_scores, delta, delta_states, with_outputs):
   refs = list(refs)
   # The delta rule: each chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, C].
   inverse_ref = refs.pop(0) if delta else None
@@ -294,9 +295,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   head_segments = has_segments and not per_chunk
   runs_ref = refs.pop(0) if head_segments else None
   initial_ref = refs.pop(0) if has_initial else None
-  # The output, or (the delta rule's `delta_states`) S_n^T [B, H, N, V, K] and U^T [B, H, V, Tp].
-  out_ref = refs.pop(0)
-  values_out_ref = refs.pop(0) if delta_states else None
+  # The output, and (the delta rule's `delta_states`) S_n^T [B, H, N, V, K] and U^T [B, H, V, Tp].
+  out_ref = refs.pop(0) if with_outputs else None
+  states_out_ref, values_out_ref = (refs.pop(0), refs.pop(0)) if delta_states else (None, None)
   final_ref = refs.pop(0) if has_final else None
   buffers, barriers = refs
   q_smem, k_smem, v_smem, state_smem, (out_smem, intra_smem), vectors_smem, *buffers = buffers
@@ -349,7 +350,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
     def load(n, slot):
       rows = chunk_rows(n)
-      if not delta_states:  # there the chain alone reads the ring
+      if with_outputs:  # else the chain alone reads the ring
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], loaded.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, cols], v_smem.at[slot], loaded.at[slot])
@@ -495,16 +496,20 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.copy_smem_to_gmem(state_f32_smem, final_ref.at[batch, head, cols])
       plgpu.wait_smem_to_gmem(0)
 
+  def store_published(n, pub):
+    """S_n^T and U^T to HBM from the buffers the chain publishes them in (read before `state_read`: see
+    `wait_smem_to_gmem(0, wait_read_only=True)` where they are released)."""
+    plgpu.copy_smem_to_gmem(state_smem.at[pub], states_out_ref.at[batch, head, n, cols])
+    plgpu.copy_smem_to_gmem(values_smem.at[pub], values_out_ref.at[batch, head, cols, chunk_rows(n)])
+
   def _published_out():
-    """S_n^T and U^T to HBM from the buffers the chain publishes them in."""
     plgpu.barrier_wait(factors_loaded.at[0])
 
     @pl.loop(0, num_chunks)
     def _chunk(n):
       pub = lax.rem(n, published)
       plgpu.barrier_wait(state_ready.at[pub])
-      plgpu.copy_smem_to_gmem(state_smem.at[pub], out_ref.at[batch, head, n, cols])
-      plgpu.copy_smem_to_gmem(values_smem.at[pub], values_out_ref.at[batch, head, cols, chunk_rows(n)])
+      store_published(n, pub)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(state_read.at[pub])
       plgpu.barrier_arrive(released.at[slot_of(n)])
@@ -570,6 +575,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       else:
         values = v_smem.at[slot]
       plgpu.barrier_wait(state_ready.at[pub])
+      if delta_states:
+        store_published(n, pub)
 
       def products(intra_acc, inter_acc):
         plgpu.wgmma(intra_acc, weighted, values)
@@ -577,6 +584,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         return intra_acc[...], inter_acc[...]
 
       intra_out, inter = pl.run_scoped(products, plgpu.ACC((c, be), _F32), plgpu.ACC((c, be), _F32))
+      if delta_states:  # the stores above have read the published buffers (and the output's of chunk n - 1 its own)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(state_read.at[pub])
       plgpu.barrier_arrive(released.at[slot])
       out = intra_out + inter * chunk_row[:, None]
@@ -587,7 +596,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
     plgpu.wait_smem_to_gmem(0)
 
-  pl.when(wg == 2)(_published_out if delta_states else _outputs)
+  pl.when(wg == 2)(_outputs if with_outputs else _published_out)
 
 
 def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool = False) -> dict:
@@ -629,7 +638,8 @@ def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names, interpr
 
 
 def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None,
-                   delta_inverse=None, delta_states: bool = False, scale: float, seq_len: int,
+                   delta_inverse=None, delta_states: bool = False, with_outputs: bool = True, scale: float,
+                   seq_len: int,
                    return_final_state: bool = False, cfg: WarpSpecializedConfig, num_slices: int = 1,
                    interpret: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
@@ -653,11 +663,13 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     delta_inverse: None, or the delta rule's T' = (I + A)^{-1} Diag(beta) of
       each chunk, [B, H, Tp, C] in the input dtype
       (`delta_attention.pallas_mosaic_gpu.inverse`; with chunk_gates and one slice).
-    delta_states: with delta_inverse, the delta backward's state sweep:
-      instead of o, return each chunk's S_n^T (the state before it) [B, H,
-      N, V, K] and U^T [B, H, V, Tp] in the input dtype, stored by the
-      third warpgroup from the buffers the chain publishes them in; q is not
-      read (it may be None).
+    delta_states: with delta_inverse, also return each chunk's S_n^T (the
+      state before it) [B, H, N, V, K] and U^T [B, H, V, Tp] in the input
+      dtype, stored by the third warpgroup from the buffers the chain
+      publishes them in (the delta backward's).
+    with_outputs: form o (False: with delta_states, the delta backward's
+      state sweep, which stores S_n^T and U^T alone; q is not read and may be
+      None).
     initial_state: None, or the transposed state before each slice, [B, H,
       num_slices, V, K] float32.
     seq_len: the number of real tokens T (with one slice, Tp - CHUNK_SIZE < T <= Tp).
@@ -668,11 +680,14 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     interpret: run in the Mosaic GPU interpreter (on any backend).
 
   Returns:
-    o: [B, Tp, H, V] in the input dtype; with return_final_state, (o, S_T^T).
+    o: [B, Tp, H, V] in the input dtype; or a tuple of o (with_outputs), S_n^T and U^T (delta_states) and S_T^T
+    (return_final_state), in that order.
   """
-  if delta_states and (delta_inverse is None or return_final_state):
-    raise ValueError("delta_states takes delta_inverse, and no final state")
-  q = k if q is None and delta_states else q  # not read
+  if delta_states and delta_inverse is None:
+    raise ValueError("delta_states takes delta_inverse")
+  if not with_outputs and (not delta_states or return_final_state):
+    raise ValueError("with_outputs=False takes delta_states, and no final state")
+  q = k if q is None and not with_outputs else q  # not read
   num_stages, published = cfg.num_stages, cfg.published_states
   b, tp, h, dim_k = q.shape
   dim_v = v.shape[-1]
@@ -722,9 +737,9 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   # The delta rule's ring of inverses and its published U^T.
   delta_smem = ((swizzled_smem((num_stages, c, c), dtype), swizzled_smem((published, be, c), dtype)) if is_delta
                 else ())
-  # Each chunk's copies, one arrival each on its slot's barrier: q (but for delta_states), k, v, the delta rule's
-  # inverse, and two copies of the chunk's factor rows (per-token rates or packed sequences).
-  copies_per_chunk = (2 if delta_states else 3) + is_delta + 2 * (per_chunk or chunk_runs is not None)
+  # Each chunk's copies, one arrival each on its slot's barrier: q (with outputs), k, v, the delta rule's inverse,
+  # and two copies of the chunk's factor rows (per-token rates or packed sequences).
+  copies_per_chunk = 2 + with_outputs + is_delta + 2 * (per_chunk or chunk_runs is not None)
   scratch = (
       # The [C, C] float32 factors are read once, before the first output is staged in the same bytes.
       (swizzled_smem((num_stages, c, dim_k), dtype), swizzled_smem((num_stages, c, dim_k), dtype),
@@ -739,23 +754,22 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   runs = () if chunk_runs is None else (chunk_runs.reshape(b, tp // c, 1, c).astype(_F32),)
   inputs = (intra, vectors, q, k, v) + ((delta_inverse,) if is_delta else ()) + runs + (
       () if initial_state is None else (initial_state,))
-  out_type = manual_axes.struct((b, tp, h, dim_v), dtype, *inputs)
-  if delta_states:
-    out_type = (manual_axes.struct((b, h, tp // c, dim_v, dim_k), dtype, *inputs),
-                manual_axes.struct((b, h, dim_v, tp), dtype, *inputs))
-  if return_final_state:
-    out_type = (out_type, manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs))
+  out_type = (((manual_axes.struct((b, tp, h, dim_v), dtype, *inputs),) if with_outputs else ())
+              + ((manual_axes.struct((b, h, tp // c, dim_v, dim_k), dtype, *inputs),
+                  manual_axes.struct((b, h, dim_v, tp), dtype, *inputs)) if delta_states else ())
+              + ((manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs),) if return_final_state else ()))
   kernel = functools.partial(_kernel, num_chunks=num_chunks, num_slices=num_slices, num_stages=num_stages,
                              published=published, per_chunk=per_chunk,
                              has_decay=per_chunk or decay is not None or chunk_runs is not None,
                              has_segments=chunk_runs is not None or (per_chunk and chunk_gates[1] is not None),
                              has_initial=initial_state is not None, has_final=return_final_state,
                              last_rows=last_rows, scale=scale, delta=is_delta, delta_states=delta_states,
-                             **registers)
-  return warpgroup_kernel(
+                             with_outputs=with_outputs, **registers)
+  results = warpgroup_kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(h, b * num_slices, dim_v // be),
       grid_names=("heads", "batch_slices", "value_blocks"), interpret=interpret,
       kernel_name="delta_warp_specialized" if is_delta else "lightning_warp_specialized")(*inputs)
+  return results[0] if len(results) == 1 else tuple(results)
 
 
 def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=None):
