@@ -236,7 +236,7 @@ def pair_weights(intra, rows, columns, *, cum_end, has_segments):
   return lax.cond(cum_end <= chunk_common.FACTORIZED_MAX_LOG2, factorized, clamped)
 
 
-def delta_pseudo_values(state_in, keys, inverse, values, rows, *, has_segments, staging=None, during=None):
+def delta_pseudo_values(state_in, keys, inverse, values, rows, *, has_segments, staging=None):
   """A delta chunk's U^T = (V - K_g S)^T T'^T [BLOCK_E, C] float32 (K_g = 2^-c K, zero on rows after a segment
   start): the first half of the chain's step.
 
@@ -245,8 +245,7 @@ def delta_pseudo_values(state_in, keys, inverse, values, rows, *, has_segments, 
   zeros, the identity columns of the sequence split's map pass); rows: its
   factor rows (`chunk_factors`). staging: None (the left operands of wgmma in
   registers, compiled), or shared memory for them, (S^T [BLOCK_E, K], [BLOCK_E,
-  C]), as the interpreter needs. during: as `update`'s, once (K S)^T is issued
-  (staging None only).
+  C]), as the interpreter needs.
   """
   c, be = CHUNK_SIZE, BLOCK_E
   dtype = state_in.dtype
@@ -257,8 +256,6 @@ def delta_pseudo_values(state_in, keys, inverse, values, rows, *, has_segments, 
 
   def projection(acc):  # (K S)^T
     plgpu.wgmma(acc, state_in, keys.transpose((1, 0)))
-    if during is not None:
-      during()
     return acc[...]
 
   projected = pl.run_scoped(projection, plgpu.ACC((be, c), _F32))
@@ -295,7 +292,7 @@ def delta_update(state_t, values_t, keys, key_exponent, state_exponent, *, stagi
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, published,
             per_chunk, has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state,
-            register_scores, delta, delta_states, with_outputs):
+            register_scores, delta, delta_states, with_outputs, overlap_publish):
   refs = list(refs)
   # The delta rule: each chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, C].
   inverse_ref = refs.pop(0) if delta else None
@@ -460,29 +457,20 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       slot = slot_of(n)
       plgpu.barrier_wait(loaded.at[slot])
       rows = chunk_factor_rows(n)
+      buf = claim(n)
       state_in = state_t.astype(state_smem.dtype)
-      buf = lax.rem(n, published)
-      # Compiled, S_n and U^T are published while the chain's products that read them from registers run
-      # (H200, B2 H32 T8K D128: the forward's kernel 0.213 -> 0.193 ms); interpreted, before.
-      overlapped = staging is None
-
-      def publish_state():
-        claim(n)
-        state_smem[buf] = state_in
+      state_smem[buf] = state_in
+      values_t = delta_pseudo_values(state_in, k_smem.at[slot], inverse_smem.at[slot], v_smem.at[slot], rows,
+                                     has_segments=has_segments, staging=staging)
 
       def publish_values():
         values_smem[buf] = values_t.astype(values_smem.dtype)
         hand_over(buf)
 
-      if not overlapped:
-        publish_state()
-      values_t = delta_pseudo_values(state_in, k_smem.at[slot], inverse_smem.at[slot], v_smem.at[slot], rows,
-                                     has_segments=has_segments, staging=staging,
-                                     during=publish_state if overlapped else None)
-      if not overlapped:
+      if not overlap_publish:
         publish_values()
       state_t = delta_update(state_t, values_t, k_smem.at[slot], *decay_exponents(slot, rows), staging=staging,
-                             during=publish_values if overlapped else None)
+                             during=publish_values if overlap_publish else None)
       plgpu.barrier_arrive(released.at[slot])
       return state_t
 
@@ -635,10 +623,17 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool
   staged operands) hold the same operands, and the update is added after the
   product. The delta rule's chain keeps its left operands in registers at
   every K (the state, -(K_g S)^T, key * U^T): all come from its accumulators.
+  At K = 128 it also publishes U^T for the output warpgroup while its update's
+  products run (`overlap_publish`; they read key * U^T from registers): on an
+  H200 (DeltaNet, forward kernel, `jax.profiler`) 0.209 -> 0.189 ms at B2 H32
+  T8K and 0.757 -> 0.738 at T32K; at K = 64 (B4 H32 T32K) 0.655 -> 0.665.
+  Publishing S_n while (K S)^T runs was slower at K = 128 (0.757 -> 0.816 at
+  T32K) and within 1.2% at K = 64.
   """
   compiled = not interpret
   return dict(register_state=compiled and (dim_k > 64 or delta),
-              register_scores=compiled and (per_chunk or dim_k > 64))
+              register_scores=compiled and (per_chunk or dim_k > 64),
+              overlap_publish=compiled and delta and dim_k > 64)
 
 
 def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names, interpret, kernel_name,
