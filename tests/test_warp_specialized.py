@@ -463,8 +463,15 @@ def test_delta_backward_takes_what_the_forward_kept(mode):
     assert jnp.array_equal(x, y)
   backward = jax.jit(lambda inverses, states: pallas_triton.backward(q, k, v, beta, decay, starts, s0, do, d_final,
                                                                      inverses=inverses, states=states, **options))
-  for name, g, g_formed in zip(DELTA_ARG_NAMES, backward(inverses, states), backward(None, None)):
+  grads = backward(inverses, states)
+  for name, g, g_formed in zip(DELTA_ARG_NAMES, grads, backward(None, None)):
     assert g.shape == g_formed.shape and rel_err(g, g_formed) < 1e-3, (name, rel_err(g, g_formed))
+  # dL/dS_0 alone (the sequence split's pass from its pieces' own outputs), from the forward's T' or its own.
+  initial_only = jax.jit(lambda inverses: pallas_triton.backward(q, k, v, beta, decay, starts, s0, do, d_final,
+                                                                 inverses=inverses, initial_cotangent_only=True,
+                                                                 **options))
+  for given in (inverses, None):
+    assert jnp.array_equal(initial_only(given), grads[-1])
 
 
 @pytest.mark.parametrize("mode", WS_MODES)
@@ -612,3 +619,33 @@ def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
       lj.delta_attention(*args, impl="pallas", config=config, interpret=True)
   with pytest.raises(TypeError, match="warp_specialized must be None or a bool"):
     lj.DeltaConfig(warp_specialized=1)
+  with pytest.raises(TypeError, match="forward_states must be None or a bool"):
+    lj.DeltaConfig(forward_states=1)
+  # The forward keeps the states where the backward's sweeps are warp-specialised, unless told not to.
+  assert forced.keeps_forward_states(per_channel_gate=False)
+  assert not forced.keeps_forward_states(per_channel_gate=True)
+  assert not lj.DeltaConfig(warp_specialized=True, forward_states=False).keeps_forward_states(per_channel_gate=False)
+  assert not lj.DeltaConfig(warp_specialized=False, forward_states=True).keeps_forward_states(per_channel_gate=False)
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
+def test_delta_forward_states_off_gives_the_same_gradients(mode):
+  """forward_states=False (the backward's state sweep recomputes S_n and U) against the forward's kept states, through
+  the sequence split (2 pieces, a segment starting inside the second): the same states, so the same gradients, bit
+  for bit; and the state sweep (the warp-specialised kernel again) runs only when told to."""
+  case = DeltaCase(b=1, t=200, h=2, d=64, e=64, decay="token", segments=True)
+  q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=zlib.crc32(f"{case}ws-states".encode()))
+  q, k, v = (x.astype(BF16) for x in (q, k, v))
+  cot = jax.random.split(jax.random.key(41), 2)
+  args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape),
+          jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
+  fns = [delta_value_and_grads("pallas", config=lj.DeltaConfig(warp_specialized=True, sequence_pieces=2,
+                                                                forward_states=keep),
+                               interpret=mode == "interpret") for keep in (None, False)]
+  kernel_calls = [str(jax.make_jaxpr(fn)(*args)).count("delta_warp_specialized") for fn in fns]
+  assert kernel_calls[0] < kernel_calls[1], kernel_calls
+  grads = [fn(*args)[1] for fn in fns]
+  for name, kept, swept in zip(DELTA_ARG_NAMES, *grads):
+    assert (kept is None) == (swept is None), name
+    if kept is not None:
+      assert jnp.array_equal(kept, swept), name

@@ -1243,8 +1243,11 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   if warp_specialized:  # S_n^T and U^T, G_n^T and dU^T from the warp-specialised sweeps
     transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
     chunk_gates = lightning_mosaic.sweep_gates(decay, segment_starts, num_tokens=qp.shape[1])
-    tri, tri_beta = inverses or pallas_mosaic_gpu.inverse(kp, beta_rows, chunk_gates, with_unscaled=True,
-                                                          interpret=interpret)
+    if inverses is None:  # T only where the gradient kernel runs
+      formed = pallas_mosaic_gpu.inverse(kp, beta_rows, chunk_gates, with_unscaled=not initial_cotangent_only,
+                                         interpret=interpret)
+      inverses = (None, formed) if initial_cotangent_only else formed
+    tri, tri_beta = inverses
     if initial_cotangent_only:
       return transpose(pallas_mosaic_gpu.state_cotangents(qp, kp, tri_beta, dop, chunk_gates, transpose(d_final),
                                                           scale=scale, interpret=interpret,
