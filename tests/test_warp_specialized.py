@@ -444,10 +444,12 @@ def test_delta_backward_takes_what_the_forward_kept(mode):
   config = lj.DeltaConfig(warp_specialized=True)
   assert config.warp_specializes_backward(per_channel_gate=False)
   options = dict(scale=case.d ** -0.5, config=config, interpret=mode == "interpret")
+  forward_options = dict(scale=options["scale"], interpret=options["interpret"])
   o, final, kept = jax.jit(lambda: warp_specialized.forward(q, k, v, beta, decay, starts, s0, with_final_state=True,
-                                                             with_inverses=True, with_states=True, **options))()
+                                                             with_inverses=True, with_states=True,
+                                                             **forward_options))()
   o_alone, final_alone = jax.jit(lambda: warp_specialized.forward(q, k, v, beta, decay, starts, s0,
-                                                                  with_final_state=True, **options))()
+                                                                  with_final_state=True, **forward_options))()
   assert jnp.array_equal(o, o_alone) and jnp.array_equal(final, final_alone)  # storing the states changes neither
   inverses, states = kept[:2], kept[2:]
   assert [x.shape for x in inverses] == [(case.b, case.h, 192, 64)] * 2

@@ -98,9 +98,9 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
   def run(*args, inverses=None):
     if not ws:
       return pallas_triton.forward(*args, with_final_state=opts.with_final_state, **kernels)
-    o, final_state, *kept = warp_specialized.forward(*args, with_final_state=opts.with_final_state,
-                                                     with_inverses=with_inverses, with_states=with_states,
-                                                     inverses=inverses, **kernels)
+    o, final_state, *kept = warp_specialized.forward(*args, scale=opts.scale, with_final_state=opts.with_final_state,
+                                                     interpret=opts.interpret, with_inverses=with_inverses,
+                                                     with_states=with_states, inverses=inverses)
     return (o, final_state, *(kept[0] if kept else ()))
 
   def piece_maps(k, v, beta, decay, segment_starts, inverses):  # the split's map pass: final states alone

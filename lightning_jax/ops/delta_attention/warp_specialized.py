@@ -21,7 +21,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from lightning_jax.ops.delta_attention import pallas_mosaic_gpu as delta_mosaic
-from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu
@@ -59,9 +58,10 @@ def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
                               with_unscaled=with_unscaled, interpret=interpret)
 
 
-def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state,
-            config: pallas_triton.DeltaConfig, interpret, with_inverses=False, with_states=False, inverses=None):
-  """`pallas_triton.forward`'s contract (same arguments and results) on the warp-specialised sweep; with_inverses
+def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, interpret,
+            with_inverses=False, with_states=False, inverses=None):
+  """`pallas_triton.forward`'s contract (its arguments but the blocks' config, and its results) on the
+  warp-specialised sweep; with_inverses
   or with_states, a third result, the backward's residuals (`pallas_triton.backward`'s inverses and states): each
   chunk's (T, T') [B, H, Tp, 64] (`delta_mosaic.inverse(..., with_unscaled=True)`) with_inverses, then with_states
   (S_n^T [B, H, Tp / 64, Ep, Dp], U^T [B, H, Ep, Tp]), all in the input dtype. inverses: `chunk_inverses`' (T', or
@@ -72,7 +72,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   bool or None; initial_state: [B, H, D, E] float32 or None. T is padded to
   whole 64-token chunks (zero beta and rates: the padding changes no state),
   D to 64 or 128 and E to a multiple of 64. The chunk is the sweep's, 64
-  tokens, whatever `config.chunk_size`.
+  tokens, whatever `DeltaConfig.chunk_size` says.
   """
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
