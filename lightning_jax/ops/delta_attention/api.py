@@ -126,8 +126,10 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       interpret mode without a supported GPU), "xla" (chunked jnp, O(T)), "reference"
       (token-serial scan, the oracle) or "auto" (pallas on NVIDIA GPUs with
       compute capability >= 8.0, else xla; xla for cu_seqlens with states).
-    config: a `DeltaConfig` (the Pallas kernels' blocks) or None (`pallas_triton.default_config`;
-      with few (batch, head) pairs and long T, the sequence split of
+    config: a `DeltaConfig` (the Pallas kernels' blocks; on sm90 whether the
+      differentiated forward keeps each chunk's states for the backward,
+      `forward_states`) or None (`pallas_triton.default_config`; with few
+      (batch, head) pairs and long T, the sequence split of
       `sequence_split.num_pieces`: each row cut into pieces run in parallel).
     interpret: force (True) or forbid (False) Pallas interpret mode.
 
