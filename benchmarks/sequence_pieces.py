@@ -29,9 +29,6 @@ collectives.
 from __future__ import annotations
 
 import argparse
-import collections
-import gzip
-import json
 import pathlib
 
 import jax
@@ -40,6 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import kernel_times
 from benchmarks import pieces
 import lightning_jax as lj
 from lightning_jax.ops.lightning_attention import api
@@ -95,18 +93,6 @@ def programs(decay, states_blocks):
   return found
 
 
-def kernel_times(trace: dict, calls: int) -> dict:
-  """{device process name: {kernel: ms per call}} from a Perfetto trace of `calls` calls (GPU processes only)."""
-  events = trace["traceEvents"]
-  names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-  times = collections.defaultdict(lambda: collections.defaultdict(float))
-  for e in events:
-    process = names.get(e.get("pid"), "")
-    if e.get("ph") == "X" and "GPU" in process:
-      times[process][e["name"]] += e["dur"] / 1e3 / calls
-  return {process: dict(sorted(kernels.items(), key=lambda kv: -kv[1])) for process, kernels in times.items()}
-
-
 def trace_sequence_parallel(shape, devices: int, out_dir: pathlib.Path, calls: int = 5) -> dict:
   """The N-device forward and forward+backward under the profiler: {mode: kernel_times}."""
   b, t, h, d = shape
@@ -128,12 +114,8 @@ def trace_sequence_parallel(shape, devices: int, out_dir: pathlib.Path, calls: i
   for mode, fn in modes.items():
     args = (q, k, v) if mode == "fwd" else (q, k, v, do)
     jax.block_until_ready(fn(*args))
-    folder = out_dir / f"trace-{mode}"
-    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
-      for _ in range(calls):
-        jax.block_until_ready(fn(*args))
-    (path,) = folder.glob("**/perfetto_trace.json.gz")
-    found[mode] = kernel_times(json.load(gzip.open(path)), calls)
+    found[mode] = kernel_times.kernel_times(kernel_times.trace_calls(fn, args, calls, out_dir / f"trace-{mode}"),
+                                            calls)
     for process, kernels in found[mode].items():
       print(f"{mode} {process}: {sum(kernels.values()):.3f} ms of kernels per call")
       for name, ms in list(kernels.items())[:12]:

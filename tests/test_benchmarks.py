@@ -592,6 +592,25 @@ def test_kernel_profile_runs_its_cases_without_a_profiler(capsys):
 
 
 @pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time
+def test_kernel_times_runs_the_cli_cases(capsys):
+  """`python -m benchmarks.kernel_times` builds and traces the CLI's cases: on a GPU each case's kernels, on the CPU
+  (XLA on the host) a line saying it found no GPU events."""
+  import jax  # noqa: PLC0415
+
+  from benchmarks import kernel_times  # noqa: PLC0415
+
+  kernel_times.main(["--impls", "lj-delta-xla", "--ops", "gated_deltanet", "--shapes", "1x40x2x8", "--calls", "1"])
+  out = capsys.readouterr().out.splitlines()
+  cases = [f"== lj-delta-xla B1 T40 H2 D8 E8 Gated DeltaNet {mode}" for mode in ("fwd", "fwdbwd")]
+  if jax.devices()[0].platform == "gpu":
+    heads = [line for line in out if line.startswith("==")]
+    assert [line.split(",")[0] for line in heads] == cases and all("ms of kernels per call" in h for h in heads)
+  else:
+    assert out == [f"{case}: no GPU events (XLA ran on the host)" for case in cases]
+  with pytest.raises(SystemExit):
+    kernel_times.main(["--calls", "0"])
+
+
 def test_sequence_pieces_times_one_sequence_parallel_device():
   """`benchmarks.sequence_pieces` on a tiny shape (interpret mode): every program timed with each states config."""
   from benchmarks import sequence_pieces  # noqa: PLC0415
@@ -605,15 +624,16 @@ def test_sequence_pieces_times_one_sequence_parallel_device():
       block_d=128, block_e=64, num_warps=8, num_stages=3)
 
 
-def test_sequence_pieces_reads_kernel_times_per_device_from_a_perfetto_trace():
-  """Kernel time per call, per GPU process (host events left out), largest first."""
-  from benchmarks import sequence_pieces  # noqa: PLC0415
+def test_kernel_times_per_device_from_a_perfetto_trace():
+  """Kernel time per call, per GPU process (host events left out), largest first (`benchmarks.kernel_times`, which
+  `sequence_pieces --trace-devices` uses too)."""
+  from benchmarks import kernel_times  # noqa: PLC0415
 
   meta = lambda pid, name: {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}  # noqa: E731
   event = lambda pid, name, dur: {"ph": "X", "pid": pid, "tid": 1, "ts": 0.0, "dur": dur, "name": name}  # noqa: E731
   trace = {"traceEvents": [meta(1, "/host:CPU"), meta(2, "/device:GPU:0"), meta(3, "/device:GPU:1"),
                            event(1, "PjitFunction", 9000.0), event(2, "states", 1000.0), event(2, "loop", 3000.0),
                            event(2, "states", 1000.0), event(3, "all-gather", 500.0)]}
-  found = sequence_pieces.kernel_times(trace, calls=2)
+  found = kernel_times.kernel_times(trace, calls=2)
   assert found == {"/device:GPU:0": {"loop": 1.5, "states": 1.0}, "/device:GPU:1": {"all-gather": 0.25}}
   assert list(found["/device:GPU:0"]) == ["loop", "states"]

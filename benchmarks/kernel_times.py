@@ -1,0 +1,136 @@
+"""Per-kernel device time of the CLI's cases, from a `jax.profiler` trace (PERFORMANCE.md's per-kernel numbers).
+
+    python -m benchmarks.kernel_times --ops deltanet,gated_deltanet --impls lj-delta-pallas,jla-delta-mosaic \
+        --shapes 2x8192x32x128 --modes fwd,fwdbwd [--calls 3] [--top 12]
+
+Each case is built as `benchmarks.run` builds it (the same functions, inputs
+and gates: `jax_impls`, `peers.jla`), compiled and run once; then `--calls`
+calls run under the profiler. Every device event's duration is summed by its
+name and divided by the calls: a kernel's time per call. Each case's first line
+gives their sum, the device's busy time per call (the gaps between kernels, and
+so launch latency, left out: the CLI's times include them). Nsight Compute
+segfaulted on the lent H200's image; the profiler's device activity needs no
+ncu. One process, one case at a time: compare kernels within one run. On a
+CPU there are no device events (XLA runs on the host), and a case says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gzip
+import json
+import pathlib
+import tempfile
+
+from benchmarks import cases
+
+
+def kernel_times(trace: dict, calls: int) -> dict:
+  """{device process name: {kernel: ms per call}} from a Perfetto trace of `calls` calls (GPU processes only),
+  largest first."""
+  events = trace["traceEvents"]
+  names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  times = collections.defaultdict(lambda: collections.defaultdict(float))
+  for e in events:
+    process = names.get(e.get("pid"), "")
+    if e.get("ph") == "X" and "GPU" in process:
+      times[process][e["name"]] += e["dur"] / 1e3 / calls  # microseconds in the trace
+  return {process: dict(sorted(kernels.items(), key=lambda kv: -kv[1])) for process, kernels in times.items()}
+
+
+def trace_calls(fn, args, calls: int, folder: pathlib.Path | None = None) -> dict:
+  """The Perfetto trace (`jax.profiler`) of `calls` calls of fn(*args), each waited for; written under `folder`
+  (None: a temporary one)."""
+  import jax  # noqa: PLC0415
+
+  with contextlib.ExitStack() as stack:
+    if folder is None:
+      folder = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    (path,) = folder.glob("**/perfetto_trace.json.gz")
+    with gzip.open(path) as f:
+      return json.load(f)
+
+
+def _attention(job: dict):
+  from benchmarks import jax_impls  # noqa: PLC0415 -- imports JAX
+
+  if job["impl"].startswith("jla-"):
+    from benchmarks.peers import jla  # noqa: PLC0415 -- the package is optional
+    return jla.make_attention(job)
+  return jax_impls.lightning_or_baseline(job)
+
+
+def unavailable(job: dict) -> str | None:
+  """Why the job cannot run here (as the CLI reports it skipped), else None."""
+  from benchmarks import jax_impls  # noqa: PLC0415
+
+  reason = cases.unsupported(job)
+  if reason is None and job["impl"].startswith("jla-"):
+    from benchmarks import worker  # noqa: PLC0415
+    from benchmarks.peers import jla  # noqa: PLC0415
+    reason = worker.missing_module({"jla.ops": "jax-linear-attention"}) or jla.unavailable(job)
+  return reason if reason is not None else jax_impls.lightning_unavailable(job)
+
+
+def case_kernel_times(job: dict, mode: str, calls: int) -> dict:
+  """`kernel_times` of one job's mode ("fwd" or "fwdbwd"), on the CLI's function and first input set."""
+  import jax  # noqa: PLC0415
+
+  from benchmarks import jax_impls  # noqa: PLC0415
+
+  attn, extras = _attention(job)
+  fns = jax_impls.mode_functions(attn, cases.differentiated_inputs(job))
+  q, k, v, do = jax_impls.make_inputs(job, 1)[0]
+  fn, args = (fns["fwd"], (q, k, v, *extras)) if mode == "fwd" else (fns["fwdbwd"], (q, k, v, do, *extras))
+  fn = jax.jit(fn)
+  jax.block_until_ready(fn(*args))  # compiled and warm before the trace
+  return kernel_times(trace_calls(fn, args, calls), calls)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--ops", default="deltanet,gated_deltanet", help="as benchmarks.run's --ops")
+  p.add_argument("--impls", default="lj-delta-pallas", help="as benchmarks.run's --impls")
+  p.add_argument("--shapes", default="2x8192x32x128", help="BxTxHxD[xE], comma-separated")
+  p.add_argument("--modes", default="fwd,fwdbwd", help="fwd and/or fwdbwd")
+  p.add_argument("--decay", default="on", help="the lightning op's decay settings, as benchmarks.run's")
+  p.add_argument("--dtype", default="bf16")
+  p.add_argument("--calls", type=int, default=3, help="calls traced per case")
+  p.add_argument("--top", type=int, default=12, help="kernels listed per case")
+  args = p.parse_args(argv)
+  if args.calls < 1:
+    p.error(f"--calls must be >= 1, got {args.calls}")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  modes = cases.parse_choices(args.modes, ("fwd", "fwdbwd"), "--modes")
+  ops = cases.parse_ops(args.ops)
+  decays = [cases.DECAYS[d] for d in cases.parse_choices(args.decay, cases.DECAYS, "--decay")]
+  decays = (decays if "lightning" in ops else []) + [op for op in ops if op != "lightning"]
+  jobs = cases.make_jobs(cases.parse_impls(args.impls), cases.parse_shapes(args.shapes), decays, modes, args.dtype)
+  for job in jobs:
+    b, t, h, d, e = cases.job_shape(job)
+    for mode in modes:
+      label = f"{job['impl']} B{b} T{t} H{h} D{d} E{e} {cases.setting_label(job['decay'], 1)} {mode}"
+      reason = unavailable(job)
+      if reason is not None:
+        print(f"== {label}: skipped ({reason})", flush=True)
+        continue
+      found = case_kernel_times(job, mode, args.calls)
+      if not found:
+        print(f"== {label}: no GPU events (XLA ran on the host)", flush=True)
+      for process, kernels in found.items():
+        print(f"== {label}, {process}: {sum(kernels.values()):.3f} ms of kernels per call", flush=True)
+        for name, ms in list(kernels.items())[:args.top]:
+          print(f"   {ms:8.3f} ms  {name[:100]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
