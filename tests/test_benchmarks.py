@@ -601,12 +601,12 @@ def test_kernel_times_runs_the_cli_cases(capsys):
 
   kernel_times.main(["--impls", "lj-delta-xla", "--ops", "gated_deltanet", "--shapes", "1x40x2x8", "--calls", "1"])
   out = capsys.readouterr().out.splitlines()
-  cases = [f"== lj-delta-xla B1 T40 H2 D8 E8 Gated DeltaNet {mode}" for mode in ("fwd", "fwdbwd")]
+  labels = [f"== lj-delta-xla B1 T40 H2 D8 E8 Gated DeltaNet {mode}" for mode in ("fwd", "fwdbwd")]
   if jax.devices()[0].platform == "gpu":
     heads = [line for line in out if line.startswith("==")]
-    assert [line.split(",")[0] for line in heads] == cases and all("ms of kernels per call" in h for h in heads)
+    assert [line.split(",")[0] for line in heads] == labels and all("ms of kernels per call" in h for h in heads)
   else:
-    assert out == [f"{case}: no GPU events (XLA ran on the host)" for case in cases]
+    assert out == [f"{label}: no GPU events (XLA ran on the host)" for label in labels]
   with pytest.raises(SystemExit):
     kernel_times.main(["--calls", "0"])
 
