@@ -612,10 +612,15 @@ def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
   q, k, v, beta, _, _, _ = delta_inputs(DeltaCase(b=1, t=40, h=2, d=32, e=32, decay=None), seed=3)
   rates = jnp.full(q.shape, 0.1, F32)  # per key channel: KDA
   forced = lj.DeltaConfig(warp_specialized=True)
+  keep = lj.DeltaConfig(forward_states=True)
+  bf16 = (q.astype(BF16), k.astype(BF16), v.astype(BF16), beta)
   for args, config, match in [
       # float32 inputs (or jax < 0.11)
       ((q, k, v, beta), forced, r"warp_specialized=True\): the warp-specialised forward needs"),
-      ((q.astype(BF16), k.astype(BF16), v.astype(BF16), beta, rates), forced, "scalar decay per token or none"),
+      ((*bf16, rates), forced, "scalar decay per token or none"),
+      # The states are kept for the warp-specialised backward alone: not interpreted unless forced, not for KDA.
+      (bf16, keep, r"forward_states=True\) needs the warp-specialised backward"),
+      ((*bf16, rates), keep, r"forward_states=True\) needs the warp-specialised backward"),
   ]:
     with pytest.raises(ValueError, match=match):
       lj.delta_attention(*args, impl="pallas", config=config, interpret=True)

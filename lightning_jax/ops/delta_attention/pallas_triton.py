@@ -113,8 +113,10 @@ class DeltaConfig:
       stores each chunk's S_n^T and U^T as the chain publishes them, and the
       backward takes them instead of running its state sweep: residuals of
       E/64 times q's bytes (S_n^T [B, H, T/64, E, D]) plus v's (U^T), held
-      from the forward to the backward. None or True: so; False: the
-      backward's state sweep recomputes them (less memory between the two).
+      from the forward to the backward. None: so wherever the backward is
+      warp-specialised; True: required (ValueError where it is not); False:
+      the backward's state sweep recomputes them (less memory between the
+      two).
     sequence_pieces: pieces each row of the sequence is cut into, run in
       parallel from their true initial states (`sequence_split`), forward and
       backward; 1: no split; None: `sequence_split.num_pieces` for the call
