@@ -357,7 +357,7 @@ def test_delta_piece_maps_match_oracle(d, e, mode):
   starts = jnp.concatenate([jnp.zeros_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
   interpret = mode == "interpret"
   maps = jax.jit(lambda: warp_specialized.piece_maps(
-      k, v, beta, decay, starts, interpret=interpret, inverse=warp_specialized.chunk_inverses(
+      k, v, decay, starts, interpret=interpret, inverse=warp_specialized.chunk_inverses(
           k, beta, decay, starts, with_unscaled=False, interpret=interpret)))()
   values = jnp.concatenate([jnp.zeros((*v.shape[:-1], d), BF16), v], axis=-1)
   identity = jnp.broadcast_to(jnp.eye(d, d + e), (case.b, case.h, d, d + e))

@@ -105,7 +105,7 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
 
   def piece_maps(k, v, beta, decay, segment_starts, inverses):  # the split's map pass: final states alone
     if ws:
-      return warp_specialized.piece_maps(k, v, beta, decay, segment_starts, interpret=opts.interpret,
+      return warp_specialized.piece_maps(k, v, decay, segment_starts, interpret=opts.interpret,
                                          inverse=inverses[1] if with_inverses else inverses)
 
     def forward(values, state):  # k stands in for q: no outputs are formed

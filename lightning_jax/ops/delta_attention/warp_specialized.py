@@ -38,11 +38,10 @@ def unsupported(*, dim_k: int, dim_v: int, dtype, per_channel_gate: bool, comput
                                                  compute_capability=compute_capability, interpret=interpret)
 
 
-def _padded_gates(beta, decay, segment_starts, *, tp):
-  """beta [B, H, Tp], the rates [B, Tp, H] (or None), segment starts [B, Tp] (or None), all padded to Tp tokens."""
-  t = beta.shape[1]
-  pad_tokens = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
-  return jnp.moveaxis(pad_tokens(beta), 2, 1), pad_tokens(decay), pad_tokens(segment_starts)
+def _beta_rows(beta, *, tp):
+  """beta [B, T, H] as the inverse kernel's rows [B, H, Tp], zero past T (the padding changes no state). The rates
+  and segment starts need no padding here: `pallas_mosaic_gpu.sweep_gates` pads them."""
+  return jnp.pad(jnp.moveaxis(beta, 2, 1), ((0, 0), (0, 0), (0, tp - beta.shape[1])))
 
 
 def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
@@ -52,8 +51,7 @@ def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
   t, d = k.shape[1], k.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp = WarpSpecializedConfig.padded_dims(d, d)[0]
-  beta_rows, decay, segment_starts = _padded_gates(beta, decay, segment_starts, tp=tp)
-  return delta_mosaic.inverse(chunk_common.pad_tokens_and_features(k, num_tokens=tp, dim=dp), beta_rows,
+  return delta_mosaic.inverse(chunk_common.pad_tokens_and_features(k, num_tokens=tp, dim=dp), _beta_rows(beta, tp=tp),
                               pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp),
                               with_unscaled=with_unscaled, interpret=interpret)
 
@@ -78,17 +76,18 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
-  if inverses is None:
-    inverses = chunk_inverses(k, beta, decay, segment_starts, with_unscaled=with_inverses, interpret=interpret)
-  inverse = inverses[1] if with_inverses else inverses
-  _, decay, segment_starts = _padded_gates(beta, decay, segment_starts, tp=tp)
-  # The sweep's own gates, in its per-chunk factors' form.
+  kp = pad(k, dp)
+  # The gates in the per-chunk factors' form, of the inverse kernel and the sweep alike.
   chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp)
+  if inverses is None:  # as `chunk_inverses` forms them, on the operands padded once here
+    inverses = delta_mosaic.inverse(kp, _beta_rows(beta, tp=tp), chunk_gates, with_unscaled=with_inverses,
+                                    interpret=interpret)
+  inverse = inverses[1] if with_inverses else inverses
   if initial_state is not None:  # the kernel carries S^T [E, D], one slice
     initial_state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True)
   result = pallas_mosaic_gpu.forward_padded(
-      pad(q, dp), pad(k, dp), pad(v, ep), None, initial_state, chunk_gates=chunk_gates,
+      pad(q, dp), kp, pad(v, ep), None, initial_state, chunk_gates=chunk_gates,
       delta_inverse=inverse, delta_states=with_states, scale=scale, seq_len=t,
       return_final_state=with_final_state, cfg=cfg, interpret=interpret)
   o, *results = result if isinstance(result, tuple) else (result,)
@@ -99,14 +98,14 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   return o, final_state
 
 
-def piece_maps(k, v, beta, decay, segment_starts, *, inverse, interpret):
+def piece_maps(k, v, decay, segment_starts, *, inverse, interpret):
   """Each row's affine map [M | L] [B, H, D, D + E] float32 (`sequence_parallel.affine_maps`' maps: the state
   after the row from [I | 0] over the values [0 | v]), by `pallas_mosaic_gpu.piece_maps`: no outputs, q or
-  augmented operands. inverse: `chunk_inverses`' T' for these k, beta and gates; the rest as `forward`'s."""
+  augmented operands. inverse: `chunk_inverses`' T' for these k, beta and gates (beta enters through it alone);
+  the rest as `forward`'s."""
   t, d, e = k.shape[1], k.shape[-1], v.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
-  _, decay, segment_starts = _padded_gates(beta, decay, segment_starts, tp=tp)
   maps_t = delta_mosaic.piece_maps(
       chunk_common.pad_tokens_and_features(k, num_tokens=tp, dim=dp),
       chunk_common.pad_tokens_and_features(v, num_tokens=tp, dim=ep), inverse,
