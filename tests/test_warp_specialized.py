@@ -427,6 +427,153 @@ def test_delta_inverse_lowers_for_cuda(dim_k, gated, segments, with_unscaled):
   assert [o.shape for o in exported.out_avals] == [(2, 3, 512, 64)] * (2 if with_unscaled else 1)
 
 
+def _channel_gated_inputs(b, t, h, d, rates, seed):
+  """q, k [B, Tp, H, Dp] bf16 (padded to whole chunks and 64 or 128 features), beta [B, H, Tp] and G [B, Tp, H, Dp]
+  (`channel_gated_chunks`' operands) from per-key-channel rates uniform in `rates` (natural log)."""
+  from lightning_jax.ops.delta_attention import chunk
+
+  keys = jax.random.split(jax.random.key(seed), 4)
+  tp, dp = -(-t // 64) * 64, 64 if d <= 64 else 128
+  pad = lambda x: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dp)  # noqa: E731
+  q = pad(jax.random.normal(keys[0], (b, t, h, d)).astype(BF16))
+  k = jax.random.normal(keys[1], (b, t, h, d))
+  k = pad((k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(BF16))
+  beta = jnp.pad(jax.random.uniform(keys[2], (b, h, t), maxval=2.0), ((0, 0), (0, 0), (0, tp - t)))
+  log2_gates = chunk.chunk_log_decays(pad(jax.random.uniform(keys[3], (b, t, h, d), minval=rates[0], maxval=rates[1])),
+                                      chunk_size=64) * chunk_common.LOG2_E
+  return q, k, beta, log2_gates
+
+
+# Moderate rates, and rates whose 16-token blocks decay by up to 59 (the kernel's bound is 60, natural log).
+CHANNEL_GATED_CASES = [(2, 150, 2, 40, (0.0, 0.6)), (1, 128, 1, 64, (2.5, 3.7)), (1, 100, 2, 128, (0.0, 0.6))]
+
+
+@pytest.mark.parametrize("case,mode", [
+    pytest.param(case, *mode.values, marks=mode.marks, id=f"{case[:4]}-{case[4]}-{mode.id}")
+    for case in CHANNEL_GATED_CASES for mode in (WS_MODES if case[3] <= 64 else WS_MODES[1:])])
+def test_delta_channel_gated_chunks_match_float64(case, mode):
+  """KDA's chunk terms from `channel_gated_chunks` (T', P, Q_g, K_g, K_C: pair products through each 16-row
+  block's start on the tensor cores, T' from A as the inverse kernel solves it) against numpy float64 of their
+  definitions on the same bf16 q and k, T off the chunk, D padded, one CTA walking every chunk of a row."""
+  b, t, h, d, rates = case
+  q, k, beta, log2_gates = _channel_gated_inputs(b, t, h, d, rates, seed=zlib.crc32(str(case).encode()))
+  assert bool(delta_mosaic.channel_spans_bounded(log2_gates))
+  scale = 0.3
+  got = jax.jit(lambda: delta_mosaic.channel_gated_chunks(q, k, beta, log2_gates, scale=scale,
+                                                          chunks_per_cta=q.shape[1] // 64,
+                                                          interpret=mode == "interpret"))()
+  f64 = lambda x: np.asarray(jnp.asarray(x).astype(F32), np.float64)  # noqa: E731
+  q64, k64, beta64, g64 = f64(q), f64(k), f64(beta), f64(log2_gates)
+  tp, c = q.shape[1], 64
+  for bi in range(b):
+    for hi in range(h):
+      for start in range(0, tp, c):
+        rows = slice(start, start + c)
+        qc, kc, gc, bc = q64[bi, rows, hi], k64[bi, rows, hi], g64[bi, rows, hi], beta64[bi, hi, rows]
+        # 2^(G_t - G_s) <= 1 on the pairs kept (s <= t), clamped on the others (dropped)
+        factors = np.exp2(np.minimum(gc[:, None, :] - gc[None, :, :], 0.0))
+        a = np.where(np.tri(c, k=-1, dtype=bool), bc[:, None] * np.einsum("td,sd,tsd->ts", kc, kc, factors), 0.0)
+        want = {"inverse": np.linalg.inv(np.eye(c) + a) * bc[None, :],
+                "pairs": np.where(np.tri(c, dtype=bool), scale * np.einsum("td,sd,tsd->ts", qc, kc, factors), 0.0),
+                "queries": scale * qc * np.exp2(gc), "keys": kc * np.exp2(gc),
+                "keys_to_end": kc * np.exp2(gc[-1:] - gc)}
+        for name, value in want.items():
+          tile = f64(getattr(got, name))
+          tile = tile[bi, hi, rows] if name in ("inverse", "pairs") else tile[bi, rows, hi]
+          err = np.max(np.abs(tile - value)) / max(1.0, np.max(np.abs(value)))
+          assert err < 1e-2, (name, start, err)
+
+
+def test_delta_channel_spans_bounded():
+  """The fast path's condition: every 16-row block of every chunk decays by at most MAX_BLOCK_SPAN on each key
+  channel, counted from the row before the block; moderate rates meet it, extreme ones do not, and one block of one
+  channel just past the bound fails it."""
+  _, _, _, moderate = _channel_gated_inputs(1, 200, 2, 64, (0.0, 0.6), seed=0)
+  assert bool(delta_mosaic.channel_spans_bounded(moderate))
+  _, _, _, extreme = _channel_gated_inputs(1, 200, 2, 64, (30.0, 40.0), seed=0)
+  assert not bool(delta_mosaic.channel_spans_bounded(extreme))
+  limit = delta_mosaic.MAX_BLOCK_SPAN
+
+  def spike(span):  # zero rates but block 1 of chunk 1 (rows 80-95), channel 5 of head 1: G falls by span there
+    drop = jnp.concatenate([jnp.linspace(0.0, -span, 17)[1:], jnp.full((32,), -span)])
+    return jnp.zeros((1, 256, 2, 64), F32).at[0, 80:128, 1, 5].set(drop)
+
+  assert bool(delta_mosaic.channel_spans_bounded(spike(limit - 0.5)))
+  assert not bool(delta_mosaic.channel_spans_bounded(spike(limit + 0.5)))
+
+
+# KDA on the warp-specialised forward: from and to states, E off the blocks, rates near the fast path's bound, and
+# extreme rates (1e-7 and 1e4), where the Triton forward runs instead (`warp_specialized._channel_gated`).
+# The first in 2 pieces (`sequence_split`: the pieces' forwards warp-specialised, their maps the Triton sweep's).
+KDA_CASES = [
+    (DeltaCase(b=2, t=150, h=2, d=64, e=48, decay="channel"), (0.0, 0.6), 2),
+    (DeltaCase(b=1, t=200, h=2, d=40, e=72, decay="channel", initial_state=False), (2.5, 3.7), 1),
+    (DeltaCase(b=1, t=100, h=1, d=64, e=64, decay="channel", rates="extreme", beta="edges"), None, 1),
+    (DeltaCase(b=2, t=300, h=3, d=128, e=100, decay="channel"), (0.0, 0.6), 1),
+]
+
+
+@pytest.mark.parametrize("case,rates,pieces,mode", [
+    pytest.param(case, rates, pieces, *mode.values, marks=mode.marks, id=f"{case}-{rates}-{pieces}-{mode.id}")
+    for case, rates, pieces in KDA_CASES for mode in (WS_MODES if case.d <= 64 else WS_MODES[1:])])
+def test_delta_kda_warp_specialized_matches_oracle(case, rates, pieces, mode):
+  """KDA's forward on the warp-specialised kernels (o and the final state) and the op's gradients through it (its
+  backward is the Triton one) against the oracle's; whether the fast path runs is checked on the same rates."""
+  from lightning_jax.ops.delta_attention import chunk
+
+  q, k, v, beta, decay, s0, _ = delta_inputs(case, seed=zlib.crc32(f"{case}kda".encode()))
+  if rates is not None:
+    decay = jax.random.uniform(jax.random.key(case.t), decay.shape, minval=rates[0], maxval=rates[1])
+  q, k, v = (x.astype(BF16) for x in (q, k, v))
+  log2_gates = chunk.chunk_log_decays(chunk_common.pad_tokens_and_features(decay, num_tokens=-(-case.t // 64) * 64,
+                                                                           dim=64 if case.d <= 64 else 128),
+                                      chunk_size=64) * chunk_common.LOG2_E
+  assert bool(delta_mosaic.channel_spans_bounded(log2_gates)) == (rates is not None)
+  config = lj.DeltaConfig(warp_specialized=True, sequence_pieces=pieces)
+  interpret = mode == "interpret"
+  call = lambda **kw: lj.delta_attention(q, k, v, beta, decay, initial_state=s0,  # noqa: E731
+                                         return_final_state=True, **kw)
+  o, final = jax.jit(lambda: call(impl="pallas", config=config, interpret=interpret))()
+  o_ref, final_ref = jax.jit(lambda: call(impl="reference"))()
+  assert o.dtype == BF16 and final.dtype == F32
+  assert rel_err(o, o_ref) < TOL[BF16] and rel_err(final, final_ref) < TOL[BF16]
+  # The gradients at D <= 64 (the backward is the Triton kernels' at every D), not near the bound: there the rates'
+  # gradient from bf16 operands is 0.1-0.2 off the float32 oracle's, the warp-specialised forward or not.
+  if case.d <= 64 and (rates is None or rates[1] < 1.0):
+    cot = jax.random.split(jax.random.key(1), 2)
+    args = (q, k, v, beta, decay, s0, None, jax.random.normal(cot[0], v.shape),
+            jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
+    _, grads = delta_value_and_grads("pallas", config=config, interpret=interpret)(*args)
+    _, grads_ref = delta_value_and_grads("reference")(*args)
+    for name, g, g_ref in zip(DELTA_ARG_NAMES, grads, grads_ref):
+      if g_ref is not None:
+        assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
+
+
+@needs_ws_jax
+@pytest.mark.parametrize("dim_k,dim_v", [(128, 128), (64, 192)])
+def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
+  """KDA's chunk-terms kernel and the sweep taking them lower as the GPU compiles them, from any backend."""
+  q = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
+  beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
+  gates = jax.ShapeDtypeStruct((2, 512, 3, dim_k), F32)
+  exported = jax.export.export(jax.jit(lambda q, k, beta, g: tuple(delta_mosaic.channel_gated_chunks(
+      q, k, beta, g, scale=0.1, chunks_per_cta=4))), platforms=["cuda"])(q, q, beta, gates)
+  assert "delta_channel_gated_mosaic" in exported.mlir_module()
+  assert [o.shape for o in exported.out_avals] == [(2, 3, 512, 64)] * 2 + [(2, 512, 3, dim_k)] * 3
+  v = jax.ShapeDtypeStruct((2, 512, 3, dim_v), BF16)
+  tiles = jax.ShapeDtypeStruct((2, 3, 512, 64), BF16)
+  channel_decay = jax.ShapeDtypeStruct((2, 3, 8, 1, dim_k), F32)
+  s0 = jax.ShapeDtypeStruct((2, 3, 1, dim_v, dim_k), F32)
+  cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2, delta=True, channel_gated=True)
+  fn = jax.jit(lambda q, k, v, s0, inverse, keys_end, pairs, decay: pallas_mosaic_gpu.forward_padded(
+      q, k, v, None, s0, chunk_gates=(None, None), delta_inverse=inverse,
+      delta_channel_gates=(keys_end, pairs, decay), scale=0.1, seq_len=500, return_final_state=True, cfg=cfg))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, s0, tiles, q, tiles, channel_decay)
+  assert "delta_warp_specialized" in exported.mlir_module()
+  assert [o.shape for o in exported.out_avals] == [(2, 512, 3, dim_v), (2, 3, dim_v, dim_k)]
+
+
 @pytest.mark.parametrize("mode", WS_MODES)
 def test_delta_backward_takes_what_the_forward_kept(mode):
   """The warp-specialised backward on the forward's T and T' and its S_n^T and U^T (the op's residuals) and on
@@ -609,6 +756,11 @@ def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
   assert heuristics.resolve_warp_specialized(None, dim_k=128, itemsize=2, delta=True) == ws(num_stages=3,
                                                                                               published_states=2)
   assert heuristics.resolve_warp_specialized(None, dim_k=64, itemsize=2, delta=True) == ws(num_stages=4)
+  # KDA's K_C and P in the ring too: 2 stages at D = 128, 3 at D = 64.
+  assert heuristics.resolve_warp_specialized(None, dim_k=128, itemsize=2, delta=True, channel_gated=True) == ws(
+      num_stages=2, published_states=2)
+  assert heuristics.resolve_warp_specialized(None, dim_k=64, itemsize=2, delta=True, channel_gated=True) == ws(
+      num_stages=3)
   q, k, v, beta, _, _, _ = delta_inputs(DeltaCase(b=1, t=40, h=2, d=32, e=32, decay=None), seed=3)
   rates = jnp.full(q.shape, 0.1, F32)  # per key channel: KDA
   forced = lj.DeltaConfig(warp_specialized=True)
@@ -617,13 +769,14 @@ def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
   for args, config, match in [
       # float32 inputs (or jax < 0.11)
       ((q, k, v, beta), forced, r"warp_specialized=True\): the warp-specialised forward needs"),
-      ((*bf16, rates), forced, "scalar decay per token or none"),
+      ((*bf16, rates), forced, "per-key-channel gates without packed sequences"),
       # The states are kept for the warp-specialised backward alone: not interpreted unless forced, not for KDA.
       (bf16, keep, r"forward_states=True\) needs the warp-specialised backward"),
       ((*bf16, rates), keep, r"forward_states=True\) needs the warp-specialised backward"),
   ]:
     with pytest.raises(ValueError, match=match):
-      lj.delta_attention(*args, impl="pallas", config=config, interpret=True)
+      lj.delta_attention(*args, impl="pallas", config=config, interpret=True,
+                         segment_ids=jnp.zeros(q.shape[:2], jnp.int32) if match.startswith("per-key") else None)
   with pytest.raises(TypeError, match="warp_specialized must be None or a bool"):
     lj.DeltaConfig(warp_specialized=1)
   with pytest.raises(TypeError, match="forward_states must be None or a bool"):

@@ -196,7 +196,7 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       interpret = lightning_api.pallas_interpret(interpret, cc, q)
       cannot = warp_specialized.unsupported(dim_k=q.shape[-1], dim_v=v.shape[-1], dtype=q.dtype,
                                             per_channel_gate=per_channel_gate, compute_capability=cc,
-                                            interpret=interpret)
+                                            interpret=interpret, packed=starts is not None)
       if config.warp_specialized and cannot:
         raise ValueError(f"DeltaConfig(warp_specialized=True): the warp-specialised forward {cannot}")
       # Unless asked, compiled only (its interpreter is for tests).

@@ -55,6 +55,7 @@ run).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -562,6 +563,34 @@ def _half_product(a, b, staging, *, in_registers):
   return pl.run_scoped(product, plgpu.ACC((CHUNK_SIZE, CHUNK_SIZE), _F32))
 
 
+def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers):
+  """T = (I + A)^{-1} [C, C] float32 of a chunk's strictly lower A [C, C] float32 registers.
+
+  neg_upper: -A^T on the 16 x 16 diagonal blocks (zero elsewhere), which the
+  solve reads by rows; solve_smem: its two float32 [C, C + _SOLVE_PAD] tiles;
+  staging: `_half_product`'s. The diagonal blocks are solved in registers
+  (`_solve_diagonal_blocks`; interpreted, which runs no inline Mosaic GPU, from
+  single rows), then merged 16 -> 32 -> 64 rows: X <- X - X (L X), L the
+  lower-left blocks of A in each, so that every step writes exact blocks of T.
+  """
+  c = CHUNK_SIZE
+  t = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+  s = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  same_block = lambda size: lax.div(t, size) == lax.div(s, size)  # noqa: E731
+  if in_registers:
+    x = jnp.where(same_block(_SOLVE_BLOCK), _solve_diagonal_blocks(neg_upper, *solve_smem), 0.0)
+    size = 2 * _SOLVE_BLOCK
+  else:
+    x = jnp.where(t == s, 1.0, 0.0)
+    size = 2
+  while size <= c:
+    links = jnp.where(same_block(size) & (lax.rem(t, size) >= size // 2) & (lax.rem(s, size) < size // 2), a, 0.0)
+    linked = _half_product(links, x, staging, in_registers=in_registers)
+    x = x - _half_product(x, linked, staging, in_registers=in_registers)
+    size *= 2
+  return x
+
+
 def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, with_unscaled, in_registers):
   *outputs, buffers, loaded = refs
   k_smem, rows_smem, out_smem, solve_smem, staging = buffers
@@ -608,21 +637,8 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
     if runs_row is not None:
       pairs = jnp.where(by_row(rows[runs_row]) == by_column(columns[runs_row]), pairs, 0.0)
     a = jnp.where(t > s, pairs * by_row(rows[_BETA_ROW]), 0.0)
-    if in_registers:
-      neg_upper = jnp.where((s > t) & same_block(block), pairs * by_column(-columns[_BETA_ROW]), 0.0)
-      x = jnp.where(same_block(block), _solve_diagonal_blocks(neg_upper, *solve_smem), 0.0)
-      size = 2 * block
-    else:  # the interpreter runs no inline Mosaic GPU: it merges from single rows
-      x = jnp.where(t == s, 1.0, 0.0)
-      size = 2
-    # Inverses of blocks of size/2 merge into blocks of size: X <- X - X (L X), L the lower-left blocks of A in
-    # each, so that every step writes exact blocks of T.
-    while size <= c:
-      links = jnp.where(same_block(size) & (lax.rem(t, size) >= size // 2) & (lax.rem(s, size) < size // 2), a, 0.0)
-      linked = _half_product(links, x, staging, in_registers=in_registers)
-      x = x - _half_product(x, linked, staging, in_registers=in_registers)
-      size *= 2
-
+    neg_upper = jnp.where((s > t) & same_block(block), pairs * by_column(-columns[_BETA_ROW]), 0.0)
+    x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers)
     results = ((x * by_column(columns[_BETA_ROW]),) + ((x,) if with_unscaled else ()))
     plgpu.wait_smem_to_gmem(len(results), wait_read_only=True)  # chunk n - 2's stores have read this slot
     rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
@@ -710,3 +726,188 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
       grid_names=("heads", "batch", "chunk_blocks"), interpret=interpret, kernel_name="delta_inverse_mosaic",
       num_warpgroups=1)(rows, k)
   return (tri[0], tri_beta) if with_unscaled else tri_beta
+
+
+class ChannelGatedChunks(NamedTuple):
+  """`channel_gated_chunks`' results, each chunk's terms of KDA's per-key-channel gates (G the chunk-local
+  cumulative log2 decay [C, K], every factor at most 1), in the input dtype.
+
+  inverse: T' = (I + A)^{-1} Diag(beta) [B, H, Tp, C].
+  pairs: P = scale tril(q k^T gated) [B, H, Tp, C], P_ts = scale sum_d q_td k_sd 2^(G_td - G_sd) on s <= t.
+  queries: Q_g = scale q 2^G [B, Tp, H, K].
+  keys: K_g = k 2^G [B, Tp, H, K].
+  keys_to_end: K_C = k 2^(G_C - G) [B, Tp, H, K].
+  """
+  inverse: jax.Array
+  pairs: jax.Array
+  queries: jax.Array
+  keys: jax.Array
+  keys_to_end: jax.Array
+
+
+# The largest decay (log2 units) across any 16-token block of a chunk at which `channel_gated_chunks` runs: its
+# diagonal blocks' key factors 2^(O - G) reach 2^span (O the log decay before the block). 60 in natural log (86.6
+# here), as the Triton kernels' bound: bf16 and float32 hold the factor and its reciprocal with room for the keys.
+MAX_BLOCK_SPAN = 60.0 * chunk_common.LOG2_E
+
+
+def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, g_ref, inverse_ref, pairs_ref, queries_ref,
+                          keys_ref, keys_end_ref, buffers, loaded, *, chunks_per_cta, scale, in_registers):
+  (q_smem, k_smem, g_smem, rows_smem, boundary_smem, (operands, solve_smem), keys_end_smem,
+   (inverse_smem, pairs_smem), staging) = buffers
+  x_keys, y_keys, x_queries = operands
+  c, block = CHUNK_SIZE, _SOLVE_BLOCK
+  num_blocks = c // block
+  dim_k, dtype = q_smem.shape[-1], q_smem.dtype
+  head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+  first_chunk = lax.axis_index("chunk_blocks") * chunks_per_cta
+
+  def load(n, slot):  # chunk first_chunk + n: q, k, G, its blocks' last rows and beta's row twice (two layouts)
+    chunk = first_chunk + n
+    rows = pl.ds(pl.multiple_of(chunk * c, c), c)
+    for src, dst in ((q_ref, q_smem), (k_ref, k_smem), (g_ref, g_smem)):
+      plgpu.copy_gmem_to_smem(src.at[batch, rows, head], dst.at[slot], loaded.at[slot])
+    plgpu.copy_gmem_to_smem(boundary_ref.at[batch, head, chunk], boundary_smem.at[slot], loaded.at[slot])
+    for copy in range(2):
+      plgpu.copy_gmem_to_smem(rows_ref.at[batch, head, chunk], rows_smem.at[slot, copy], loaded.at[slot])
+
+  load(0, 0)
+  t = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+  s = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  # Layouts given, not inferred: the [C, K] tiles in wgmma's, each [K] row of G one value per column of it (the
+  # inference's search does not end on this kernel unguided).
+  as_tile = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
+  token_block = as_tile(lax.div(lax.broadcasted_iota(jnp.int32, (c, dim_k), 0), block))  # each row's 16-row block
+  by_row = lambda x: lax.broadcast_in_dim(x, (c, c), (0,))  # noqa: E731
+  by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
+  by_channel = lambda x: as_tile(lax.broadcast_in_dim(  # noqa: E731
+      plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(0)), (c, dim_k), (1,)))
+
+  @pl.loop(0, chunks_per_cta)
+  def _chunk(n):
+    slot = lax.rem(n, 2)
+    plgpu.barrier_wait(loaded.at[slot])
+
+    @pl.when(n + 1 < chunks_per_cta)
+    def _prefetch():  # into the other slot, which chunk n - 1 read last
+      load(n + 1, 1 - slot)
+
+    gates = lambda: as_tile(g_smem[slot])  # noqa: E731
+    keys = lambda: as_tile(k_smem[slot].astype(_F32))  # noqa: E731
+    queries = lambda: as_tile(q_smem[slot].astype(_F32))  # noqa: E731
+    # O_j, the log decay before 16-row block j ([K]; 0 before the first), and G_C.
+    ends = [boundary_smem[slot, j] for j in range(num_blocks)]
+    rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores have read their tiles
+
+    def pair_products(acc_a, acc_a_t, acc_p):
+      """Through O_j: with x = k 2^(G - O_j) on the rows of blocks >= j (at most 1) and y = k 2^(O_j - G) on block
+      j's (at most 2^MAX_BLOCK_SPAN), x y^T holds A's column block j (beta aside) and P's (from q's x), y x^T the
+      transposed pairs of the diagonal block j."""
+      for j in range(num_blocks):
+        if j:
+          plgpu.wgmma_wait(0)  # block j - 1's products have read the operand tiles
+        offset = 0.0 if j == 0 else by_channel(ends[j - 1])
+        x_factor = jnp.where(token_block >= j, jnp.exp2(jnp.minimum(gates() - offset, 0.0)), 0.0)
+        y_factor = jnp.where(token_block == j, jnp.exp2(offset - gates()), 0.0)
+        x_keys[...] = (keys() * x_factor).astype(dtype)
+        x_queries[...] = (queries() * (scale * x_factor)).astype(dtype)
+        y_keys[...] = (keys() * y_factor).astype(dtype)
+        plgpu.commit_smem()
+        if j == 0:  # x = K_g and scale Q_g (O_0 = 0): out as they are
+          plgpu.copy_smem_to_gmem(x_keys, keys_ref.at[batch, rows_out, head])
+          plgpu.copy_smem_to_gmem(x_queries, queries_ref.at[batch, rows_out, head])
+        plgpu.wgmma(acc_a, x_keys, y_keys.transpose((1, 0)))
+        plgpu.wgmma(acc_a_t, y_keys, x_keys.transpose((1, 0)))
+        plgpu.wgmma(acc_p, x_queries, y_keys.transpose((1, 0)))
+        if j == 0:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before block 1 rewrites the tiles
+      return acc_a[...], acc_a_t[...], acc_p[...]
+
+    pairs, pairs_t, query_pairs = pl.run_scoped(pair_products, *(plgpu.ACC((c, c), _F32) for _ in range(3)))
+    # K_C = k 2^(G_C - G), while the solve below runs on other tiles.
+    keys_end_smem[...] = (keys() * jnp.exp2(by_channel(ends[-1]) - gates())).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(keys_end_smem, keys_end_ref.at[batch, rows_out, head])
+    rows, columns = rows_smem.at[slot, 0], rows_smem.at[slot, 1]
+    a = jnp.where(t > s, pairs * by_row(rows[_BETA_ROW]), 0.0)
+    same_block = lax.div(t, block) == lax.div(s, block)
+    neg_upper = jnp.where((s > t) & same_block, pairs_t * by_column(-columns[_BETA_ROW]), 0.0)
+    x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers)
+    for result, tile, out_ref in ((x * by_column(columns[_BETA_ROW]), inverse_smem, inverse_ref),
+                                  (jnp.where(t >= s, query_pairs, 0.0), pairs_smem, pairs_ref)):
+      tile[...] = result.astype(tile.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(tile, out_ref.at[batch, head, rows_out])
+
+  plgpu.wait_smem_to_gmem(0)
+
+
+def channel_gated_chunks(q, k, beta, log2_gates, *, scale: float, chunks_per_cta: int | None = None,
+                         interpret: bool = False) -> ChannelGatedChunks:
+  """Each 64-token chunk's terms of KDA's per-key-channel gates for the warp-specialised forward
+  (`ChannelGatedChunks`): the pair products A and P, T' from A as `inverse` forms it, and the gated keys and queries.
+
+  Every pair factor 2^(G_t - G_s) factors through the log decay O_j before
+  the 16-row block j of s: x_t = 2^(G_t - O_j) <= 1 and y_s = 2^(O_j - G_s) <=
+  2^span, span the block's largest decay over its key channels, so the
+  products run on the tensor cores (four [C, K] x [K, C] products a chunk for
+  each of A, A^T's diagonal blocks and P) as long as every span is at most
+  `MAX_BLOCK_SPAN`, which the caller checks (`channel_spans_bounded`). One
+  warpgroup a CTA walks `chunks_per_cta` chunks (`inverse`'s), the next
+  chunk's q, k and G loading by TMA during this one.
+
+  Args:
+    q, k: [B, Tp, H, K] bf16 or fp16, Tp a multiple of 64, K 64 or 128.
+    beta: [B, H, Tp] float32, zero on padding.
+    log2_gates: G [B, Tp, H, K] float32, the chunk-local cumulative log2
+      decays (`chunk.chunk_log_decays` times log2 e), zero on padding.
+  """
+  b, tp, h, dim_k = k.shape
+  c = CHUNK_SIZE
+  if (tp % c or dim_k not in (64, 128) or q.shape != k.shape or log2_gates.shape != k.shape
+      or beta.shape != (b, h, tp)):
+    raise ValueError(f"padded operands: q, k, log2_gates [B, Tp, H, K] with Tp a multiple of {c} and K 64 or 128, "
+                     f"beta [B, H, Tp]; got q {q.shape}, k {k.shape}, log2_gates {log2_gates.shape}, "
+                     f"beta {beta.shape}")
+  n = tp // c
+  per_cta = chunks_per_cta
+  if per_cta is None:
+    per_cta = default_chunks_per_cta(batch_heads=b * h, num_chunks=n, num_sms=heuristics.num_sms(jax.devices()[0]))
+  if not isinstance(per_cta, int) or isinstance(per_cta, bool) or per_cta < 1 or n % per_cta:
+    raise ValueError(f"chunks_per_cta must be None or a positive int dividing the {n} chunks, got {per_cta!r}")
+  in_registers = not interpret
+  dtype = k.dtype
+  smem = lightning_mosaic.swizzled_smem
+  rows = beta.astype(_F32).reshape(b, h, n, 1, c)
+  # G's last row of each 16-row block [B, H, N, C / 16, K]: the log decays the blocks' factors go through.
+  block_ends = jnp.moveaxis(log2_gates[:, _SOLVE_BLOCK - 1::_SOLVE_BLOCK], 2, 1).reshape(b, h, n, c // _SOLVE_BLOCK,
+                                                                                         dim_k)
+  solve_tile = plgpu.SMEM((c, c + _SOLVE_PAD), _F32)
+  scratch = (
+      (smem((2, c, dim_k), dtype), smem((2, c, dim_k), dtype), smem((2, c, dim_k), _F32),
+       plgpu.SMEM((2, 2, 1, c), _F32), plgpu.SMEM((2, c // _SOLVE_BLOCK, dim_k), _F32),
+       # The pair products' operand tiles, then (the products read) the solve's.
+       plgpu.RefUnion(tuple(smem((c, dim_k), dtype) for _ in range(3)), (solve_tile, solve_tile)),
+       smem((c, dim_k), dtype), (smem((c, c), dtype), smem((c, c), dtype)),
+       tuple(smem((c, c), jnp.float16) for _ in range(1 if in_registers else 2))),
+      plgpu.Barrier(num_arrivals=6, num_barriers=2),  # q, k, G, its blocks' last rows and beta's row twice
+  )
+  out_type = ChannelGatedChunks(
+      *(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(2)),
+      *(manual_axes.struct((b, tp, h, dim_k), dtype, k, beta) for _ in range(3)))
+  kernel = functools.partial(_channel_gated_kernel, chunks_per_cta=per_cta, scale=scale, in_registers=in_registers)
+  results = lightning_mosaic.warpgroup_kernel(
+      kernel, out_type=tuple(out_type), scratch_types=scratch, grid=(h, b, n // per_cta),
+      grid_names=("heads", "batch", "chunk_blocks"), interpret=interpret, kernel_name="delta_channel_gated_mosaic",
+      num_warpgroups=1)(rows, block_ends, q, k, log2_gates)
+  return ChannelGatedChunks(*results)
+
+
+def channel_spans_bounded(log2_gates):
+  """Whether every 16-row block of every chunk decays by at most `MAX_BLOCK_SPAN` on each key channel (a traced
+  bool): `channel_gated_chunks`' condition. log2_gates: its G [B, Tp, H, K]."""
+  b, tp, h, dim_k = log2_gates.shape
+  blocks = log2_gates.reshape(b, tp // CHUNK_SIZE, CHUNK_SIZE // _SOLVE_BLOCK, _SOLVE_BLOCK, h, dim_k)
+  before = jnp.concatenate([jnp.zeros_like(blocks[:, :, :1, -1]), blocks[:, :, :-1, -1]], axis=2)
+  return jnp.max(before - blocks[:, :, :, -1]) <= MAX_BLOCK_SPAN

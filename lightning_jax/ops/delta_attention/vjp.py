@@ -92,19 +92,26 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
   transitions and continues flags (`SPLIT_LABELS`)).
   """
   ws = opts.config.warp_specialized
+  # The scalar-gate chain serves the split's map pass and takes inverses formed once for both its passes; KDA's
+  # forward forms its gated terms itself.
+  ws_scalar = ws and not (decay is not None and decay.ndim == 4)
   pieces = opts.config.sequence_pieces or 1
   kernels = dict(scale=opts.scale, config=opts.config, interpret=opts.interpret)
 
+  def triton_forward(*args):
+    return pallas_triton.forward(*args, with_final_state=opts.with_final_state, **kernels)
+
   def run(*args, inverses=None):
     if not ws:
-      return pallas_triton.forward(*args, with_final_state=opts.with_final_state, **kernels)
+      return triton_forward(*args)
     o, final_state, *kept = warp_specialized.forward(*args, scale=opts.scale, with_final_state=opts.with_final_state,
                                                      interpret=opts.interpret, with_inverses=with_inverses,
-                                                     with_states=with_states, inverses=inverses)
+                                                     with_states=with_states, inverses=inverses,
+                                                     fallback=None if ws_scalar else triton_forward)
     return (o, final_state, *(kept[0] if kept else ()))
 
   def piece_maps(k, v, beta, decay, segment_starts, inverses):  # the split's map pass: final states alone
-    if ws:
+    if ws_scalar:
       return warp_specialized.piece_maps(k, v, decay, segment_starts, interpret=opts.interpret,
                                          inverse=inverses[1] if with_inverses else inverses)
 
@@ -123,7 +130,7 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
     else:
       (o, final_state), kept, split = sequence_split.forward(
           run, piece_maps, *args, pieces=pieces, with_final_state=opts.with_final_state,
-          chunk_inverses=chunk_inverses if ws else None)
+          chunk_inverses=chunk_inverses if ws_scalar else None)
       kept = (*kept, split.starts, split.transitions, split.continues)
     return (o,) + ((final_state,) if opts.with_final_state else ()) + tuple(kept)
 

@@ -19,7 +19,9 @@ The sequence split's map pass (`piece_maps`) runs the chain alone, twice a CTA.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
+from lightning_jax.ops.delta_attention import chunk
 from lightning_jax.ops.delta_attention import pallas_mosaic_gpu as delta_mosaic
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import heuristics
@@ -30,10 +32,11 @@ CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
 
 
 def unsupported(*, dim_k: int, dim_v: int, dtype, per_channel_gate: bool, compute_capability,
-                interpret: bool) -> str | None:
-  """Why the warp-specialised forward cannot run a call (None if it can); dims are the unpadded D and E."""
-  if per_channel_gate:
-    return "takes a scalar decay per token or none (KDA's per-key-channel gates are not in its chain)"
+                interpret: bool, packed: bool = False) -> str | None:
+  """Why the warp-specialised forward cannot run a call (None if it can); dims are the unpadded D and E, packed
+  whether segments are given."""
+  if per_channel_gate and packed:
+    return "takes KDA's per-key-channel gates without packed sequences (segment_ids, cu_seqlens)"
   return heuristics.warp_specialized_unsupported(dim_k=dim_k, dim_v=dim_v, dtype=dtype,
                                                  compute_capability=compute_capability, interpret=interpret)
 
@@ -56,8 +59,43 @@ def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
                               with_unscaled=with_unscaled, interpret=interpret)
 
 
+def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_state, interpret, fallback):
+  """`forward` with KDA's per-key-channel rates decay [B, T, H, D] (no segments): `delta_mosaic.channel_gated_chunks`
+  forms each chunk's T', P, Q_g, K_g and K_C, and the sweep takes them. Where some 16-token block decays by more
+  than `delta_mosaic.MAX_BLOCK_SPAN` (log2 units) on a key channel, `fallback` (a callable of `forward`'s
+  arguments) runs instead: the chunks' factors would leave the operands' range (a traced choice, `lax.cond`)."""
+  t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
+  tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
+  dp, ep = WarpSpecializedConfig.padded_dims(d, e)
+  pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
+  log2_gates = chunk.chunk_log_decays(pad(decay, dp), chunk_size=CHUNK_SIZE) * chunk_common.LOG2_E
+
+  def sweep(q, k, v, beta, log2_gates, initial_state):
+    terms = delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), _beta_rows(beta, tp=tp), log2_gates,
+                                              scale=scale, interpret=interpret)
+    b, h = q.shape[0], q.shape[2]
+    channel_decay = jnp.exp2(jnp.moveaxis(log2_gates[:, CHUNK_SIZE - 1::CHUNK_SIZE], 2, 1))[:, :, :, None]
+    state = None
+    if initial_state is not None:  # the kernel carries S^T [E, D], one slice
+      state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
+    cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True,
+                                              channel_gated=True)
+    result = pallas_mosaic_gpu.forward_padded(
+        terms.queries, terms.keys, pad(v, ep), None, state, chunk_gates=(None, None), delta_inverse=terms.inverse,
+        delta_channel_gates=(terms.keys_to_end, terms.pairs, channel_decay.reshape(b, h, tp // CHUNK_SIZE, 1, dp)),
+        scale=scale, seq_len=t, return_final_state=with_final_state, cfg=cfg, interpret=interpret)
+    o, final_state = result if with_final_state else (result, None)
+    if final_state is not None:
+      final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :d, :e]
+    return o[:, :t, :, :e], final_state
+
+  return lax.cond(delta_mosaic.channel_spans_bounded(log2_gates),
+                  lambda: sweep(q, k, v, beta, log2_gates, initial_state),
+                  lambda: fallback(q, k, v, beta, decay, None, initial_state))
+
+
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, interpret,
-            with_inverses=False, with_states=False, inverses=None):
+            with_inverses=False, with_states=False, inverses=None, fallback=None):
   """`pallas_triton.forward`'s contract (its arguments but the blocks' config, and its results) on the
   warp-specialised sweep; with_inverses
   or with_states, a third result, the backward's residuals (`pallas_triton.backward`'s inverses and states): each
@@ -71,7 +109,17 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   whole 64-token chunks (zero beta and rates: the padding changes no state),
   D to 64 or 128 and E to a multiple of 64. The chunk is the sweep's, 64
   tokens, whatever `DeltaConfig.chunk_size` says.
+
+  KDA's per-key-channel rates (decay [B, T, H, D], no segments; neither
+  inverses nor states are kept) run `_channel_gated`, with `fallback` (a
+  callable of this function's first seven arguments returning (o, final
+  state)) where the chunks' gates leave its range.
   """
+  if decay is not None and decay.ndim == 4:
+    if segment_starts is not None or with_inverses or with_states or inverses is not None or fallback is None:
+      raise ValueError("per-key-channel gates take no segments, kept inverses or states, and a fallback")
+    return _channel_gated(q, k, v, beta, decay, initial_state, scale=scale, with_final_state=with_final_state,
+                          interpret=interpret, fallback=fallback)
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)

@@ -221,11 +221,13 @@ class WarpSpecializedConfig:
     """(K, V) the kernel runs at: K = 64 or 128, V a multiple of `BLOCK_E`."""
     return (64 if dim_k <= 64 else 128), -(-dim_v // cls.BLOCK_E) * cls.BLOCK_E
 
-  def shared_memory_bytes(self, sweep: SweepShape, *, delta: bool = False) -> int:
+  def shared_memory_bytes(self, sweep: SweepShape, *, delta: bool = False, channel_gated: bool = False) -> int:
     """The compiled kernel's: the load ring, the published states, the outputs (x2), the factors.
 
     With `delta` (the delta rule's mode): each chunk's inverse [C, C] in the
-    ring and U^T [C, BLOCK_E] beside every published state, no staged operand.
+    ring and U^T [C, BLOCK_E] beside every published state, no staged operand;
+    `channel_gated` (KDA's gates) also K_C [C, K], P [C, C] and the state's
+    decay [K] float32 in the ring.
 
     The float32 initial/final state shares the published states' memory, and
     the [C, C] float32 factors the staged outputs' (read once before the first
@@ -239,6 +241,8 @@ class WarpSpecializedConfig:
     """
     c, be, dim_k, itemsize = self.CHUNK_SIZE, self.BLOCK_E, sweep.dim_k, sweep.itemsize
     ring = self.num_stages * c * (2 * dim_k + be + (c if delta else 0)) * itemsize
+    if channel_gated:
+      ring += self.num_stages * (c * (dim_k + c) * itemsize + 4 * dim_k)
     published = self.published_states * be * (dim_k + (c if delta else 0)) * itemsize
     outputs_or_factors = max(2 * c * be * itemsize, 4 * c * c)
     staged_operands = (c * c + c * be) * itemsize if dim_k <= 64 and not delta else 0

@@ -308,12 +308,12 @@ def warp_specialized_unsupported(*, dim_k: int, dim_v: int, dtype, compute_capab
 
 
 def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, itemsize: int,
-                             delta: bool = False) -> WarpSpecializedConfig:
+                             delta: bool = False, channel_gated: bool = False) -> WarpSpecializedConfig:
   """The `warp_specialized` config: the user's (checked against the budget) or the first of
   `WARP_SPECIALIZED_PREFERENCE` that fits.
 
   The kernel runs on sm90 alone (also when interpreted), so the budget is sm90's.
-  `delta`: the delta rule's mode (`WarpSpecializedConfig.shared_memory_bytes`).
+  `delta`, `channel_gated`: the delta rule's modes (`WarpSpecializedConfig.shared_memory_bytes`).
   """
   cc = WarpSpecializedConfig.COMPUTE_CAPABILITY
   budget = config_lib.shared_memory_budget(cc)
@@ -323,7 +323,7 @@ def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, item
     return _check_budget("warp_specialized", cfg, sweep, budget=budget, compute_capability=cc)
   for stages, published in WARP_SPECIALIZED_PREFERENCE:
     cfg = WarpSpecializedConfig(num_stages=stages, published_states=published)
-    if cfg.shared_memory_bytes(sweep, delta=delta) <= budget:
+    if cfg.shared_memory_bytes(sweep, delta=delta, channel_gated=channel_gated) <= budget:
       return cfg
   raise AssertionError("unreachable: one stage fits sm90 at every dim_k <= 128")
 

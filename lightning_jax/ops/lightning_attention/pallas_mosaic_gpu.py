@@ -243,9 +243,10 @@ def delta_pseudo_values(state_in, keys, inverse, values, rows, *, has_segments, 
   state_in: S^T [BLOCK_E, K] in the input dtype; keys [C, K], inverse T' [C, C]
   and values [C, BLOCK_E] the chunk's tiles in shared memory (values None:
   zeros, the identity columns of the sequence split's map pass); rows: its
-  factor rows (`chunk_factors`). staging: None (the left operands of wgmma in
-  registers, compiled), or shared memory for them, (S^T [BLOCK_E, K], [BLOCK_E,
-  C]), as the interpreter needs.
+  factor rows (`chunk_factors`), or None where the keys come gated (K_g itself,
+  KDA's). staging: None (the left operands of wgmma in registers, compiled),
+  or shared memory for them, (S^T [BLOCK_E, K], [BLOCK_E, C]), as the
+  interpreter needs.
   """
   c, be = CHUNK_SIZE, BLOCK_E
   dtype = state_in.dtype
@@ -260,7 +261,10 @@ def delta_pseudo_values(state_in, keys, inverse, values, rows, *, has_segments, 
 
   projected = pl.run_scoped(projection, plgpu.ACC((be, c), _F32))
   by_column = lambda x: lax.broadcast_in_dim(x, (be, c), (1,))  # noqa: E731
-  correction = (projected * by_column(-jnp.exp2(row_exponents(rows, has_segments=has_segments)))).astype(dtype)
+  if rows is None:
+    correction = (-projected).astype(dtype)
+  else:
+    correction = (projected * by_column(-jnp.exp2(row_exponents(rows, has_segments=has_segments)))).astype(dtype)
   if staging is not None:
     staging[1][...] = correction
     plgpu.commit_smem()
@@ -277,25 +281,35 @@ def delta_pseudo_values(state_in, keys, inverse, values, rows, *, has_segments, 
   return pl.run_scoped(pseudo_values, plgpu.ACC((be, c), _F32))
 
 
-def delta_update(state_t, values_t, keys, key_exponent, state_exponent, *, staging=None, during=None):
+def delta_update(state_t, values_t, keys, key_exponent, state_exponent, *, staging=None, during=None,
+                 channel_decay=None):
   """The chain step's second half: S^T <- 2^state_exponent S^T + (2^key_exponent * U^T) k, float32 [BLOCK_E, K].
   values_t: `delta_pseudo_values`'; the exponents `update_exponents`'; keys, staging as there; during as
-  `update`'s."""
+  `update`'s. channel_decay: None, or (KDA) the state's decay per key channel [K] float32, the keys K_C coming
+  gated and the exponents None: S^T <- S^T Diag(channel_decay) + U^T K_C."""
   dtype = keys.dtype
-  scaled = (values_t * lax.broadcast_in_dim(jnp.exp2(key_exponent), values_t.shape, (1,))).astype(dtype)
+  if channel_decay is not None:
+    scaled, decayed = values_t.astype(dtype), state_t * lax.broadcast_in_dim(channel_decay, state_t.shape, (1,))
+  else:
+    scaled = (values_t * lax.broadcast_in_dim(jnp.exp2(key_exponent), values_t.shape, (1,))).astype(dtype)
+    decayed = state_t * jnp.exp2(state_exponent)
   if staging is not None:
     staging[1][...] = scaled
     plgpu.commit_smem()
     scaled = staging[1]
-  return update(state_t * jnp.exp2(state_exponent), (scaled, keys), in_registers=staging is None, during=during)
+  return update(decayed, (scaled, keys), in_registers=staging is None, during=during)
 
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, published,
             per_chunk, has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state,
-            register_scores, delta, delta_states, with_outputs, overlap_publish):
+            register_scores, delta, delta_states, with_outputs, overlap_publish, channel_gated):
   refs = list(refs)
-  # The delta rule: each chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, C].
+  # The delta rule: each chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, C]; with KDA's per-channel gates
+  # (`channel_gated`: q and k come as Q_g and K_g) K_C [B, Tp, H, K], P [B, H, Tp, C] and the state's decay
+  # [B, H, N, 1, K] float32.
   inverse_ref = refs.pop(0) if delta else None
+  keys_end_ref, pairs_ref, channel_decay_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if channel_gated else (
+      None, None, None)
   # Per-head factors with packed sequences: each chunk's segment-start counts [B, N, 1, C].
   head_segments = has_segments and not per_chunk
   runs_ref = refs.pop(0) if head_segments else None
@@ -308,6 +322,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   q_smem, k_smem, v_smem, state_smem, (out_smem, intra_smem), vectors_smem, *buffers = buffers
   # The delta rule: the ring's T tiles and the published U^T [published, BLOCK_E, C].
   inverse_smem, values_smem = (buffers.pop(0), buffers.pop(0)) if delta else (None, None)
+  keys_end_smem, pairs_smem, channel_decay_smem = (buffers.pop(0), buffers.pop(0), buffers.pop(0)) if (
+      channel_gated) else (None, None, None)
   # Left operands of wgmma staged in shared memory where they do not stay in registers (`_register_operands`):
   # the weighted scores, key * v (the delta rule: -(K_g S)^T, then key * U^T, [BLOCK_E, C], and the state
   # S^T [BLOCK_E, K]).
@@ -361,6 +377,11 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, cols], v_smem.at[slot], loaded.at[slot])
       if delta:
         plgpu.copy_gmem_to_smem(inverse_ref.at[batch, head, rows], inverse_smem.at[slot], loaded.at[slot])
+      if channel_gated:
+        plgpu.copy_gmem_to_smem(keys_end_ref.at[batch, rows, head], keys_end_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(pairs_ref.at[batch, head, rows], pairs_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(channel_decay_ref.at[batch, head, first_chunk + n], channel_decay_smem.at[slot],
+                                loaded.at[slot])
       if per_chunk:
         for factors_smem in (vectors_smem, factors_by_column):
           plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, first_chunk + n], factors_smem.at[slot],
@@ -460,8 +481,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       buf = claim(n)
       state_in = state_t.astype(state_smem.dtype)
       state_smem[buf] = state_in
-      values_t = delta_pseudo_values(state_in, k_smem.at[slot], inverse_smem.at[slot], v_smem.at[slot], rows,
-                                     has_segments=has_segments, staging=staging)
+      values_t = delta_pseudo_values(state_in, k_smem.at[slot], inverse_smem.at[slot], v_smem.at[slot],
+                                     None if channel_gated else rows, has_segments=has_segments, staging=staging)
 
       def publish_values():
         values_smem[buf] = values_t.astype(values_smem.dtype)
@@ -469,8 +490,13 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
       if not overlap_publish:
         publish_values()
-      state_t = delta_update(state_t, values_t, k_smem.at[slot], *decay_exponents(slot, rows), staging=staging,
-                             during=publish_values if overlap_publish else None)
+      during = publish_values if overlap_publish else None
+      if channel_gated:
+        state_t = delta_update(state_t, values_t, keys_end_smem.at[slot], None, None, staging=staging, during=during,
+                               channel_decay=channel_decay_smem[slot, 0])
+      else:
+        state_t = delta_update(state_t, values_t, k_smem.at[slot], *decay_exponents(slot, rows), staging=staging,
+                               during=during)
       plgpu.barrier_arrive(released.at[slot])
       return state_t
 
@@ -541,7 +567,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       slot, buf, pub = slot_of(n), lax.rem(n, 2), lax.rem(n, published)
       plgpu.barrier_wait(loaded.at[slot])
       chunk_row = row
-      if per_chunk:
+      if channel_gated:  # Q_g and P come gated and scaled
+        chunk_row = None
+      elif per_chunk:
         # row_i = scale 2^-c_i before the chunk's first segment start, intra_ij =
         # scale 2^(c_j - c_i) on j <= i within a segment. Each row is read along
         # the rows and, from its second copy, along the columns of the scores
@@ -575,9 +603,11 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         chunk_weights = weights()
         return acc[...] * chunk_weights
 
-      weighted = pl.run_scoped(weighted_scores, plgpu.ACC((c, c), _F32))
-      weighted = weighted.astype(q_smem.dtype)
-      if not register_scores:
+      if channel_gated:
+        weighted = pairs_smem.at[slot]
+      else:
+        weighted = pl.run_scoped(weighted_scores, plgpu.ACC((c, c), _F32)).astype(q_smem.dtype)
+      if not register_scores and not channel_gated:
         scores_smem[...] = weighted
         plgpu.commit_smem()
         weighted = scores_smem
@@ -599,7 +629,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(state_read.at[pub])
       plgpu.barrier_arrive(released.at[slot])
-      out = intra_out + inter * chunk_row[:, None]
+      out = intra_out + (inter if chunk_row is None else inter * chunk_row[:, None])
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store of chunk n - 2 has read its buffer
       out_smem[buf] = out.astype(out_smem.dtype)
       plgpu.commit_smem()
@@ -656,7 +686,8 @@ def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names, interpr
 
 
 def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chunk_runs=None,
-                   delta_inverse=None, delta_states: bool = False, with_outputs: bool = True, scale: float,
+                   delta_inverse=None, delta_states: bool = False, delta_channel_gates=None,
+                   with_outputs: bool = True, scale: float,
                    seq_len: int,
                    return_final_state: bool = False, cfg: WarpSpecializedConfig, num_slices: int = 1,
                    interpret: bool = False):
@@ -685,6 +716,11 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       state before it) [B, H, N, V, K] and U^T [B, H, V, Tp] in the input
       dtype, stored by the third warpgroup from the buffers the chain
       publishes them in (the delta backward's).
+    delta_channel_gates: None, or with delta_inverse KDA's per-key-channel
+      gates, q and k given as Q_g = scale q 2^G and K_g = k 2^G and
+      chunk_gates (None, None): (K_C [B, Tp, H, K] in the input dtype, P
+      [B, H, Tp, C] in the input dtype, the state's decay 2^G_C [B, H, N, 1,
+      K] float32), `delta_attention.pallas_mosaic_gpu.channel_gated_chunks`'.
     with_outputs: form o (False: with delta_states, the delta backward's
       state sweep, which stores S_n^T and U^T alone; q is not read and may be
       None).
@@ -723,6 +759,9 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   if chunk_gates is not None and (decay is not None or chunk_runs is not None):
     raise ValueError("give decay (per head) and chunk_runs, or chunk_gates (per token), not both")
   is_delta = delta_inverse is not None
+  channel_gated = delta_channel_gates is not None
+  if channel_gated and (not is_delta or chunk_gates is None or any(g is not None for g in chunk_gates)):
+    raise ValueError("delta_channel_gates takes delta_inverse and chunk_gates (None, None)")
   if is_delta and (chunk_gates is None or num_slices != 1 or delta_inverse.shape != (b, h, tp, c)):
     raise ValueError(f"the delta rule takes chunk_gates, one slice and delta_inverse [B, H, Tp, C] = {(b, h, tp, c)}; "
                      f"got {chunk_gates is not None}, {num_slices}, {delta_inverse.shape}")
@@ -752,12 +791,15 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                   else (swizzled_smem((c, be), dtype),))
   staged = ((() if registers["register_scores"] else (swizzled_smem((c, c), dtype),))
             + (() if registers["register_state"] else staged_state))
-  # The delta rule's ring of inverses and its published U^T.
+  # The delta rule's ring of inverses and its published U^T; KDA's ring of K_C, P and the state's decay.
   delta_smem = ((swizzled_smem((num_stages, c, c), dtype), swizzled_smem((published, be, c), dtype)) if is_delta
                 else ())
+  if channel_gated:
+    delta_smem += (swizzled_smem((num_stages, c, dim_k), dtype), swizzled_smem((num_stages, c, c), dtype),
+                   plgpu.SMEM((num_stages, 1, dim_k), _F32))
   # Each chunk's copies, one arrival each on its slot's barrier: q (with outputs), k, v, the delta rule's inverse,
   # and two copies of the chunk's factor rows (per-token rates or packed sequences).
-  copies_per_chunk = 2 + with_outputs + is_delta + 2 * (per_chunk or chunk_runs is not None)
+  copies_per_chunk = 2 + with_outputs + is_delta + 3 * channel_gated + 2 * (per_chunk or chunk_runs is not None)
   scratch = (
       # The [C, C] float32 factors are read once, before the first output is staged in the same bytes.
       (swizzled_smem((num_stages, c, dim_k), dtype), swizzled_smem((num_stages, c, dim_k), dtype),
@@ -770,7 +812,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       + ((plgpu.Barrier(num_barriers=1),) if initial_state is not None else ()),
   )
   runs = () if chunk_runs is None else (chunk_runs.reshape(b, tp // c, 1, c).astype(_F32),)
-  inputs = (intra, vectors, q, k, v) + ((delta_inverse,) if is_delta else ()) + runs + (
+  inputs = (intra, vectors, q, k, v) + ((delta_inverse,) if is_delta else ()) + (
+      tuple(delta_channel_gates) if channel_gated else ()) + runs + (
       () if initial_state is None else (initial_state,))
   out_type = (((manual_axes.struct((b, tp, h, dim_v), dtype, *inputs),) if with_outputs else ())
               + ((manual_axes.struct((b, h, tp // c, dim_v, dim_k), dtype, *inputs),
@@ -782,7 +825,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                              has_segments=chunk_runs is not None or (per_chunk and chunk_gates[1] is not None),
                              has_initial=initial_state is not None, has_final=return_final_state,
                              last_rows=last_rows, scale=scale, delta=is_delta, delta_states=delta_states,
-                             with_outputs=with_outputs, **registers)
+                             with_outputs=with_outputs, channel_gated=channel_gated, **registers)
   results = warpgroup_kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(h, b * num_slices, dim_v // be),
       grid_names=("heads", "batch_slices", "value_blocks"), interpret=interpret,
