@@ -122,7 +122,8 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       with cu_seqlens.
     normalize_qk: apply the models' L2 norm to q and k (over D) inside the op.
     impl: "pallas" (Triton kernels, the chunked WY form, on sm90 the
-      forward's sweep warp-specialised in Mosaic GPU, `warp_specialized`;
+      forward's sweep warp-specialised in Mosaic GPU, `warp_specialized`,
+      KDA's where no 16-token block decays by more than 60 on a key channel;
       interpret mode without a supported GPU), "xla" (chunked jnp, O(T)), "reference"
       (token-serial scan, the oracle) or "auto" (pallas on NVIDIA GPUs with
       compute capability >= 8.0, else xla; xla for cu_seqlens with states).

@@ -40,6 +40,11 @@ dL/dS_0 alone.
 and the forward's sweep take: one warpgroup, the 16 x 16 diagonal blocks of T
 solved in float32 registers, then merged on the tensor cores.
 
+`channel_gated_chunks` is `inverse` for KDA's per-key-channel gates: one
+warpgroup forms each chunk's A and P through each 16-row block's start on the
+tensor cores, solves T' from A as `inverse` does, and writes P and the gated
+queries and keys the forward's sweep takes (`warp_specialized`).
+
 `piece_maps` is the split's forward map pass: the forward's chain step
 (`lightning_mosaic.delta_pseudo_values`, `delta_update`) from [I | 0] over
 [0 | v], two chains a CTA (one warpgroup each, I's 64 rows and 64 value

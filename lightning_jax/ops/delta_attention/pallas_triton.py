@@ -14,8 +14,9 @@ Forward, two passes:
     itself: one [C, D] x [D, C] product, cheaper than a float32 round trip.
 On sm90 the forward is Mosaic GPU instead (`warp_specialized`): an inverse
 kernel writes each chunk's T' = (I + A)^{-1} Diag(beta)
-(`pallas_mosaic_gpu.inverse`), from which the warp-specialised sweep forms U
-itself.
+(`pallas_mosaic_gpu.inverse`; for KDA with P and the gated keys and queries,
+`pallas_mosaic_gpu.channel_gated_chunks`), from which the warp-specialised
+sweep forms U itself.
 
 Backward (`backward`), recomputing instead of storing: prepare again; the
 sweep again, writing the state before every chunk S_n instead of outputs;
@@ -100,12 +101,13 @@ class DeltaConfig:
       (None: num_warps; the backward's prepare, at backward_chunk_size,
       takes num_warps).
     warp_specialized: the forward on the warp-specialised Mosaic GPU kernel
-      (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256, a scalar
-      decay per token or none), which takes each 64-token chunk's inverse
-      (times beta) from a Mosaic GPU kernel (`pallas_mosaic_gpu.inverse`)
-      instead of W and U_v from prepare,
-      and where block_e >= 64 the backward's sweeps on warp-specialised
-      kernels too, with no prepare (`pallas_mosaic_gpu`; `backward`). None:
+      (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256; KDA without
+      packed sequences), which takes each 64-token chunk's inverse (times
+      beta) from a Mosaic GPU kernel (`pallas_mosaic_gpu.inverse`; KDA's with
+      its gated pair products and keys, `channel_gated_chunks`) instead of W
+      and U_v from prepare, and for a scalar decay or none, where block_e >=
+      64, the backward's sweeps on warp-specialised kernels too, with no
+      prepare (`pallas_mosaic_gpu`; `backward`). None:
       wherever it runs compiled; True: required (ValueError where it cannot
       run); False: the Triton sweeps.
     forward_states: where the backward's sweeps are warp-specialised

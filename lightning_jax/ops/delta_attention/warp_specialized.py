@@ -14,6 +14,12 @@ cannot do. The backward's sweeps are warp-specialised too
 warpgroup stores them too (`with_states`), each chunk's S_n^T and U^T in place
 of their state sweep (`DeltaConfig.forward_states`).
 The sequence split's map pass (`piece_maps`) runs the chain alone, twice a CTA.
+
+KDA's per-key-channel gates (`_channel_gated`): `delta_mosaic.channel_gated_chunks`
+forms each chunk's T', P, Q_g, K_g and K_C, and the chain takes them
+pre-gated (its `channel_gated` mode: the state decayed per key channel). No
+kept inverses or states (KDA's backward is the Triton one), no packed
+sequences; the split's map pass is the Triton sweep's.
 """
 
 from __future__ import annotations
@@ -70,10 +76,10 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
   log2_gates = chunk.chunk_log_decays(pad(decay, dp), chunk_size=CHUNK_SIZE) * chunk_common.LOG2_E
 
-  def sweep(q, k, v, beta, log2_gates, initial_state):
+  def on_chunk_terms():
     terms = delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), _beta_rows(beta, tp=tp), log2_gates,
                                               scale=scale, interpret=interpret)
-    b, h = q.shape[0], q.shape[2]
+    # 2^G_C, the state's decay per key channel over each chunk: [B, H, N, 1, Dp].
     channel_decay = jnp.exp2(jnp.moveaxis(log2_gates[:, CHUNK_SIZE - 1::CHUNK_SIZE], 2, 1))[:, :, :, None]
     state = None
     if initial_state is not None:  # the kernel carries S^T [E, D], one slice
@@ -82,15 +88,14 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
                                               channel_gated=True)
     result = pallas_mosaic_gpu.forward_padded(
         terms.queries, terms.keys, pad(v, ep), None, state, chunk_gates=(None, None), delta_inverse=terms.inverse,
-        delta_channel_gates=(terms.keys_to_end, terms.pairs, channel_decay.reshape(b, h, tp // CHUNK_SIZE, 1, dp)),
+        delta_channel_gates=(terms.keys_to_end, terms.pairs, channel_decay),
         scale=scale, seq_len=t, return_final_state=with_final_state, cfg=cfg, interpret=interpret)
     o, final_state = result if with_final_state else (result, None)
     if final_state is not None:
       final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :d, :e]
     return o[:, :t, :, :e], final_state
 
-  return lax.cond(delta_mosaic.channel_spans_bounded(log2_gates),
-                  lambda: sweep(q, k, v, beta, log2_gates, initial_state),
+  return lax.cond(delta_mosaic.channel_spans_bounded(log2_gates), on_chunk_terms,
                   lambda: fallback(q, k, v, beta, decay, None, initial_state))
 
 

@@ -52,7 +52,11 @@ publishes them with S_n for the output warpgroup, which multiplies them in
 place of v. With `delta_states` the third warpgroup also stores the published
 S_n^T and U^T (the delta backward's residuals); the backward's state sweep
 (`delta_attention.pallas_mosaic_gpu.state_sweep`) runs it so without outputs:
-no q, and the third warpgroup stores them alone.
+no q, and the third warpgroup stores them alone. With KDA's per-key-channel
+gates (`delta_channel_gates`) q and k come gated (Q_g, K_g), the ring also
+holds each chunk's K_C, P and the state's decay per key channel, the update
+scales S^T's columns by that decay, and the output warpgroup takes P from the
+ring in place of its weighted q k^T.
 
 Where the kernel runs is `heuristics.warp_specialized_unsupported`.
 """
