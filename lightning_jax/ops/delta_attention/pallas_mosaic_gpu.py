@@ -679,6 +679,19 @@ def default_chunks_per_cta(*, batch_heads: int, num_chunks: int, num_sms: int) -
   return 1
 
 
+def _checked_chunks_per_cta(chunks_per_cta, *, batch_heads: int, num_chunks: int) -> int:
+  """The chunks each CTA of `inverse` or `channel_gated_chunks` walks: chunks_per_cta, checked, or where None
+  `default_chunks_per_cta`'s."""
+  if chunks_per_cta is None:
+    return default_chunks_per_cta(batch_heads=batch_heads, num_chunks=num_chunks,
+                                  num_sms=heuristics.num_sms(jax.devices()[0]))
+  if (not isinstance(chunks_per_cta, int) or isinstance(chunks_per_cta, bool) or chunks_per_cta < 1
+      or num_chunks % chunks_per_cta):
+    raise ValueError(f"chunks_per_cta must be None or a positive int dividing the {num_chunks} chunks, "
+                     f"got {chunks_per_cta!r}")
+  return chunks_per_cta
+
+
 def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta: int | None = None,
             interpret: bool = False):
   """Each 64-token chunk's T' = T Diag(beta), T = (I + A)^{-1}, [B, H, Tp, 64] in k's dtype; with_unscaled, (T, T').
@@ -707,11 +720,7 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
                      f"got k {k.shape}, beta {beta.shape}")
   rows, cum_row, runs_row = _inverse_rows(beta, chunk_gates)
   n = tp // c
-  per_cta = chunks_per_cta
-  if per_cta is None:
-    per_cta = default_chunks_per_cta(batch_heads=b * h, num_chunks=n, num_sms=heuristics.num_sms(jax.devices()[0]))
-  if not isinstance(per_cta, int) or isinstance(per_cta, bool) or per_cta < 1 or n % per_cta:
-    raise ValueError(f"chunks_per_cta must be None or a positive int dividing the {n} chunks, got {per_cta!r}")
+  per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
   in_registers = not interpret
   dtype = k.dtype
   smem = lightning_mosaic.swizzled_smem
@@ -876,15 +885,11 @@ def channel_gated_chunks(q, k, beta, log2_gates, *, scale: float, chunks_per_cta
                      f"beta [B, H, Tp]; got q {q.shape}, k {k.shape}, log2_gates {log2_gates.shape}, "
                      f"beta {beta.shape}")
   n = tp // c
-  per_cta = chunks_per_cta
-  if per_cta is None:
-    per_cta = default_chunks_per_cta(batch_heads=b * h, num_chunks=n, num_sms=heuristics.num_sms(jax.devices()[0]))
-  if not isinstance(per_cta, int) or isinstance(per_cta, bool) or per_cta < 1 or n % per_cta:
-    raise ValueError(f"chunks_per_cta must be None or a positive int dividing the {n} chunks, got {per_cta!r}")
+  per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
   in_registers = not interpret
   dtype = k.dtype
   smem = lightning_mosaic.swizzled_smem
-  rows = beta.astype(_F32).reshape(b, h, n, 1, c)
+  rows = _inverse_rows(beta, (None, None))[0]  # beta's row alone
   # G's last row of each 16-row block [B, H, N, C / 16, K]: the log decays the blocks' factors go through.
   block_ends = jnp.moveaxis(log2_gates[:, _SOLVE_BLOCK - 1::_SOLVE_BLOCK], 2, 1).reshape(b, h, n, c // _SOLVE_BLOCK,
                                                                                          dim_k)
