@@ -191,9 +191,10 @@ PROFILES = {
     # The delta forms at few (batch, head) pairs against the peers that run them.
     "delta-long": dict(shapes="delta-long", impls="lj-delta-pallas,fla-delta-chunk,jla-delta-mosaic", ops="delta",
                        modes="fwd,fwdbwd", decay="off", segments="1", max_seconds=540.0, **_GPU_SETTINGS),
-    # The same on one tiny shape, with our xla implementation too.
-    "smoke-delta": dict(shapes="1x64x2x16", impls="delta,lj-pallas-auto,baseline", ops="lightning,delta",
-                        modes="fwd,fwdbwd", decay="off,token", segments="1", **_SMOKE_SETTINGS),
+    # The same on one tiny shape (the Pallas kernels in interpret mode).
+    "smoke-delta": dict(shapes="1x64x2x16",
+                        impls="lj-delta-pallas,fla-delta-chunk,jla-delta-mosaic,lj-pallas-auto,baseline",
+                        ops="lightning,delta", modes="fwd,fwdbwd", decay="off,token", segments="1", **_SMOKE_SETTINGS),
 }
 
 

@@ -1,9 +1,9 @@
 """The torch side of the peers: inputs, modes, timing and memory of a torch attention function.
 
 Imported only by the peer worker modules, in their own subprocess; torch is
-imported when a backend is made, after checking that the packages exist.
+imported when a backend is made (as JAX is, through the timing module), after checking that the packages exist.
 
-Timing uses `benchmarks.timing.measure` with `torch.cuda.synchronize` as the
+Timing uses `lightning_jax.tune.timing.measure` with `torch.cuda.synchronize` as the
 sync, like the JAX workers with `block_until_ready`. Triton kernels compile and
 autotune in their first call, a warm-up call. Modes:
 
@@ -31,7 +31,6 @@ import dataclasses
 import platform
 
 from benchmarks import cases, worker
-from lightning_jax.tune import timing
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -56,7 +55,10 @@ class TorchBackend(worker.Backend):
   def __init__(self, make_attention, layout: str, packages: list[str], refusals: tuple[str, ...] = ()):
     import torch  # noqa: PLC0415 -- only in peer subprocesses
 
-    self.torch = torch
+    # Imported here, not at the top: it imports JAX, which a worker whose peer is missing skips (seconds).
+    from lightning_jax.tune import timing  # noqa: PLC0415
+
+    self.torch, self.timing = torch, timing
     self.make_attention = make_attention
     self.layout = layout
     self.packages = packages
@@ -86,7 +88,7 @@ class TorchBackend(worker.Backend):
 
   @contextlib.contextmanager
   def open_job(self, job: dict, settings: dict):
-    n_sets = timing.rotation_sets(cases.input_set_bytes(job), settings["rotate_bytes"])
+    n_sets = self.timing.rotation_sets(cases.input_set_bytes(job), settings["rotate_bytes"])
     try:
       yield TorchCase(settings, self.make_attention(job, self.torch), self._inputs(job, n_sets))
     finally:
@@ -126,7 +128,7 @@ class TorchBackend(worker.Backend):
     try:
       call = self._call(ctx, mode)
       s = ctx.settings
-      stats = timing.measure(call, lambda _: self.torch.cuda.synchronize(), n_sets=len(ctx.inputs),
+      stats = self.timing.measure(call, lambda _: self.torch.cuda.synchronize(), n_sets=len(ctx.inputs),
                              warmup=s["warmup"], max_iters=s["iters"], max_seconds=s["case_seconds"],
                              min_sample_seconds=s["sample_seconds"])
     except Exception as exc:
