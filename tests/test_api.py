@@ -62,6 +62,42 @@ def test_vmap_over_extra_batch_axis(kw, kernel_mode):
     assert close(out[i], want[i])
 
 
+def _second_order_ops():
+  """(name, attention(q, w, impl) -> o) of both ops on small random inputs (one row of 20 tokens), and q; w scales
+  the values."""
+  q, k, v, decay, s0 = inputs(5)
+  q, k, v, s0 = q[:1, :20], k[:1, :20], v[:1, :20], s0[:1]
+  kn = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  beta = jax.nn.sigmoid(q[..., 0])
+  return [("lightning_attention", lambda q, w, impl, **kw: lj.lightning_attention(
+              q, k, v * w, decay, initial_state=s0, impl=impl, **kw)),
+          ("delta_attention", lambda q, w, impl, **kw: lj.delta_attention(
+              q, kn, v * w, beta, jnp.abs(q[..., :1]) * 0.1 + 0.0 * k, initial_state=s0, impl=impl, **kw))], q
+
+
+def test_pallas_gradients_are_first_order_only(kernel_mode):
+  """A derivative of the Pallas path's gradients (grad of grad through the inputs, or through the cotangent alone)
+  raises a TypeError naming impl='xla', before any kernel is differentiated; impl='xla' gives it, equal to the
+  reference's."""
+  ops, q = _second_order_ops()
+  w = jnp.float32(1.5)
+  for name, attention in ops:
+    def grad_q(q, w, impl, **kw):  # d/dq of a loss whose cotangent on o depends on w
+      return jax.grad(lambda q: jnp.sum(jnp.sin(attention(q, w, impl, **kw)) * w))(q)
+
+    second = lambda impl, **kw: jax.jit(jax.grad(  # noqa: E731
+        lambda q, w: jnp.sum(grad_q(q, w, impl, **kw) ** 2), argnums=(0, 1)))(q, w)
+    for argnums in (0, 1):  # through q (the forward's inputs), through w (also the cotangent)
+      with pytest.raises(TypeError, match=f"{name} with impl='pallas' is differentiable once.*impl='xla'"):
+        jax.grad(lambda q, w: jnp.sum(grad_q(q, w, "pallas", interpret=kernel_mode) ** 2), argnums=argnums)(q, w)
+    # The cotangent alone: w enters the loss only, not the op.
+    with pytest.raises(TypeError, match="differentiable once"):
+      jax.grad(lambda w: jnp.sum(jax.grad(lambda q: jnp.sum(attention(q, 1.0, "pallas", interpret=kernel_mode) * w))(
+          q) ** 2))(w)
+    for got, want in zip(second("xla"), second("reference")):
+      assert close(got, want, 1e-3), name
+
+
 @pytest.mark.parametrize("kw", IMPLS, ids=lambda kw: "-".join(kw.values()))
 def test_grad_under_jit_with_checkpoint(kw, kernel_mode):
   if kw["impl"] == "pallas":

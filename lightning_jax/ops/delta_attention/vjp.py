@@ -29,6 +29,7 @@ e^{-g_t} (K_C, their columns), and g_C (the chunk's last row) in K_C and a_n,
 so dg_t = x_t dx_t - y_t dy_t summed over those uses; the rates' cotangent is
 the vjp of the chunk-local cumulative sum (`pallas_triton.gate_logs`).
 
+The backward is first-order only (`lightning_attention.vjp.first_order_only`).
 Forward and backward kernels run through `auto_sharding.blockwise`: under
 `jax.jit`, inputs split over B and H of a mesh stay on their devices (every
 operand and result of the delta rule is per batch and head, so nothing is
@@ -57,6 +58,7 @@ from lightning_jax.ops.lightning_attention.auto_sharding import STARTS
 from lightning_jax.ops.lightning_attention.auto_sharding import STATE
 from lightning_jax.ops.lightning_attention.auto_sharding import TOKENS
 from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
+from lightning_jax.ops.lightning_attention.vjp import first_order_only
 
 # The map pass of a sequence split runs D more value columns: past this E it runs twice (`sequence_parallel`).
 MAX_VALUE_DIM = WarpSpecializedConfig.MAX_DIM_V
@@ -154,6 +156,8 @@ def _forward(q, k, v, beta, decay, segment_starts, initial_state, opts):
   per_channel_gate = decay is not None and decay.ndim == 4
   with_inverses = opts.config.warp_specializes_backward(per_channel_gate=per_channel_gate)
   with_states = opts.config.keeps_forward_states(per_channel_gate=per_channel_gate)
+  q, k, v, beta, decay, segment_starts, initial_state = first_order_only(
+      "delta_attention", (q, k, v, beta, decay, segment_starts, initial_state))
   out, kept = _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=with_inverses,
                       with_states=with_states)
   kept = list(kept)
@@ -163,6 +167,7 @@ def _forward(q, k, v, beta, decay, segment_starts, initial_state, opts):
 
 
 def _backward(opts, residuals, cotangents):
+  residuals, cotangents = first_order_only("delta_attention", (residuals, cotangents))
   q, k, v, beta, decay, segment_starts, initial_state, tri, tri_beta, states_t, values_t, split = residuals
   do, d_final = cotangents
   operands = _labelled(q, k, v, beta, decay, segment_starts, initial_state)

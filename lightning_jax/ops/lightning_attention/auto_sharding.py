@@ -178,8 +178,8 @@ def _fwd(q, k, v, decay, segment_starts, initial_state, opts):
   # symbolic_zeros: the primals arrive wrapped, saying which are differentiated.
   perturbed = lambda x: x is not None and x.perturbed  # noqa: E731
   needs = vjp.Needs(*map(perturbed, (q, k, v, decay, initial_state)))
-  q, k, v, decay, segment_starts, initial_state = (
-      None if x is None else x.value for x in (q, k, v, decay, segment_starts, initial_state))
+  q, k, v, decay, segment_starts, initial_state = vjp.first_order_only("lightning_attention", tuple(
+      None if x is None else x.value for x in (q, k, v, decay, segment_starts, initial_state)))
   slice_starts = None
   if unpartitioned():  # the kernels run as they are: the forward keeps its split's first pass for the dq sweep
     out, slice_starts = vjp.forward(q, k, v, decay, segment_starts, initial_state, opts)
@@ -192,6 +192,7 @@ def _fwd(q, k, v, decay, segment_starts, initial_state, opts):
 
 
 def _bwd(opts, residuals, cotangents):
+  residuals, cotangents = vjp.first_order_only("lightning_attention", (residuals, cotangents))
   q, k, v, decay, starts, initial_state, final_state, slice_starts, needs = residuals
   do, d_final = cotangents if opts.return_final_state else (cotangents, None)
   if isinstance(d_final, SymbolicZero):

@@ -45,6 +45,11 @@ nothing and the dq sweep issues the forward's pass again, which XLA's CSE may
 merge.) Cotangents
 nobody asked for (`symbolic_zeros`) are not computed: a decay that is not
 differentiated costs no tangent, unused q or k, v gradients no sweep.
+
+The backward is first-order only: its kernels have no derivative rules, so a
+derivative of the gradients (grad of grad, `jax.hessian`, jvp of grad) is
+refused with a `TypeError` naming `impl="xla"`, which has them
+(`first_order_only`).
 """
 
 from __future__ import annotations
@@ -108,14 +113,39 @@ def lightning_attention_pallas(q, k, v, decay, segment_starts, initial_state, op
   return _primal(q, k, v, decay, segment_starts, initial_state, opts)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _refuse_derivatives(op, *arrays):
+  return arrays
+
+
+@_refuse_derivatives.defjvp
+def _refuse_derivatives_jvp(op, primals, tangents):
+  del primals, tangents
+  raise TypeError(f"{op} with impl='pallas' is differentiable once: its backward's kernels have no derivatives "
+                  "(grad of grad, jax.hessian, jvp of grad); impl='xla' (chunked jnp) has them")
+
+
+def first_order_only(op: str, tree):
+  """tree (the inputs of a Pallas forward's or backward's kernels under `jax.custom_vjp`) as it is, but a derivative
+  through it, which the kernels cannot give, raises a `TypeError` naming `op` and impl="xla" (instead of JAX's
+  linearization failure deep in a kernel). A derivative of the gradients reaches the custom VJP's forward rule
+  (through the inputs) or its backward (through the cotangents alone). The arrays pass through one identity with a
+  custom JVP that raises: the first-order path is unchanged, and zero tangents never call it."""
+  leaves, treedef = jax.tree.flatten(tree)
+  arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+  for i, x in zip(arrays, _refuse_derivatives(op, *(leaves[i] for i in arrays))):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
+
+
 def _forward(q, k, v, decay, segment_starts, initial_state, opts):
   # With symbolic_zeros the primals arrive wrapped, saying whether each one is
   # differentiated: a fixed decay (the usual ALiBi slopes) skips the tangent.
   perturbed = lambda x: x is not None and x.perturbed  # noqa: E731
   needs = Needs(dq=perturbed(q), dk=perturbed(k), dv=perturbed(v), d_decay=perturbed(decay),
                 d_initial=perturbed(initial_state))
-  q, k, v, decay, segment_starts, initial_state = (
-      None if x is None else x.value for x in (q, k, v, decay, segment_starts, initial_state))
+  q, k, v, decay, segment_starts, initial_state = first_order_only("lightning_attention", tuple(
+      None if x is None else x.value for x in (q, k, v, decay, segment_starts, initial_state)))
   out, slice_starts = forward(q, k, v, decay, segment_starts, initial_state, opts)
   # The per-token decay gradient's last term reads the final state.
   final_state = out[1] if opts.return_final_state and needs.d_decay and chunk_common.per_token(decay) else None
@@ -154,6 +184,7 @@ def _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state):
 
 
 def _backward(opts, residuals, cotangents):
+  residuals, cotangents = first_order_only("lightning_attention", (residuals, cotangents))
   q, k, v, decay, segment_starts, initial_state, final_state, slice_starts, needs = residuals
   gates = sweep_gates(decay, segment_starts)
   per_token = chunk_common.per_token(decay)
