@@ -184,7 +184,8 @@ def _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state):
 
 
 def _backward(opts, residuals, cotangents):
-  residuals, cotangents = first_order_only("lightning_attention", (residuals, cotangents))
+  """The gradients of `_forward`'s residuals and the cotangents (also `auto_sharding`'s backward, which guards its
+  own inputs)."""
   q, k, v, decay, segment_starts, initial_state, final_state, slice_starts, needs = residuals
   gates = sweep_gates(decay, segment_starts)
   per_token = chunk_common.per_token(decay)
@@ -247,4 +248,8 @@ def _backward(opts, residuals, cotangents):
           manual_axes.sum_to_type_of(d_initial, initial_state))
 
 
-lightning_attention_pallas.defvjp(_forward, _backward, symbolic_zeros=True)
+def _first_order_backward(opts, residuals, cotangents):
+  return _backward(opts, *first_order_only("lightning_attention", (residuals, cotangents)))
+
+
+lightning_attention_pallas.defvjp(_forward, _first_order_backward, symbolic_zeros=True)
