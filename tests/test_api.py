@@ -72,7 +72,8 @@ def _second_order_ops():
   return [("lightning_attention", lambda q, w, impl, **kw: lj.lightning_attention(
               q, k, v * w, decay, initial_state=s0, impl=impl, **kw)),
           ("delta_attention", lambda q, w, impl, **kw: lj.delta_attention(
-              q, kn, v * w, beta, jnp.abs(q[..., :1]) * 0.1 + 0.0 * k, initial_state=s0, impl=impl, **kw))], q
+              q, kn, v * w, beta, jnp.broadcast_to(jnp.abs(q[..., :1]) * 0.1, k.shape), initial_state=s0, impl=impl,
+              **kw))], q
 
 
 def test_pallas_gradients_are_first_order_only(kernel_mode):
