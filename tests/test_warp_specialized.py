@@ -428,10 +428,8 @@ def test_delta_inverse_lowers_for_cuda(dim_k, gated, segments, with_unscaled):
 
 
 def _channel_gated_inputs(b, t, h, d, rates, seed):
-  """q, k [B, Tp, H, Dp] bf16 (padded to whole chunks and 64 or 128 features), beta [B, H, Tp] and G [B, Tp, H, Dp]
-  (`channel_gated_chunks`' operands) from per-key-channel rates uniform in `rates` (natural log)."""
-  from lightning_jax.ops.delta_attention import chunk
-
+  """q, k [B, Tp, H, Dp] bf16 (padded to whole chunks and 64 or 128 features), beta [B, H, Tp] and per-key-channel
+  rates [B, Tp, H, Dp] uniform in `rates` (natural log): `channel_gated_chunks`' operands."""
   keys = jax.random.split(jax.random.key(seed), 4)
   tp, dp = -(-t // 64) * 64, 64 if d <= 64 else 128
   pad = lambda x: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dp)  # noqa: E731
@@ -439,9 +437,15 @@ def _channel_gated_inputs(b, t, h, d, rates, seed):
   k = jax.random.normal(keys[1], (b, t, h, d))
   k = pad((k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(BF16))
   beta = jnp.pad(jax.random.uniform(keys[2], (b, h, t), maxval=2.0), ((0, 0), (0, 0), (0, tp - t)))
-  log2_gates = chunk.chunk_log_decays(pad(jax.random.uniform(keys[3], (b, t, h, d), minval=rates[0], maxval=rates[1])),
-                                      chunk_size=64) * chunk_common.LOG2_E
-  return q, k, beta, log2_gates
+  return q, k, beta, pad(jax.random.uniform(keys[3], (b, t, h, d), minval=rates[0], maxval=rates[1]))
+
+
+def _log2_gates64(rates):
+  """numpy float64 G [B, Tp, H, K] of rates [B, Tp, H, K]: the log2 decay from each 64-token chunk's start through
+  each row."""
+  b, tp, h, d = rates.shape
+  sums = np.cumsum(np.asarray(rates, np.float64).reshape(b, tp // 64, 64, h, d), axis=2).reshape(rates.shape)
+  return -sums * np.log2(np.e)
 
 
 # Moderate rates, and rates whose 16-token blocks decay by up to 59 (the kernel's bound is 60, natural log).
@@ -456,14 +460,18 @@ def test_delta_channel_gated_chunks_match_float64(case, mode):
   block's start on the tensor cores, T' from A as the inverse kernel solves it) against numpy float64 of their
   definitions on the same bf16 q and k, T off the chunk, D padded, one CTA walking every chunk of a row."""
   b, t, h, d, rates = case
-  q, k, beta, log2_gates = _channel_gated_inputs(b, t, h, d, rates, seed=zlib.crc32(str(case).encode()))
-  assert bool(delta_mosaic.channel_spans_bounded(log2_gates))
+  q, k, beta, rates = _channel_gated_inputs(b, t, h, d, rates, seed=zlib.crc32(str(case).encode()))
+  block_ends = delta_mosaic.block_log_decays(rates)
+  assert bool(delta_mosaic.channel_spans_bounded(block_ends))
   scale = 0.3
-  got = jax.jit(lambda: delta_mosaic.channel_gated_chunks(q, k, beta, log2_gates, scale=scale,
+  got = jax.jit(lambda: delta_mosaic.channel_gated_chunks(q, k, beta, rates, block_ends, scale=scale,
                                                           chunks_per_cta=q.shape[1] // 64,
                                                           interpret=mode == "interpret"))()
   f64 = lambda x: np.asarray(jnp.asarray(x).astype(F32), np.float64)  # noqa: E731
-  q64, k64, beta64, g64 = f64(q), f64(k), f64(beta), f64(log2_gates)
+  q64, k64, beta64, g64 = f64(q), f64(k), f64(beta), _log2_gates64(rates)
+  # The blocks' ends against G's rows 15, 31, 47 and 63.
+  want_ends = np.moveaxis(g64[:, 15::16], 2, 1).reshape(block_ends.shape)
+  assert np.max(np.abs(f64(block_ends) - want_ends)) < 1e-4
   tp, c = q.shape[1], 64
   for bi in range(b):
     for hi in range(h):
@@ -488,18 +496,16 @@ def test_delta_channel_spans_bounded():
   """The fast path's condition: every 16-row block of every chunk decays by at most MAX_BLOCK_SPAN on each key
   channel, counted from the row before the block; moderate rates meet it, extreme ones do not, and one block of one
   channel just past the bound fails it."""
-  _, _, _, moderate = _channel_gated_inputs(1, 200, 2, 64, (0.0, 0.6), seed=0)
-  assert bool(delta_mosaic.channel_spans_bounded(moderate))
-  _, _, _, extreme = _channel_gated_inputs(1, 200, 2, 64, (30.0, 40.0), seed=0)
-  assert not bool(delta_mosaic.channel_spans_bounded(extreme))
-  limit = delta_mosaic.MAX_BLOCK_SPAN
+  bounded = lambda rates: bool(delta_mosaic.channel_spans_bounded(delta_mosaic.block_log_decays(rates)))  # noqa: E731
+  assert bounded(_channel_gated_inputs(1, 200, 2, 64, (0.0, 0.6), seed=0)[3])
+  assert not bounded(_channel_gated_inputs(1, 200, 2, 64, (30.0, 40.0), seed=0)[3])
+  limit = delta_mosaic.MAX_BLOCK_SPAN / chunk_common.LOG2_E  # natural log
 
   def spike(span):  # zero rates but block 1 of chunk 1 (rows 80-95), channel 5 of head 1: G falls by span there
-    drop = jnp.concatenate([jnp.linspace(0.0, -span, 17)[1:], jnp.full((32,), -span)])
-    return jnp.zeros((1, 256, 2, 64), F32).at[0, 80:128, 1, 5].set(drop)
+    return jnp.zeros((1, 256, 2, 64), F32).at[0, 80:96, 1, 5].set(span / 16)
 
-  assert bool(delta_mosaic.channel_spans_bounded(spike(limit - 0.5)))
-  assert not bool(delta_mosaic.channel_spans_bounded(spike(limit + 0.5)))
+  assert bounded(spike(limit - 0.5))
+  assert not bounded(spike(limit + 0.5))
 
 
 # KDA on the warp-specialised forward: from and to states, E off the blocks, rates near the fast path's bound, and
@@ -519,16 +525,13 @@ KDA_CASES = [
 def test_delta_kda_warp_specialized_matches_oracle(case, rates, pieces, mode):
   """KDA's forward on the warp-specialised kernels (o and the final state) and the op's gradients through it (its
   backward is the Triton one) against the oracle's; whether the fast path runs is checked on the same rates."""
-  from lightning_jax.ops.delta_attention import chunk
-
   q, k, v, beta, decay, s0, _ = delta_inputs(case, seed=zlib.crc32(f"{case}kda".encode()))
   if rates is not None:
     decay = jax.random.uniform(jax.random.key(case.t), decay.shape, minval=rates[0], maxval=rates[1])
   q, k, v = (x.astype(BF16) for x in (q, k, v))
-  log2_gates = chunk.chunk_log_decays(chunk_common.pad_tokens_and_features(decay, num_tokens=-(-case.t // 64) * 64,
-                                                                           dim=64 if case.d <= 64 else 128),
-                                      chunk_size=64) * chunk_common.LOG2_E
-  assert bool(delta_mosaic.channel_spans_bounded(log2_gates)) == (rates is not None)
+  padded = chunk_common.pad_tokens_and_features(decay, num_tokens=-(-case.t // 64) * 64,
+                                                dim=64 if case.d <= 64 else 128)
+  assert bool(delta_mosaic.channel_spans_bounded(delta_mosaic.block_log_decays(padded))) == (rates is not None)
   config = lj.DeltaConfig(warp_specialized=True, sequence_pieces=pieces)
   interpret = mode == "interpret"
   call = lambda **kw: lj.delta_attention(q, k, v, beta, decay, initial_state=s0,  # noqa: E731
@@ -557,9 +560,10 @@ def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
   """KDA's chunk-terms kernel and the sweep taking them lower as the GPU compiles them, from any backend."""
   q = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
   beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
-  gates = jax.ShapeDtypeStruct((2, 512, 3, dim_k), F32)
-  exported = jax.export.export(jax.jit(lambda q, k, beta, g: tuple(delta_mosaic.channel_gated_chunks(
-      q, k, beta, g, scale=0.1, chunks_per_cta=4))), platforms=["cuda"])(q, q, beta, gates)
+  rates = jax.ShapeDtypeStruct((2, 512, 3, dim_k), F32)
+  block_ends = jax.ShapeDtypeStruct((2, 3, 8, 4, dim_k), F32)
+  exported = jax.export.export(jax.jit(lambda q, k, beta, rates, ends: tuple(delta_mosaic.channel_gated_chunks(
+      q, k, beta, rates, ends, scale=0.1, chunks_per_cta=4))), platforms=["cuda"])(q, q, beta, rates, block_ends)
   assert "delta_channel_gated_mosaic" in exported.mlir_module()
   assert [o.shape for o in exported.out_avals] == [(2, 3, 512, 64)] * 2 + [(2, 512, 3, dim_k)] * 3
   v = jax.ShapeDtypeStruct((2, 512, 3, dim_v), BF16)

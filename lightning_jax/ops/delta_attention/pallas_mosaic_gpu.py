@@ -73,6 +73,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, vector
 from jaxlib.mlir.dialects import math as mlir_math
 
+from lightning_jax.ops.delta_attention import chunk
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as lightning_config
 from lightning_jax.ops.lightning_attention import heuristics
@@ -765,7 +766,7 @@ class ChannelGatedChunks(NamedTuple):
 MAX_BLOCK_SPAN = 60.0 * chunk_common.LOG2_E
 
 
-def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, g_ref, inverse_ref, pairs_ref, queries_ref,
+def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_ref, queries_ref,
                           keys_ref, keys_end_ref, buffers, loaded, *, chunks_per_cta, scale, in_registers):
   (q_smem, k_smem, g_smem, rows_smem, boundary_smem, (operands, solve_smem), keys_end_smem,
    (inverse_smem, pairs_smem), staging) = buffers
@@ -776,14 +777,14 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, g_ref, inverse_r
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   first_chunk = lax.axis_index("chunk_blocks") * chunks_per_cta
 
-  def load(n, slot):  # chunk first_chunk + n: q, k, G, its blocks' last rows and beta's row twice (two layouts)
-    chunk = first_chunk + n
-    rows = pl.ds(pl.multiple_of(chunk * c, c), c)
-    for src, dst in ((q_ref, q_smem), (k_ref, k_smem), (g_ref, g_smem)):
+  def load(n, slot):  # chunk first_chunk + n: q, k, the rates, G's blocks' last rows and beta's row twice
+    chunk_index = first_chunk + n
+    rows = pl.ds(pl.multiple_of(chunk_index * c, c), c)
+    for src, dst in ((q_ref, q_smem), (k_ref, k_smem), (rates_ref, g_smem)):
       plgpu.copy_gmem_to_smem(src.at[batch, rows, head], dst.at[slot], loaded.at[slot])
-    plgpu.copy_gmem_to_smem(boundary_ref.at[batch, head, chunk], boundary_smem.at[slot], loaded.at[slot])
-    for copy in range(2):
-      plgpu.copy_gmem_to_smem(rows_ref.at[batch, head, chunk], rows_smem.at[slot, copy], loaded.at[slot])
+    plgpu.copy_gmem_to_smem(boundary_ref.at[batch, head, chunk_index], boundary_smem.at[slot], loaded.at[slot])
+    for copy in range(2):  # two layouts
+      plgpu.copy_gmem_to_smem(rows_ref.at[batch, head, chunk_index], rows_smem.at[slot, copy], loaded.at[slot])
 
   load(0, 0)
   t = lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -796,6 +797,7 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, g_ref, inverse_r
   by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
   by_channel = lambda x: as_tile(lax.broadcast_in_dim(  # noqa: E731
       plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(0)), (c, dim_k), (1,)))
+  lower_ones = jnp.where(t >= s, 1.0, 0.0).astype(dtype)  # the chunk's inclusive sums as a product
 
   @pl.loop(0, chunks_per_cta)
   def _chunk(n):
@@ -813,6 +815,22 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, g_ref, inverse_r
     ends = [boundary_smem[slot, j] for j in range(num_blocks)]
     rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores have read their tiles
+
+    def rate_sums(acc):
+      """G = -log2(e) tril(1) R on the tensor cores, R the rates split into three parts in the operands' dtype (their
+      sum exact to float32's rounding; the ones exact), into the inverse's and the pair products' tiles (free here)."""
+      rates = jnp.minimum(as_tile(g_smem[slot]), chunk.MAX_RATE)
+      inverse_smem[...] = lower_ones
+      for part in operands:
+        rounded = rates.astype(dtype)
+        part[...] = rounded
+        rates = rates - rounded.astype(_F32)
+      plgpu.commit_smem()
+      for part in operands:
+        plgpu.wgmma(acc, inverse_smem, part)
+      return acc[...]
+
+    g_smem[slot] = pl.run_scoped(rate_sums, plgpu.ACC((c, dim_k), _F32)) * -chunk_common.LOG2_E
 
     def pair_products(acc_a, acc_a_t, acc_p):
       """Through O_j: with x = k 2^(G - O_j) on the rows of blocks >= j (at most 1) and y = k 2^(O_j - G) on block
@@ -857,7 +875,7 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, g_ref, inverse_r
   plgpu.wait_smem_to_gmem(0)
 
 
-def channel_gated_chunks(q, k, beta, log2_gates, *, scale: float, chunks_per_cta: int | None = None,
+def channel_gated_chunks(q, k, beta, rates, block_ends, *, scale: float, chunks_per_cta: int | None = None,
                          interpret: bool = False) -> ChannelGatedChunks:
   """Each 64-token chunk's terms of KDA's per-key-channel gates for the warp-specialised forward
   (`ChannelGatedChunks`): the pair products A and P, T' from A as `inverse` forms it, and the gated keys and queries.
@@ -869,39 +887,39 @@ def channel_gated_chunks(q, k, beta, log2_gates, *, scale: float, chunks_per_cta
   each of A, A^T's diagonal blocks and P) as long as every span is at most
   `MAX_BLOCK_SPAN`, which the caller checks (`channel_spans_bounded`). One
   warpgroup a CTA walks `chunks_per_cta` chunks (`inverse`'s), the next
-  chunk's q, k and G loading by TMA during this one.
+  chunk's q, k and rates loading by TMA during this one. G, the chunk-local
+  cumulative log2 decay, is formed from the rates in the kernel (one
+  triangle of ones times the rates in three parts, on the tensor cores).
 
   Args:
     q, k: [B, Tp, H, K] bf16 or fp16, Tp a multiple of 64, K 64 or 128.
     beta: [B, H, Tp] float32, zero on padding.
-    log2_gates: G [B, Tp, H, K] float32, the chunk-local cumulative log2
-      decays (`chunk.chunk_log_decays` times log2 e), zero on padding.
+    rates: [B, Tp, H, K] float32 >= 0, zero on padding (clamped at
+      `chunk.MAX_RATE`, as `chunk.chunk_log_decays` does).
+    block_ends: `block_log_decays(rates)`.
   """
   b, tp, h, dim_k = k.shape
   c = CHUNK_SIZE
-  if (tp % c or dim_k not in (64, 128) or q.shape != k.shape or log2_gates.shape != k.shape
-      or beta.shape != (b, h, tp)):
-    raise ValueError(f"padded operands: q, k, log2_gates [B, Tp, H, K] with Tp a multiple of {c} and K 64 or 128, "
-                     f"beta [B, H, Tp]; got q {q.shape}, k {k.shape}, log2_gates {log2_gates.shape}, "
-                     f"beta {beta.shape}")
   n = tp // c
+  if (tp % c or dim_k not in (64, 128) or q.shape != k.shape or rates.shape != k.shape
+      or beta.shape != (b, h, tp) or block_ends.shape != (b, h, n, c // _SOLVE_BLOCK, dim_k)):
+    raise ValueError(f"padded operands: q, k, rates [B, Tp, H, K] with Tp a multiple of {c} and K 64 or 128, "
+                     f"beta [B, H, Tp], block_ends [B, H, Tp / {c}, {c // _SOLVE_BLOCK}, K]; got q {q.shape}, "
+                     f"k {k.shape}, rates {rates.shape}, beta {beta.shape}, block_ends {block_ends.shape}")
   per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
   in_registers = not interpret
   dtype = k.dtype
   smem = lightning_mosaic.swizzled_smem
   rows = _inverse_rows(beta, (None, None))[0]  # beta's row alone
-  # G's last row of each 16-row block [B, H, N, C / 16, K]: the log decays the blocks' factors go through.
-  block_ends = jnp.moveaxis(log2_gates[:, _SOLVE_BLOCK - 1::_SOLVE_BLOCK], 2, 1).reshape(b, h, n, c // _SOLVE_BLOCK,
-                                                                                         dim_k)
   solve_tile = plgpu.SMEM((c, c + _SOLVE_PAD), _F32)
   scratch = (
       (smem((2, c, dim_k), dtype), smem((2, c, dim_k), dtype), smem((2, c, dim_k), _F32),
        plgpu.SMEM((2, 2, 1, c), _F32), plgpu.SMEM((2, c // _SOLVE_BLOCK, dim_k), _F32),
-       # The pair products' operand tiles, then (the products read) the solve's.
+       # The rates' three parts, then the pair products' operand tiles, then (the products read) the solve's.
        plgpu.RefUnion(tuple(smem((c, dim_k), dtype) for _ in range(3)), (solve_tile, solve_tile)),
        smem((c, dim_k), dtype), (smem((c, c), dtype), smem((c, c), dtype)),
        tuple(smem((c, c), jnp.float16) for _ in range(1 if in_registers else 2))),
-      plgpu.Barrier(num_arrivals=6, num_barriers=2),  # q, k, G, its blocks' last rows and beta's row twice
+      plgpu.Barrier(num_arrivals=6, num_barriers=2),  # q, k, the rates, G's blocks' last rows and beta's row twice
   )
   out_type = ChannelGatedChunks(
       *(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(2)),
@@ -910,14 +928,23 @@ def channel_gated_chunks(q, k, beta, log2_gates, *, scale: float, chunks_per_cta
   results = lightning_mosaic.warpgroup_kernel(
       kernel, out_type=tuple(out_type), scratch_types=scratch, grid=(h, b, n // per_cta),
       grid_names=("heads", "batch", "chunk_blocks"), interpret=interpret, kernel_name="delta_channel_gated_mosaic",
-      num_warpgroups=1)(rows, block_ends, q, k, log2_gates)
+      num_warpgroups=1)(rows, block_ends, q, k, rates.astype(_F32))
   return ChannelGatedChunks(*results)
 
 
-def channel_spans_bounded(log2_gates):
+def block_log_decays(rates):
+  """G's last row in each 16-row block of each 64-token chunk, G the chunk-local cumulative log2 decay
+  (`chunk.chunk_log_decays` times log2 e): [B, H, Tp / 64, 4, K] float32, the log decays O_j that
+  `channel_gated_chunks`' pair factors go through, the last G_C. One pass over rates [B, Tp, H, K] (>= 0, zero on
+  padding, Tp a multiple of 64), clamped at `chunk.MAX_RATE` as the kernel clamps them."""
+  b, tp, h, dim_k = rates.shape
+  blocks = jnp.minimum(rates.astype(_F32), chunk.MAX_RATE).reshape(
+      b, tp // CHUNK_SIZE, CHUNK_SIZE // _SOLVE_BLOCK, _SOLVE_BLOCK, h, dim_k).sum(axis=3)
+  return jnp.moveaxis(jnp.cumsum(blocks, axis=2) * -chunk_common.LOG2_E, 3, 1)
+
+
+def channel_spans_bounded(block_ends):
   """Whether every 16-row block of every chunk decays by at most `MAX_BLOCK_SPAN` on each key channel (a traced
-  bool): `channel_gated_chunks`' condition. log2_gates: its G [B, Tp, H, K]."""
-  b, tp, h, dim_k = log2_gates.shape
-  blocks = log2_gates.reshape(b, tp // CHUNK_SIZE, CHUNK_SIZE // _SOLVE_BLOCK, _SOLVE_BLOCK, h, dim_k)
-  before = jnp.concatenate([jnp.zeros_like(blocks[:, :, :1, -1]), blocks[:, :, :-1, -1]], axis=2)
-  return jnp.max(before - blocks[:, :, :, -1]) <= MAX_BLOCK_SPAN
+  bool): `channel_gated_chunks`' condition. block_ends: `block_log_decays`'."""
+  before = jnp.concatenate([jnp.zeros_like(block_ends[..., :1, :]), block_ends[..., :-1, :]], axis=-2)
+  return jnp.max(before - block_ends) <= MAX_BLOCK_SPAN

@@ -27,7 +27,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from lightning_jax.ops.delta_attention import chunk
 from lightning_jax.ops.delta_attention import pallas_mosaic_gpu as delta_mosaic
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import heuristics
@@ -74,13 +73,13 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
-  log2_gates = chunk.chunk_log_decays(pad(decay, dp), chunk_size=CHUNK_SIZE) * chunk_common.LOG2_E
+  rates = pad(decay, dp).astype(jnp.float32)
+  block_ends = delta_mosaic.block_log_decays(rates)  # [B, H, N, 4, Dp]
 
   def on_chunk_terms():
-    terms = delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), _beta_rows(beta, tp=tp), log2_gates,
+    terms = delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), _beta_rows(beta, tp=tp), rates, block_ends,
                                               scale=scale, interpret=interpret)
-    # 2^G_C, the state's decay per key channel over each chunk: [B, H, N, 1, Dp].
-    channel_decay = jnp.exp2(jnp.moveaxis(log2_gates[:, CHUNK_SIZE - 1::CHUNK_SIZE], 2, 1))[:, :, :, None]
+    channel_decay = jnp.exp2(block_ends[:, :, :, -1:])  # 2^G_C, the state's decay per key channel over each chunk
     state = None
     if initial_state is not None:  # the kernel carries S^T [E, D], one slice
       state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
@@ -95,7 +94,7 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
       final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :d, :e]
     return o[:, :t, :, :e], final_state
 
-  return lax.cond(delta_mosaic.channel_spans_bounded(log2_gates), on_chunk_terms,
+  return lax.cond(delta_mosaic.channel_spans_bounded(block_ends), on_chunk_terms,
                   lambda: fallback(q, k, v, beta, decay, None, initial_state))
 
 
