@@ -752,13 +752,22 @@ class ChannelGatedChunks(NamedTuple):
   queries: Q_g = scale q 2^G [B, Tp, H, K].
   keys: K_g = k 2^G [B, Tp, H, K].
   keys_to_end: K_C = k 2^(G_C - G) [B, Tp, H, K].
+  unscaled_inverse: T = (I + A)^{-1} [B, H, Tp, C], and
+  gates: G [B, Tp, H, K] float32, both only `with_backward_terms` (KDA's warp-specialised backward), else None.
   """
   inverse: jax.Array
   pairs: jax.Array
   queries: jax.Array
   keys: jax.Array
   keys_to_end: jax.Array
+  unscaled_inverse: jax.Array | None = None
+  gates: jax.Array | None = None
 
+
+# Whether `channel_gated_chunks` forms G from the rates itself, by K; else an XLA pass over the rates does. H200
+# (B4 H32 D64 / B2 H32 D128, T8K, bf16, KDA's forward, in-process): at K = 64 1.620 ms in the kernel against 1.809;
+# at K = 128 3.389 against 2.120 (a [C, K] float32 accumulator and the rates' parts beside the kernel's tiles).
+RATE_SUMS_IN_KERNEL = {64: True, 128: False}
 
 # The largest decay (log2 units) across any 16-token block of a chunk at which `channel_gated_chunks` runs: its
 # diagonal blocks' key factors 2^(O - G) reach 2^span (O the log decay before the block). 60 in natural log (86.6
@@ -767,7 +776,9 @@ MAX_BLOCK_SPAN = 60.0 * chunk_common.LOG2_E
 
 
 def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_ref, queries_ref,
-                          keys_ref, keys_end_ref, buffers, loaded, *, chunks_per_cta, scale, in_registers):
+                          keys_ref, keys_end_ref, *refs, chunks_per_cta, scale, in_registers, sums_in_kernel):
+  # with_backward_terms: T and G out too.
+  unscaled_ref, gates_ref, buffers, loaded = refs if len(refs) == 4 else (None, None, *refs)
   (q_smem, k_smem, g_smem, rows_smem, boundary_smem, (operands, solve_smem), keys_end_smem,
    (inverse_smem, pairs_smem), staging) = buffers
   x_keys, y_keys, x_queries = operands
@@ -792,17 +803,19 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
   # Layouts given, not inferred: the [C, K] tiles in wgmma's, each [K] row of G one value per column of it (the
   # inference's search does not end on this kernel unguided).
   as_tile = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
-  token_block = as_tile(lax.div(lax.broadcasted_iota(jnp.int32, (c, dim_k), 0), block))  # each row's 16-row block
+  # Each row's 16-row block, formed where used (not a [C, K] int32 tile live across the loop: registers).
+  token_block = lambda: as_tile(lax.div(lax.broadcasted_iota(jnp.int32, (c, dim_k), 0), block))  # noqa: E731
   by_row = lambda x: lax.broadcast_in_dim(x, (c, c), (0,))  # noqa: E731
   by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
   by_channel = lambda x: as_tile(lax.broadcast_in_dim(  # noqa: E731
       plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(0)), (c, dim_k), (1,)))
-  lower_ones = jnp.where(t >= s, 1.0, 0.0).astype(dtype)  # the chunk's inclusive sums as a product
 
   @pl.loop(0, chunks_per_cta)
   def _chunk(n):
     slot = lax.rem(n, 2)
     plgpu.barrier_wait(loaded.at[slot])
+    if gates_ref is not None:  # chunk n - 1's G store has read the slot the prefetch below refills
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(n + 1 < chunks_per_cta)
     def _prefetch():  # into the other slot, which chunk n - 1 read last
@@ -820,7 +833,7 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
       """G = -log2(e) tril(1) R on the tensor cores, R the rates split into three parts in the operands' dtype (their
       sum exact to float32's rounding; the ones exact), into the inverse's and the pair products' tiles (free here)."""
       rates = jnp.minimum(as_tile(g_smem[slot]), chunk.MAX_RATE)
-      inverse_smem[...] = lower_ones
+      inverse_smem[...] = jnp.where(t >= s, 1.0, 0.0).astype(dtype)  # the chunk's inclusive sums as a product
       for part in operands:
         rounded = rates.astype(dtype)
         part[...] = rounded
@@ -830,7 +843,11 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
         plgpu.wgmma(acc, inverse_smem, part)
       return acc[...]
 
-    g_smem[slot] = pl.run_scoped(rate_sums, plgpu.ACC((c, dim_k), _F32)) * -chunk_common.LOG2_E
+    if sums_in_kernel:
+      g_smem[slot] = pl.run_scoped(rate_sums, plgpu.ACC((c, dim_k), _F32)) * -chunk_common.LOG2_E
+    if gates_ref is not None:
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(g_smem.at[slot], gates_ref.at[batch, rows_out, head])
 
     def pair_products(acc_a, acc_a_t, acc_p):
       """Through O_j: with x = k 2^(G - O_j) on the rows of blocks >= j (at most 1) and y = k 2^(O_j - G) on block
@@ -840,8 +857,8 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
         if j:
           plgpu.wgmma_wait(0)  # block j - 1's products have read the operand tiles
         offset = 0.0 if j == 0 else by_channel(ends[j - 1])
-        x_factor = jnp.where(token_block >= j, jnp.exp2(jnp.minimum(gates() - offset, 0.0)), 0.0)
-        y_factor = jnp.where(token_block == j, jnp.exp2(offset - gates()), 0.0)
+        x_factor = jnp.where(token_block() >= j, jnp.exp2(jnp.minimum(gates() - offset, 0.0)), 0.0)
+        y_factor = jnp.where(token_block() == j, jnp.exp2(offset - gates()), 0.0)
         x_keys[...] = (keys() * x_factor).astype(dtype)
         x_queries[...] = (queries() * (scale * x_factor)).astype(dtype)
         y_keys[...] = (keys() * y_factor).astype(dtype)
@@ -871,12 +888,17 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
       tile[...] = result.astype(tile.dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(tile, out_ref.at[batch, head, rows_out])
+    if unscaled_ref is not None:  # T through the inverse's tile, once its T' store has read it
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      inverse_smem[...] = x.astype(inverse_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(inverse_smem, unscaled_ref.at[batch, head, rows_out])
 
   plgpu.wait_smem_to_gmem(0)
 
 
 def channel_gated_chunks(q, k, beta, rates, block_ends, *, scale: float, chunks_per_cta: int | None = None,
-                         interpret: bool = False) -> ChannelGatedChunks:
+                         with_backward_terms: bool = False, interpret: bool = False) -> ChannelGatedChunks:
   """Each 64-token chunk's terms of KDA's per-key-channel gates for the warp-specialised forward
   (`ChannelGatedChunks`): the pair products A and P, T' from A as `inverse` forms it, and the gated keys and queries.
 
@@ -897,6 +919,7 @@ def channel_gated_chunks(q, k, beta, rates, block_ends, *, scale: float, chunks_
     rates: [B, Tp, H, K] float32 >= 0, zero on padding (clamped at
       `chunk.MAX_RATE`, as `chunk.chunk_log_decays` does).
     block_ends: `block_log_decays(rates)`.
+    with_backward_terms: also T and G (`ChannelGatedChunks`).
   """
   b, tp, h, dim_k = k.shape
   c = CHUNK_SIZE
@@ -923,10 +946,16 @@ def channel_gated_chunks(q, k, beta, rates, block_ends, *, scale: float, chunks_
   )
   out_type = ChannelGatedChunks(
       *(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(2)),
-      *(manual_axes.struct((b, tp, h, dim_k), dtype, k, beta) for _ in range(3)))
-  kernel = functools.partial(_channel_gated_kernel, chunks_per_cta=per_cta, scale=scale, in_registers=in_registers)
+      *(manual_axes.struct((b, tp, h, dim_k), dtype, k, beta) for _ in range(3)),
+      *((manual_axes.struct((b, h, tp, c), dtype, k, beta), manual_axes.struct((b, tp, h, dim_k), _F32, k, beta))
+        if with_backward_terms else ()))
+  sums_in_kernel = RATE_SUMS_IN_KERNEL[dim_k]
+  if not sums_in_kernel:  # the kernel loads G in the rates' place
+    rates = chunk.chunk_log_decays(rates, chunk_size=c) * chunk_common.LOG2_E
+  kernel = functools.partial(_channel_gated_kernel, chunks_per_cta=per_cta, scale=scale, in_registers=in_registers,
+                             sums_in_kernel=sums_in_kernel)
   results = lightning_mosaic.warpgroup_kernel(
-      kernel, out_type=tuple(out_type), scratch_types=scratch, grid=(h, b, n // per_cta),
+      kernel, out_type=tuple(x for x in out_type if x is not None), scratch_types=scratch, grid=(h, b, n // per_cta),
       grid_names=("heads", "batch", "chunk_blocks"), interpret=interpret, kernel_name="delta_channel_gated_mosaic",
       num_warpgroups=1)(rows, block_ends, q, k, rates.astype(_F32))
   return ChannelGatedChunks(*results)

@@ -97,6 +97,7 @@ class DeltaConfig:
     num_warps, num_stages: Triton's, for every kernel.
     gradient_stages: Triton's pipeline stages of the split backward's
       gradient kernel (None: num_stages).
+    gradient_warps: Triton's warps of that kernel (None: num_warps).
     prepare_warps: Triton's warps of the Triton forward's prepare kernel
       (None: num_warps; the backward's prepare, at backward_chunk_size,
       takes num_warps).
@@ -133,6 +134,7 @@ class DeltaConfig:
   num_warps: int = 4
   num_stages: int = 2
   gradient_stages: int | None = None
+  gradient_warps: int | None = None
   prepare_warps: int | None = None
   warp_specialized: bool | None = None
   forward_states: bool | None = None
@@ -150,8 +152,9 @@ class DeltaConfig:
     if self.gradient_stages is not None and (not isinstance(self.gradient_stages, int)
                                              or isinstance(self.gradient_stages, bool) or self.gradient_stages < 1):
       raise ValueError(f"gradient_stages must be None or an int >= 1, got {self.gradient_stages!r}")
-    if self.prepare_warps is not None and self.prepare_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"prepare_warps must be None or a power of two up to 16, got {self.prepare_warps!r}")
+    for name in ("prepare_warps", "gradient_warps"):
+      if getattr(self, name) is not None and getattr(self, name) not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{name} must be None or a power of two up to 16, got {getattr(self, name)!r}")
     if self.sequence_pieces is not None and (not isinstance(self.sequence_pieces, int)
                                              or isinstance(self.sequence_pieces, bool) or self.sequence_pieces < 1):
       raise ValueError(f"sequence_pieces must be None or an int >= 1, got {self.sequence_pieces!r}")
@@ -258,6 +261,12 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   columns slower; at B1 H32 T64K D128, where the sweeps take 32 value
   columns, the kernel at 32 took 3.80 / 4.91 ms with 3 stages, 4.52 / 5.44
   with 2.
+  KDA's tile gradient kernel, where its forward is warp-specialised
+  (`_channel_gated_backward`), walks D and E by 32 columns: on an H200
+  (bf16, T8K, fwd+bwd, in-process) B2 H32 D128 took 6.43 ms so against 7.29
+  with 64 and 7.29 with 16, B4 H32 D64 4.73 against 7.33 and 5.95 (8 warps:
+  7.83 and 6.49; ptxas, sm90a: 3.0 KB of spills a thread at 64 columns, 0.45
+  at 32).
   `batch_heads` = B H (0: unknown, no change); `dim_v` = E (default D).
   """
   dp = lightning_config.padded_dim(dim_k)
@@ -265,7 +274,7 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   budget = lightning_config.shared_memory_budget(compute_capability)
   deep = itemsize == 2 and budget >= _DEEP_PIPELINE_BUDGET
   config = DeltaConfig(chunk_size=16 if per_channel_gate else 32, backward_chunk_size=16 if per_channel_gate else 64,
-                       block_e=32 if itemsize * dp > 512 else 64,
+                       block_e=32 if itemsize * dp > 512 else 64, block_d=32 if per_channel_gate else 64,
                        num_stages=3 if deep else 2, gradient_stages=2 if deep else None,
                        prepare_warps=2 if itemsize == 2 and not per_channel_gate and dp <= 128
                        and compute_capability == (9, 0) else None)
@@ -803,6 +812,61 @@ def _chunk_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, stat
       dg_ref[_block(i), :] = dg_i
 
 
+def _value_cotangents(tri, beta, v_ref, u_ref, du_ref, do_ref, dv_ref, *, block_e, transposed, exact):
+  """The value columns' share of one chunk's cotangents, walking E by block_e: with Z = T^T dU, writes dv = beta Z
+  and returns (dP = dO U^T [C, C], -Z U^T [C, C] (dA, unmasked), dbeta's share sum_e v Z [C]), float32.
+
+  tri: T [C, C] in the operands' dtype; beta: [C, 1]; U, dU [C, Ep], or
+  `transposed` U^T, dU^T [Ep, C]; v, dO, dv [C, Ep].
+  """
+  c = tri.shape[0]
+  dtype = tri.dtype
+  dot = functools.partial(triton_lowering.dot, exact=exact)
+
+  def values(ei, acc):
+    d_p, d_a, d_beta = acc
+    cols = pl.ds(pl.multiple_of(ei * block_e, block_e), block_e)
+    u = u_ref[cols, :] if transposed else u_ref[:, cols]
+    z = dot(tri, du_ref[cols, :] if transposed else du_ref[:, cols], trans_a=True, trans_b=transposed)
+    dv_ref[:, cols] = (beta * z).astype(dv_ref.dtype)
+    return (d_p + dot(do_ref[:, cols], u, trans_b=not transposed),
+            d_a - dot(z.astype(dtype), u, trans_b=not transposed),
+            d_beta + jnp.sum(v_ref[:, cols].astype(_F32) * z, axis=1))
+
+  return jax.lax.fori_loop(0, v_ref.shape[-1] // block_e, values,
+                           (jnp.zeros((c, c), _F32), jnp.zeros((c, c), _F32), jnp.zeros((c,), _F32)))
+
+
+def _state_products(states_ref, d_next_ref, u_ref, du_ref, do_ref, key_cols, d_state_decay, *, block_d, block_e,
+                    transposed, decay_axis, exact):
+  """One chunk's products with its state S_n and state cotangent G_n over key columns key_cols, walking E by
+  block_e: (dQ_g = dO S_n^T, dK_C = U G_n^T, dW = -dU S_n^T, each [C, block_d] float32, and d_state_decay plus
+  G_n * S_n summed over `decay_axis` of the state tiles (None: d_state_decay is None and none is formed)).
+
+  S_n, G_n [Dp, Ep] and U, dU [C, Ep], or `transposed` S_n^T, G_n^T [Ep, Dp]
+  and U^T, dU^T [Ep, C]; dO [C, Ep].
+  """
+  c = do_ref.shape[0]
+  dot = functools.partial(triton_lowering.dot, exact=exact)
+  by_values = dict(trans_a=transposed, trans_b=not transposed)  # U's, dU's columns times a state tile
+
+  def along_values(ei, acc):
+    d_q_gated, d_k_end, d_w, d_state_decay = acc
+    cols = pl.ds(pl.multiple_of(ei * block_e, block_e), block_e)
+    tile = lambda ref: ref[cols, key_cols] if transposed else ref[key_cols, cols]  # noqa: E731
+    value_columns = lambda ref: ref[cols, :] if transposed else ref[:, cols]  # noqa: E731
+    state, d_next = tile(states_ref), tile(d_next_ref)
+    if decay_axis is not None:  # by value columns: Triton's sm100 passes failed on a full reduction
+      d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * d_next.astype(_F32), axis=decay_axis,
+                                              keepdims=True)
+    return (d_q_gated + dot(do_ref[:, cols], state, trans_b=not transposed),
+            d_k_end + dot(value_columns(u_ref), d_next, **by_values),
+            d_w - dot(value_columns(du_ref), state, **by_values), d_state_decay)
+
+  zeros = jnp.zeros((c, block_d), _F32)
+  return jax.lax.fori_loop(0, do_ref.shape[-1] // block_e, along_values, (zeros, zeros, zeros, d_state_decay))
+
+
 def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref, states_ref, d_next_ref, u_ref,
                            du_ref, do_ref, dq_ref, dk_ref, dv_ref, d_beta_ref, dg_ref, *, scale, block_d, block_e,
                            transposed, exact):
@@ -829,25 +893,9 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
   tri = t_ref[...].astype(dtype)
   beta = beta_ref[...][:, None]
   row_decay, to_end = _decay_factors(g_ref, runs_ref, start=0, size=c, last_row=c - 1)
-  value_columns = lambda ei: pl.ds(pl.multiple_of(ei * block_e, block_e), block_e)  # noqa: E731
   key_columns = lambda di: pl.ds(pl.multiple_of(di * block_d, block_d), block_d)  # noqa: E731
-
-  # U's and dU's columns, [C, block_e] or (transposed) [block_e, C]; S_n's and G_n's tiles, [block_d, block_e] or
-  # [block_e, block_d] (the products take them so).
-  value_columns_of = lambda ref, cols: ref[cols, :] if transposed else ref[:, cols]  # noqa: E731
-  state_tile = lambda ref, key_cols, cols: ref[cols, key_cols] if transposed else ref[key_cols, cols]  # noqa: E731
-
-  def values(ei, acc):
-    d_p, d_a, d_beta = acc
-    cols = value_columns(ei)
-    u = value_columns_of(u_ref, cols)
-    z = dot(tri, value_columns_of(du_ref, cols), trans_a=True, trans_b=transposed)
-    dv_ref[:, cols] = (beta * z).astype(dv_ref.dtype)
-    return (d_p + dot(do_ref[:, cols], u, trans_b=not transposed),
-            d_a - dot(z.astype(dtype), u, trans_b=not transposed),
-            d_beta + jnp.sum(v_ref[:, cols].astype(_F32) * z, axis=1))
-
-  d_p, d_a, d_beta = jax.lax.fori_loop(0, v_ref.shape[-1] // block_e, values, (zeros(c, c), zeros(c, c), zeros(c)))
+  d_p, d_a, d_beta = _value_cotangents(tri, beta, v_ref, u_ref, du_ref, do_ref, dv_ref, block_e=block_e,
+                                       transposed=transposed, exact=exact)
   # A_ts = beta_t (k_t . k_s) f_ts (f: the pair factors, 0 where pairs do not interact), so dA's masked part counts.
   factors = _pair_factors(g_ref, runs_ref, start=0, size=c, inclusive=False)
   key_pairs = jax.lax.fori_loop(0, dp // block_d, lambda di, pairs: pairs + dot(k_ref[:, key_columns(di)],
@@ -862,22 +910,10 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
   def keys(di, acc):
     d_beta, dg, g_end_rows, d_state_decay = acc
     key_cols = key_columns(di)
-
-    def along_values(ei, acc):
-      d_q_gated, d_k_end, d_w, d_state_decay = acc
-      cols = value_columns(ei)
-      state, d_next = state_tile(states_ref, key_cols, cols), state_tile(d_next_ref, key_cols, cols)
-      if with_gate:  # da_n = sum G_n * S_n; by value columns: Triton's sm100 passes failed on a full reduction
-        d_state_decay = d_state_decay + jnp.sum(state.astype(_F32) * d_next.astype(_F32), axis=1 if transposed else 0,
-                                                keepdims=True)
-      by_values = dict(trans_a=transposed, trans_b=not transposed)  # U's, dU's columns times a state tile
-      return (d_q_gated + dot(do_ref[:, cols], state, trans_b=not transposed),
-              d_k_end + dot(value_columns_of(u_ref, cols), d_next, **by_values),
-              d_w - dot(value_columns_of(du_ref, cols), state, **by_values), d_state_decay)
-
-    d_q_gated, d_k_end, d_w, d_state_decay = jax.lax.fori_loop(
-        0, v_ref.shape[-1] // block_e, along_values, (zeros(c, block_d), zeros(c, block_d), zeros(c, block_d),
-                                                      d_state_decay))
+    # da_n = sum G_n * S_n, over the keys by value columns (summed over those after the loop).
+    d_q_gated, d_k_end, d_w, d_state_decay = _state_products(
+        states_ref, d_next_ref, u_ref, du_ref, do_ref, key_cols, d_state_decay, block_d=block_d, block_e=block_e,
+        transposed=transposed, decay_axis=(1 if transposed else 0) if with_gate else None, exact=exact)
     q, k = q_ref[:, key_cols], k_ref[:, key_cols]
     k32 = k.astype(_F32)
     dq = scale * row_decay * d_q_gated + dot(d_query_pairs, k)
@@ -898,9 +934,9 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
       dg = dg + jnp.sum(k32 * (rising - falling), axis=1)
     return d_beta, dg, g_end_rows, d_state_decay
 
-  d_beta, dg, g_end_rows, d_state_decay = jax.lax.fori_loop(0, dp // block_d, keys,
-                                                             (d_beta, zeros(c), zeros(c),
-                                                              zeros(block_e, 1) if transposed else zeros(1, block_e)))
+  d_beta, dg, g_end_rows, d_state_decay = jax.lax.fori_loop(
+      0, dp // block_d, keys, (d_beta, zeros(c), zeros(c),
+                               (zeros(block_e, 1) if transposed else zeros(1, block_e)) if with_gate else None))
   d_beta_ref[...] = d_beta
   if with_gate:  # g_C's share (through K_C and the state decay a_n) goes to the last row
     # The last row's e^{g_C}, 0 where a segment starts in the chunk: the state decay a_n.
@@ -908,6 +944,86 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
     g_end = (jnp.sum(g_end_rows[:, None], axis=0, keepdims=True)
              + state_decay * jnp.sum(d_state_decay, axis=0 if transposed else 1, keepdims=True))
     dg_ref[...] = dg + jnp.sum(jnp.where(last_row, g_end, 0.0), axis=1)
+
+
+def _channel_tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, t_ref, states_ref, d_next_ref, u_ref,
+                                   du_ref, do_ref, dq_ref, dk_ref, dv_ref, d_beta_ref, dg_ref, *, scale, block_d,
+                                   block_e, transposed, exact):
+  """`_tile_gradients_kernel` for KDA's per-key-channel gates (no segments), at the warp-specialised chunks.
+
+  g_ref: [C, Dp] float32 G, the chunk-local cumulative log2 decays
+  (`pallas_mosaic_gpu.channel_gated_chunks`' gates); dg_ref: [C, Dp]
+  float32, the cotangent of the natural-log gates G ln 2, every share. The
+  rest as `_tile_gradients_kernel`'s. Q_g, K_g and K_C are q and k times
+  [C, block_d] tiles of factors, and the state decay a_n = 2^{G_C} one per
+  key channel. The pair products A_ts = beta_t sum_d k_td k_sd 2^(G_td - G_sd)
+  and P (q's rows) take their cotangents dA, dP [C, C] to their rows and
+  columns as `channel_gated_chunks` formed them, through O_i, the log decay
+  before 16-row block i: for the rows t of block i, sum_s M_ts y_s 2^(G_t -
+  G_s) = 2^(G_t - O_i) sum_s M_ts (y_s 2^(O_i - G_s)) with the rows s past
+  block i dropped (M is zero there), and for the columns s of block i
+  2^(O_i - G_s) sum_t M_ts (x_t 2^(G_t - O_i)) with the rows t before it
+  dropped. Each factor is at most 1 but 2^(O_i - G_s) on block i's rows, at
+  most 2^MAX_BLOCK_SPAN, which the caller bounds (`channel_spans_bounded`):
+  four [C, C] x [C, block_d] products a block on the matrix units.
+  """
+  c = k_ref.shape[0]
+  dtype = k_ref.dtype
+  dot = functools.partial(triton_lowering.dot, exact=exact)
+  tri = t_ref[...].astype(dtype)
+  beta = beta_ref[...][:, None]
+  d_p, d_a, d_beta = _value_cotangents(tri, beta, v_ref, u_ref, du_ref, do_ref, dv_ref, block_e=block_e,
+                                       transposed=transposed, exact=exact)
+  t = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+  s = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  d_query_pairs = jnp.where(t >= s, scale * d_p, 0.0).astype(dtype)
+  d_a = jnp.where(t > s, d_a, 0.0)
+  # A's rows take beta_t outside their sums (dbeta's share is k . (dA's rows)), its columns inside.
+  d_key_pairs, d_key_pairs_beta = d_a.astype(dtype), (beta * d_a).astype(dtype)
+  row_block = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) // BLOCK
+  last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+
+  def keys(di, d_beta):
+    key_cols = pl.ds(pl.multiple_of(di * block_d, block_d), block_d)
+    # da_n per key channel: G_n * S_n summed over the values.
+    d_q_gated, d_k_end, d_w, d_state_decay = _state_products(
+        states_ref, d_next_ref, u_ref, du_ref, do_ref, key_cols, jnp.zeros((1, block_d) if transposed else
+                                                                            (block_d, 1), _F32),
+        block_d=block_d, block_e=block_e, transposed=transposed, decay_axis=0 if transposed else 1, exact=exact)
+    if not transposed:
+      d_state_decay = d_state_decay.T
+    g = g_ref[:, key_cols]
+    g_end = g_ref[pl.ds(c - 1, 1), key_cols]
+    k32 = k_ref[:, key_cols].astype(_F32)
+    row_decay = jnp.exp2(g)
+    dq = scale * row_decay * d_q_gated
+    d_k_gated = dot(tri, d_w.astype(dtype), trans_a=True)  # T^T dW: the cotangent of beta K_g
+    d_beta = d_beta + jnp.sum(k32 * row_decay * d_k_gated, axis=1)
+    rising = beta * row_decay * d_k_gated  # k's uses whose factors rise with g: beta K_g's, A's rows
+    falling = jnp.exp2(g_end - g) * d_k_end  # and fall: K_C's, A's and P's columns
+    g_end_share = jnp.sum(k32 * falling, axis=0, keepdims=True) + jnp.exp2(g_end) * d_state_decay
+    q = q_ref[:, key_cols]
+    for i in range(c // BLOCK):  # the factors formed where used, each [C, block_d] tile briefly live (registers)
+      before = 0.0 if i == 0 else g_ref[pl.ds(i * BLOCK - 1, 1), key_cols]
+      to_block = lambda rows: jnp.where(rows, jnp.exp2(jnp.minimum(g - before, 0.0)), 0.0)  # noqa: E731
+      from_block = lambda rows: jnp.where(rows, jnp.exp2(before - g), 0.0)  # noqa: E731
+      keys_y = (k32 * from_block(row_block <= i)).astype(dtype)  # rows past block i dropped (overflow)
+      x_rows = to_block(row_block == i)
+      dq = dq + x_rows * dot(d_query_pairs, keys_y)
+      key_rows = x_rows * dot(d_key_pairs, keys_y)
+      d_beta = d_beta + jnp.sum(k32 * key_rows, axis=1)
+      rising = rising + beta * key_rows
+      x = to_block(row_block >= i)
+      columns = (dot(d_query_pairs, (q.astype(_F32) * x).astype(dtype), trans_a=True)
+                 + dot(d_key_pairs_beta, (k32 * x).astype(dtype), trans_a=True))
+      falling = falling + from_block(row_block == i) * columns
+    dq_ref[:, key_cols] = dq.astype(dq_ref.dtype)
+    dk_ref[:, key_cols] = (rising + falling).astype(dk_ref.dtype)
+    dg = q.astype(_F32) * dq + k32 * (rising - falling)
+    dg_ref[:, key_cols] = dg + jnp.where(last_row, g_end_share, 0.0)
+    return d_beta
+
+  d_beta_ref[...] = jax.lax.fori_loop(0, k_ref.shape[1] // block_d, keys, d_beta)
 
 
 class Gates(NamedTuple):
@@ -1130,7 +1246,7 @@ def chunk_gradients(q, k, v, beta, gates_: Gates, states, d_next, do, *, scale, 
 
 
 def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do, *, scale, config: DeltaConfig,
-                   interpret, transposed=False):
+                   interpret, transposed=False, channel_gates=None):
   """`_tile_gradients_kernel` over the grid (B, H, N) on padded operands: (dq, dk [B, Tp, H, Dp], dv [B, Tp, H,
   Ep] in the input dtype, dbeta [B, H, Tp] float32, dg [B, H, Tp] float32 (every share) or None).
 
@@ -1140,6 +1256,8 @@ def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do,
   (`state_cotangents`) [B, Tp, H, Ep]; do: [B, Tp, H, Ep].
   `transposed`: S_n^T, G_n^T [B, H, N, Ep, Dp] and U^T, dU^T [B, H, Ep, Tp]
   as `pallas_mosaic_gpu.state_sweep` and `state_cotangents` write them.
+  channel_gates: KDA's G [B, Tp, H, Dp] float32 (`_channel_tile_gradients_kernel`;
+  gates_ then empty), and dg [B, Tp, H, Dp] the cotangent of G ln 2.
   """
   b, tp, h, dp = q.shape
   ep = v.shape[-1]
@@ -1150,20 +1268,28 @@ def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do,
   state_spec, u_spec = ((pl.BlockSpec((None, None, None, ep, dp), lambda bi, hi, ni: (bi, hi, ni, 0, 0)),
                          pl.BlockSpec((None, None, ep, c), lambda bi, hi, ni: (bi, hi, 0, ni))) if transposed
                         else (pl.BlockSpec((None, None, dp, ep), lambda bi, hi, ni: (bi, hi, ni, 0)), values))
-  g_spec, runs_spec = _gate_specs(gates_, c, dp, per_chunk=True)
+  blocks = dict(scale=scale, block_d=min(config.block_d, dp), block_e=min(config.block_d, ep), transposed=transposed,
+                exact=q.dtype == _F32)
+  if channel_gates is not None:
+    if gates_.g is not None or gates_.runs is not None:
+      raise ValueError("channel_gates take no other gates or segments")
+    kernel = functools.partial(_channel_tile_gradients_kernel, **blocks)
+    gate_operands, gate_specs, dg_shape = (channel_gates,), [keys], (b, tp, h, dp)
+  else:
+    kernel = functools.partial(_tile_gradients_kernel, **blocks)
+    gate_operands, gate_specs = (gates_.g, gates_.runs), list(_gate_specs(gates_, c, dp, per_chunk=True))
+    dg_shape = None if gates_.g is None else (b, h, tp)
   return pl.pallas_call(
-      functools.partial(_tile_gradients_kernel, scale=scale, block_d=min(config.block_d, dp),
-                        block_e=min(config.block_d, ep), transposed=transposed, exact=q.dtype == _F32),
-      grid=(b, h, tp // c),
-      in_specs=[keys, keys, values, _head_rows(c), g_spec, runs_spec, _head_rows(c, c), state_spec, state_spec,
-                u_spec, u_spec, values],
-      out_specs=[keys, keys, values, _head_rows(c), g_spec],
+      kernel, grid=(b, h, tp // c),
+      in_specs=[keys, keys, values, _head_rows(c), *gate_specs, _head_rows(c, c), state_spec, state_spec, u_spec,
+                u_spec, values],
+      out_specs=[keys, keys, values, _head_rows(c), gate_specs[0]],
       out_shape=[struct((b, tp, h, dp), q.dtype), struct((b, tp, h, dp), q.dtype), struct((b, tp, h, ep), q.dtype),
-                 struct((b, h, tp), _F32), None if gates_.g is None else struct((b, h, tp), _F32)],
+                 struct((b, h, tp), _F32), None if dg_shape is None else struct(dg_shape, _F32)],
       compiler_params=triton_lowering.compiler_params(
-          num_warps=config.num_warps,
+          num_warps=config.num_warps if config.gradient_warps is None else config.gradient_warps,
           num_stages=config.num_stages if config.gradient_stages is None else config.gradient_stages),
-      interpret=interpret, name="delta_attention_tile_gradients")(q, k, v, beta, gates_.g, gates_.runs, tri, states,
+      interpret=interpret, name="delta_attention_tile_gradients")(q, k, v, beta, *gate_operands, tri, states,
                                                                    d_next, u, du, do)
 
 
@@ -1227,6 +1353,14 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   """
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   per_channel_gate = decay is not None and decay.ndim == 4
+  if per_channel_gate and config.warp_specialized and segment_starts is None:
+    if inverses is not None or states is not None:
+      raise ValueError("KDA's warp-specialised backward forms its own chunk terms: no inverses or states")
+    arguments = (q, k, v, beta, decay, segment_starts, initial_state, do, d_final)
+    triton = functools.partial(backward, *arguments, scale=scale, config=dataclasses.replace(
+        config, warp_specialized=False), interpret=interpret, initial_cotangent_only=initial_cotangent_only)
+    return _channel_gated_backward(*arguments, scale=scale, config=config, interpret=interpret,
+                                   initial_cotangent_only=initial_cotangent_only, fallback=triton)
   split = config.splits_backward(per_channel_gate=per_channel_gate)
   warp_specialized = config.warp_specializes_backward(per_channel_gate=per_channel_gate)
   config = dataclasses.replace(config, chunk_size=config.backward_chunk_size, prepare_warps=None)
@@ -1291,3 +1425,65 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
     d_decay = gate_vjp(dg.reshape(b, h, n * c, *dg.shape[4:]))[0]
   return (dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :e], jnp.moveaxis(d_beta[:, :, :t], 1, 2).astype(beta.dtype),
           d_decay, None if initial_state is None else d_initial[:, :, :d, :e])
+
+
+def _chunk_products(tri, x):
+  """Each 64-token chunk's T' X: tri [B, H, Tp, C], x [B, Tp, H, K] -> [B, Tp, H, K] in x's dtype (float32 sums)."""
+  b, tp, h, dim = x.shape
+  c = tri.shape[-1]
+  y = jnp.einsum("bhnts,bnshk->bnthk", tri.reshape(b, h, tp // c, c, c), x.reshape(b, tp // c, c, h, dim),
+                 preferred_element_type=_F32)
+  return y.reshape(b, tp, h, dim).astype(x.dtype)
+
+
+def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale,
+                            config: DeltaConfig, interpret, initial_cotangent_only, fallback):
+  """`backward` for KDA's per-key-channel gates where the forward is warp-specialised (`config.warp_specialized`,
+  no segments), at its 64-token chunks, where every 16-token block's decay is bounded
+  (`pallas_mosaic_gpu.channel_spans_bounded`; else `fallback`, `backward`'s Triton one at 16-token chunks, a
+  traced choice).
+
+  `pallas_mosaic_gpu.channel_gated_chunks` forms each chunk's T', T, P,
+  Q_g, K_g, K_C and G as the forward's did; W = T' K_g and U_v = T' V are
+  batched products (XLA); the Triton sweeps take the terms pre-gated (Q_g
+  and P carry the scale, K_C the decay to the chunk's end, the state decays
+  by 2^{G_C} per key channel): `state_cotangents` G_n and dU, `sweep` S_n
+  and U; then `tile_gradients(channel_gates=G)` every chunk's cotangents,
+  and the rates' is the vjp of their chunk-local sums.
+  """
+  del segment_starts  # None here
+  b, t, h, d = q.shape
+  e = v.shape[-1]
+  c = WarpSpecializedConfig.CHUNK_SIZE
+  tp = -(-t // c) * c
+  dp, ep = WarpSpecializedConfig.padded_dims(d, e)
+  pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
+  rates = pad(decay.astype(_F32), dp)
+  block_ends = pallas_mosaic_gpu.block_log_decays(rates)
+
+  def on_chunk_terms():
+    qp, kp, vp = pad(q, dp), pad(k, dp), pad(v, ep)
+    beta_rows = jnp.pad(jnp.moveaxis(beta, 2, 1), ((0, 0), (0, 0), (0, tp - t)))
+    terms = pallas_mosaic_gpu.channel_gated_chunks(qp, kp, beta_rows, rates, block_ends, scale=scale,
+                                                   with_backward_terms=True, interpret=interpret)
+    w, u_v = _chunk_products(terms.inverse, terms.keys), _chunk_products(terms.inverse, vp)
+    gates_ = Gates(None, None, jnp.exp2(block_ends[:, :, :, -1]).reshape(b, h, (tp // c) * dp, 1))
+    kernels = dict(config=dataclasses.replace(config, chunk_size=c), interpret=interpret)
+    dop = chunk_common.pad_tokens_and_features(do.astype(q.dtype), num_tokens=tp, dim=ep)
+    sweeps = (terms.queries, terms.keys_to_end, w)
+    if initial_cotangent_only:
+      return state_cotangents(*sweeps, terms.pairs, gates_, dop, chunk_common.pad_state(d_final, dp, ep), scale=1.0,
+                              with_chunk_cotangents=False, **kernels)[1][:, :, :d, :e]
+    d_next, d_initial, du = state_cotangents(*sweeps, terms.pairs, gates_, dop, chunk_common.pad_state(d_final, dp, ep),
+                                             scale=1.0, with_value_cotangents=True, **kernels)
+    _, _, states, u = sweep(*sweeps, u_v, None, gates_, chunk_common.pad_state(initial_state, dp, ep), scale=1.0,
+                            with_outputs=False, with_final_state=False, with_states=True, with_values=True, **kernels)
+    dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, Gates(None, None, None), terms.unscaled_inverse,
+                                            states, d_next, u, du, dop, scale=scale, channel_gates=terms.gates,
+                                            **kernels)
+    d_rates = jax.vjp(functools.partial(chunk.chunk_log_decays, chunk_size=c), rates)[1](dg)[0]
+    return (dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :e],
+            jnp.moveaxis(d_beta[:, :, :t], 1, 2).astype(beta.dtype), d_rates[:, :t, :, :d].astype(decay.dtype),
+            None if initial_state is None else d_initial[:, :, :d, :e])
+
+  return jax.lax.cond(pallas_mosaic_gpu.channel_spans_bounded(block_ends), on_chunk_terms, fallback)
