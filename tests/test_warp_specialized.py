@@ -463,7 +463,7 @@ def test_delta_channel_gated_chunks_match_float64(case, mode):
   b, t, h, d, rates = case
   q, k, beta, rates = _channel_gated_inputs(b, t, h, d, rates, seed=zlib.crc32(str(case).encode()))
   block_ends = delta_mosaic.block_log_decays(rates)
-  assert bool(delta_mosaic.channel_spans_bounded(block_ends))
+  assert bool(delta_mosaic.channel_spans_bounded(block_ends, q.dtype))
   scale = 0.3
   got = jax.jit(lambda: delta_mosaic.channel_gated_chunks(q, k, beta, rates, block_ends, scale=scale,
                                                           chunks_per_cta=q.shape[1] // 64,
@@ -494,19 +494,22 @@ def test_delta_channel_gated_chunks_match_float64(case, mode):
 
 
 def test_delta_channel_spans_bounded():
-  """The fast path's condition: every 16-row block of every chunk decays by at most MAX_BLOCK_SPAN on each key
-  channel, counted from the row before the block; moderate rates meet it, extreme ones do not, and one block of one
-  channel just past the bound fails it."""
-  bounded = lambda rates: bool(delta_mosaic.channel_spans_bounded(delta_mosaic.block_log_decays(rates)))  # noqa: E731
+  """The fast path's condition: every 16-row block of every chunk decays by at most the operands' dtype's bound on
+  each key channel (60 in natural log, 6 for float16), counted from the row before the block; moderate rates meet
+  it, extreme ones do not, and one block of one channel just past the bound fails it."""
+  def bounded(rates, dtype=BF16):
+    return bool(delta_mosaic.channel_spans_bounded(delta_mosaic.block_log_decays(rates), dtype))
+
   assert bounded(_channel_gated_inputs(1, 200, 2, 64, (0.0, 0.6), seed=0)[3])
   assert not bounded(_channel_gated_inputs(1, 200, 2, 64, (30.0, 40.0), seed=0)[3])
-  limit = delta_mosaic.MAX_BLOCK_SPAN / chunk_common.LOG2_E  # natural log
 
   def spike(span):  # zero rates but block 1 of chunk 1 (rows 80-95), channel 5 of head 1: G falls by span there
     return jnp.zeros((1, 256, 2, 64), F32).at[0, 80:96, 1, 5].set(span / 16)
 
-  assert bounded(spike(limit - 0.5))
-  assert not bounded(spike(limit + 0.5))
+  for dtype, limit in ((BF16, 60.0), (F16, 6.0)):
+    assert delta_mosaic.max_block_span(dtype) == pytest.approx(limit / np.log(2))  # natural log in log2 units
+    assert bounded(spike(limit - 0.5), dtype)
+    assert not bounded(spike(limit + 0.5), dtype)
 
 
 # KDA on the warp-specialised forward: from and to states, E off the blocks, rates near the fast path's bound, and
@@ -525,14 +528,15 @@ KDA_CASES = [
     for case, rates, pieces in KDA_CASES for mode in (WS_MODES if case.d <= 64 else WS_MODES[1:])])
 def test_delta_kda_warp_specialized_matches_oracle(case, rates, pieces, mode):
   """KDA's forward on the warp-specialised kernels (o and the final state) and the op's gradients through it (its
-  backward is the Triton one) against the oracle's; whether the fast path runs is checked on the same rates."""
+  backward on the chunk terms, split in 2 pieces for the first case) against the oracle's; whether the fast path
+  runs is checked on the same rates."""
   q, k, v, beta, decay, s0, _ = delta_inputs(case, seed=zlib.crc32(f"{case}kda".encode()))
   if rates is not None:
     decay = jax.random.uniform(jax.random.key(case.t), decay.shape, minval=rates[0], maxval=rates[1])
   q, k, v = (x.astype(BF16) for x in (q, k, v))
   padded = chunk_common.pad_tokens_and_features(decay, num_tokens=-(-case.t // 64) * 64,
                                                 dim=64 if case.d <= 64 else 128)
-  assert bool(delta_mosaic.channel_spans_bounded(delta_mosaic.block_log_decays(padded))) == (rates is not None)
+  assert bool(delta_mosaic.channel_spans_bounded(delta_mosaic.block_log_decays(padded), BF16)) == (rates is not None)
   config = lj.DeltaConfig(warp_specialized=True, sequence_pieces=pieces)
   interpret = mode == "interpret"
   call = lambda **kw: lj.delta_attention(q, k, v, beta, decay, initial_state=s0,  # noqa: E731
@@ -541,9 +545,8 @@ def test_delta_kda_warp_specialized_matches_oracle(case, rates, pieces, mode):
   o_ref, final_ref = jax.jit(lambda: call(impl="reference"))()
   assert o.dtype == BF16 and final.dtype == F32
   assert rel_err(o, o_ref) < TOL[BF16] and rel_err(final, final_ref) < TOL[BF16]
-  # The gradients through the fast path at D <= 64 (the backward is the Triton kernels' at every D, tested with
-  # extreme rates in test_delta_ops.py), not near the bound: there the rates' gradient from bf16 operands is 0.1-0.2
-  # off the float32 oracle's, the warp-specialised forward or not.
+  # The op's gradients at D <= 64 through the custom VJP (the backward alone, at every D and near the bound:
+  # test_delta_kda_backward_on_chunk_terms).
   if case.d <= 64 and rates is not None and rates[1] < 1.0:
     cot = jax.random.split(jax.random.key(1), 2)
     args = (q, k, v, beta, decay, s0, None, jax.random.normal(cot[0], v.shape),
@@ -607,6 +610,25 @@ def test_delta_kda_backward_on_chunk_terms(case, rates, mode):
     for g, g_triton in zip(grads, backward(False)()):
       assert jnp.array_equal(g, g_triton)
   assert jnp.array_equal(backward(True, initial_cotangent_only=True)(), grads[-1])
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
+def test_delta_kda_float16_keeps_its_range(mode):
+  """float16 operands with rates whose 16-token blocks decay by 16-32 (natural log): within bf16's bound, past
+  float16's (the blocks' key factors would pass its largest value), so the Triton kernels run, forward and backward,
+  and o, the final state and every gradient match the oracle."""
+  case = DeltaCase(b=1, t=100, h=2, d=64, e=48, decay="channel")
+  q, k, v, beta, _, s0, _ = delta_inputs(case, seed=21)
+  decay = jax.random.uniform(jax.random.key(22), (case.b, case.t, case.h, case.d), minval=1.0, maxval=2.0)
+  q, k, v = (x.astype(F16) for x in (q, k, v))
+  config = lj.DeltaConfig(warp_specialized=True, sequence_pieces=1)
+  cot = jax.random.split(jax.random.key(23), 2)
+  args = (q, k, v, beta, decay, s0, None, jax.random.normal(cot[0], v.shape), jax.random.normal(cot[1], s0.shape))
+  (_, (o, final)), grads = delta_value_and_grads("pallas", config=config, interpret=mode == "interpret")(*args)
+  (_, (o_ref, final_ref)), grads_ref = delta_value_and_grads("reference")(*args)
+  assert rel_err(o, o_ref) < TOL[F16] and rel_err(final, final_ref) < TOL[F16]
+  for name, g, g_ref in zip(DELTA_ARG_NAMES, grads, grads_ref):
+    assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
 
 
 @needs_ws_jax

@@ -123,8 +123,9 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     normalize_qk: apply the models' L2 norm to q and k (over D) inside the op.
     impl: "pallas" (Triton kernels, the chunked WY form, on sm90 the
       forward's sweep warp-specialised in Mosaic GPU, `warp_specialized`,
-      KDA's where no 16-token block decays by more than 60 on a key channel;
-      interpret mode without a supported GPU), "xla" (chunked jnp, O(T)), "reference"
+      KDA's where no 16-token block decays by more than 60 (6 in float16)
+      on a key channel, and then its backward too; interpret mode without
+      a supported GPU), "xla" (chunked jnp, O(T)), "reference"
       (token-serial scan, the oracle) or "auto" (pallas on NVIDIA GPUs with
       compute capability >= 8.0, else xla; xla for cu_seqlens with states).
     config: a `DeltaConfig` (the Pallas kernels' blocks; on sm90 whether the

@@ -766,13 +766,22 @@ class ChannelGatedChunks(NamedTuple):
 
 # Whether `channel_gated_chunks` forms G from the rates itself, by K; else an XLA pass over the rates does. H200
 # (B4 H32 D64 / B2 H32 D128, T8K, bf16, KDA's forward, in-process): at K = 64 1.620 ms in the kernel against 1.809;
-# at K = 128 3.389 against 2.120 (a [C, K] float32 accumulator and the rates' parts beside the kernel's tiles).
+# at K = 128 3.389 against 2.120 (probably registers: a [C, K] float32 accumulator and the rates' parts beside the
+# kernel's tiles; not profiled).
 RATE_SUMS_IN_KERNEL = {64: True, 128: False}
 
-# The largest decay (log2 units) across any 16-token block of a chunk at which `channel_gated_chunks` runs: its
-# diagonal blocks' key factors 2^(O - G) reach 2^span (O the log decay before the block). 60 in natural log (86.6
-# here), as the Triton kernels' bound: bf16 and float32 hold the factor and its reciprocal with room for the keys.
+# The largest decay (log2 units) across any 16-token block of a chunk at which `channel_gated_chunks` runs, by the
+# operands' dtype (`max_block_span`): its diagonal blocks' key factors 2^(O - G) reach 2^span (O the log decay before
+# the block). 60 in natural log (86.6 here), as the Triton kernels' bound: bf16 and float32 hold the factor and its
+# reciprocal with room for the keys; float16, whose largest value is 65504, 6 (8.7 here, 2^8 of room for the keys;
+# the Triton kernels' float16 bound too).
 MAX_BLOCK_SPAN = 60.0 * chunk_common.LOG2_E
+MAX_BLOCK_SPAN_FLOAT16 = 6.0 * chunk_common.LOG2_E
+
+
+def max_block_span(dtype) -> float:
+  """The bound of `channel_spans_bounded` for operands of this dtype."""
+  return MAX_BLOCK_SPAN_FLOAT16 if jnp.dtype(dtype) == jnp.float16 else MAX_BLOCK_SPAN
 
 
 def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_ref, queries_ref,
@@ -851,7 +860,7 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
 
     def pair_products(acc_a, acc_a_t, acc_p):
       """Through O_j: with x = k 2^(G - O_j) on the rows of blocks >= j (at most 1) and y = k 2^(O_j - G) on block
-      j's (at most 2^MAX_BLOCK_SPAN), x y^T holds A's column block j (beta aside) and P's (from q's x), y x^T the
+      j's (at most 2^max_block_span), x y^T holds A's column block j (beta aside) and P's (from q's x), y x^T the
       transposed pairs of the diagonal block j."""
       for j in range(num_blocks):
         if j:
@@ -907,11 +916,12 @@ def channel_gated_chunks(q, k, beta, rates, block_ends, *, scale: float, chunks_
   2^span, span the block's largest decay over its key channels, so the
   products run on the tensor cores (four [C, K] x [K, C] products a chunk for
   each of A, A^T's diagonal blocks and P) as long as every span is at most
-  `MAX_BLOCK_SPAN`, which the caller checks (`channel_spans_bounded`). One
+  `max_block_span(q.dtype)`, which the caller checks (`channel_spans_bounded`). One
   warpgroup a CTA walks `chunks_per_cta` chunks (`inverse`'s), the next
   chunk's q, k and rates loading by TMA during this one. G, the chunk-local
   cumulative log2 decay, is formed from the rates in the kernel (one
-  triangle of ones times the rates in three parts, on the tensor cores).
+  triangle of ones times the rates in three parts, on the tensor cores) at
+  K = 64, by an XLA pass before it at K = 128 (`RATE_SUMS_IN_KERNEL`).
 
   Args:
     q, k: [B, Tp, H, K] bf16 or fp16, Tp a multiple of 64, K 64 or 128.
@@ -972,8 +982,8 @@ def block_log_decays(rates):
   return jnp.moveaxis(jnp.cumsum(blocks, axis=2) * -chunk_common.LOG2_E, 3, 1)
 
 
-def channel_spans_bounded(block_ends):
-  """Whether every 16-row block of every chunk decays by at most `MAX_BLOCK_SPAN` on each key channel (a traced
-  bool): `channel_gated_chunks`' condition. block_ends: `block_log_decays`'."""
+def channel_spans_bounded(block_ends, dtype):
+  """Whether every 16-row block of every chunk decays by at most `max_block_span(dtype)` on each key channel (a
+  traced bool): `channel_gated_chunks`' condition for operands of that dtype. block_ends: `block_log_decays`'."""
   before = jnp.concatenate([jnp.zeros_like(block_ends[..., :1, :]), block_ends[..., :-1, :]], axis=-2)
-  return jnp.max(before - block_ends) <= MAX_BLOCK_SPAN
+  return jnp.max(before - block_ends) <= max_block_span(dtype)

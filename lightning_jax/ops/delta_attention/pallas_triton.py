@@ -34,7 +34,11 @@ G_n. On sm90 (where the forward's sweep is warp-specialised) both sweeps
 are too (`pallas_mosaic_gpu.state_sweep` and `state_cotangents`, writing S_n,
 U, G_n and dU transposed, as `tile_gradients(transposed=True)` reads them)
 and no prepare runs: they and the gradient kernel take the T and T' of the
-forward's inverse kernel; `backward` says where.
+forward's inverse kernel; `backward` says where. KDA's backward where its
+forward is warp-specialised (`_channel_gated_backward`) runs at 64-token
+chunks too: the forward's chunk-terms kernel again, the Triton sweeps on its
+pre-gated terms, and `tile_gradients` with the per-key-channel gates
+(`_channel_tile_gradients_kernel`).
 
 The gates arrive as chunk-local cumulative log decays g (`chunk.chunk_log_decays`):
 [B, H, T] for a scalar per token, [B, H, T, D] per key channel (KDA), with
@@ -964,7 +968,7 @@ def _channel_tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, t_ref, 
   block i dropped (M is zero there), and for the columns s of block i
   2^(O_i - G_s) sum_t M_ts (x_t 2^(G_t - O_i)) with the rows t before it
   dropped. Each factor is at most 1 but 2^(O_i - G_s) on block i's rows, at
-  most 2^MAX_BLOCK_SPAN, which the caller bounds (`channel_spans_bounded`):
+  most 2^max_block_span, which the caller bounds (`channel_spans_bounded`):
   four [C, C] x [C, block_d] products a block on the matrix units.
   """
   c = k_ref.shape[0]
@@ -1486,4 +1490,4 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
             jnp.moveaxis(d_beta[:, :, :t], 1, 2).astype(beta.dtype), d_rates[:, :t, :, :d].astype(decay.dtype),
             None if initial_state is None else d_initial[:, :, :d, :e])
 
-  return jax.lax.cond(pallas_mosaic_gpu.channel_spans_bounded(block_ends), on_chunk_terms, fallback)
+  return jax.lax.cond(pallas_mosaic_gpu.channel_spans_bounded(block_ends, q.dtype), on_chunk_terms, fallback)

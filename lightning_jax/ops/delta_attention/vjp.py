@@ -29,6 +29,11 @@ e^{-g_t} (K_C, their columns), and g_C (the chunk's last row) in K_C and a_n,
 so dg_t = x_t dx_t - y_t dy_t summed over those uses; the rates' cotangent is
 the vjp of the chunk-local cumulative sum (`pallas_triton.gate_logs`).
 
+KDA's per-key-channel gates: where the forward is warp-specialised, the
+backward forms each chunk's terms again with the forward's kernel and runs
+at its 64-token chunks (`pallas_triton._channel_gated_backward`), else the
+Triton one at 16-token chunks; neither keeps residuals beyond the inputs.
+
 The backward is first-order only (`lightning_attention.vjp.first_order_only`).
 Forward and backward kernels run through `auto_sharding.blockwise`: under
 `jax.jit`, inputs split over B and H of a mesh stay on their devices (every

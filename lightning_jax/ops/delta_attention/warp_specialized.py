@@ -18,8 +18,9 @@ The sequence split's map pass (`piece_maps`) runs the chain alone, twice a CTA.
 KDA's per-key-channel gates (`_channel_gated`): `delta_mosaic.channel_gated_chunks`
 forms each chunk's T', P, Q_g, K_g and K_C, and the chain takes them
 pre-gated (its `channel_gated` mode: the state decayed per key channel). No
-kept inverses or states (KDA's backward is the Triton one), no packed
-sequences; the split's map pass is the Triton sweep's.
+kept inverses or states (KDA's backward forms the chunk terms again,
+`pallas_triton._channel_gated_backward`), no packed sequences; the split's
+map pass is the Triton sweep's.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
 def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_state, interpret, fallback):
   """`forward` with KDA's per-key-channel rates decay [B, T, H, D] (no segments): `delta_mosaic.channel_gated_chunks`
   forms each chunk's T', P, Q_g, K_g and K_C, and the sweep takes them. Where some 16-token block decays by more
-  than `delta_mosaic.MAX_BLOCK_SPAN` (log2 units) on a key channel, `fallback` (a callable of `forward`'s
+  than `delta_mosaic.max_block_span(q.dtype)` (log2 units) on a key channel, `fallback` (a callable of `forward`'s
   arguments) runs instead: the chunks' factors would leave the operands' range (a traced choice, `lax.cond`)."""
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
@@ -94,7 +95,7 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
       final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :d, :e]
     return o[:, :t, :, :e], final_state
 
-  return lax.cond(delta_mosaic.channel_spans_bounded(block_ends), on_chunk_terms,
+  return lax.cond(delta_mosaic.channel_spans_bounded(block_ends, q.dtype), on_chunk_terms,
                   lambda: fallback(q, k, v, beta, decay, None, initial_state))
 
 
