@@ -88,8 +88,9 @@ class DeltaConfig:
     block_e: value columns per sweep program and per step of the one
       gradient kernel's loop over E (a power of two >= 16; clipped to E).
     block_d: key and value columns per loop step of the split backward's
-      gradient kernel, which walks D and E by [C, block_d] tiles (a power of
-      two >= 16; clipped to D and to E).
+      gradient kernel (and of KDA's on sm90, `_channel_gated_backward`),
+      which walks D and E by [C, block_d] tiles (a power of two >= 16;
+      clipped to D and to E).
     split_backward: the backward's per-chunk gradients by whole [C, C]
       tiles, walking D and E (`_tile_gradients_kernel`; a scalar gate or
       none), or by 16-row blocks (`_chunk_gradients_kernel`,
