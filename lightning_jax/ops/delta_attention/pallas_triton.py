@@ -62,6 +62,7 @@ from jax.experimental import pallas as pl
 from lightning_jax.ops import triton_lowering
 from lightning_jax.ops.delta_attention import chunk
 from lightning_jax.ops.delta_attention import pallas_mosaic_gpu
+from lightning_jax.ops.delta_attention import warp_specialized as warp_specialized_forward
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as lightning_config
 from lightning_jax.ops.lightning_attention import heuristics
@@ -1468,7 +1469,7 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
 
   def on_chunk_terms():
     qp, kp, vp = pad(q, dp), pad(k, dp), pad(v, ep)
-    beta_rows = jnp.pad(jnp.moveaxis(beta, 2, 1), ((0, 0), (0, 0), (0, tp - t)))
+    beta_rows = warp_specialized_forward.beta_rows(beta, tp=tp)
     terms = pallas_mosaic_gpu.channel_gated_chunks(qp, kp, beta_rows, rates, block_ends, scale=scale,
                                                    with_backward_terms=True, interpret=interpret)
     w, u_v = _chunk_products(terms.inverse, terms.keys), _chunk_products(terms.inverse, vp)

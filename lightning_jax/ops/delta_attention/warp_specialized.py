@@ -47,7 +47,7 @@ def unsupported(*, dim_k: int, dim_v: int, dtype, per_channel_gate: bool, comput
                                                  compute_capability=compute_capability, interpret=interpret)
 
 
-def _beta_rows(beta, *, tp):
+def beta_rows(beta, *, tp):
   """beta [B, T, H] as the inverse kernel's rows [B, H, Tp], zero past T (the padding changes no state). The rates
   and segment starts need no padding here: `pallas_mosaic_gpu.sweep_gates` pads them."""
   return jnp.pad(jnp.moveaxis(beta, 2, 1), ((0, 0), (0, 0), (0, tp - beta.shape[1])))
@@ -60,7 +60,7 @@ def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
   t, d = k.shape[1], k.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp = WarpSpecializedConfig.padded_dims(d, d)[0]
-  return delta_mosaic.inverse(chunk_common.pad_tokens_and_features(k, num_tokens=tp, dim=dp), _beta_rows(beta, tp=tp),
+  return delta_mosaic.inverse(chunk_common.pad_tokens_and_features(k, num_tokens=tp, dim=dp), beta_rows(beta, tp=tp),
                               pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp),
                               with_unscaled=with_unscaled, interpret=interpret)
 
@@ -78,7 +78,7 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
   block_ends = delta_mosaic.block_log_decays(rates)  # [B, H, N, 4, Dp]
 
   def on_chunk_terms():
-    terms = delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), _beta_rows(beta, tp=tp), rates, block_ends,
+    terms = delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), beta_rows(beta, tp=tp), rates, block_ends,
                                               scale=scale, interpret=interpret)
     channel_decay = jnp.exp2(block_ends[:, :, :, -1:])  # 2^G_C, the state's decay per key channel over each chunk
     state = None
@@ -133,7 +133,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   # The gates in the per-chunk factors' form, of the inverse kernel and the sweep alike.
   chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp)
   if inverses is None:  # as `chunk_inverses` forms them, on the operands padded once here
-    inverses = delta_mosaic.inverse(kp, _beta_rows(beta, tp=tp), chunk_gates, with_unscaled=with_inverses,
+    inverses = delta_mosaic.inverse(kp, beta_rows(beta, tp=tp), chunk_gates, with_unscaled=with_inverses,
                                     interpret=interpret)
   inverse = inverses[1] if with_inverses else inverses
   if initial_state is not None:  # the kernel carries S^T [E, D], one slice
