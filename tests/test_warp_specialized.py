@@ -613,6 +613,51 @@ def test_delta_kda_backward_on_chunk_terms(case, rates, mode):
 
 
 @pytest.mark.parametrize("mode", WS_MODES)
+def test_delta_kda_backward_takes_the_forward_chunk_terms(mode):
+  """KDA's forward keeping its chunk terms (`DeltaConfig.forward_states`, the default) and the backward taking them:
+  o and the final state as without them, the backward's gradients bit for bit as it gives forming the terms again
+  (the same kernel on the same operands), through the op's VJP in 2 pieces as with forward_states=False; and where a
+  block's span passes the bound, the zeros kept in their place are not read."""
+  from lightning_jax.ops.delta_attention import pallas_triton
+  from lightning_jax.ops.delta_attention import warp_specialized
+
+  case = DeltaCase(b=1, t=130, h=2, d=40, e=72, decay="channel")
+  q, k, v, beta, decay, s0, _ = delta_inputs(case, seed=31)
+  decay = jax.random.uniform(jax.random.key(32), decay.shape, minval=0.0, maxval=0.6)
+  q, k, v = (x.astype(BF16) for x in (q, k, v))
+  do = jax.random.normal(jax.random.key(33), v.shape).astype(BF16)
+  d_final = jax.random.normal(jax.random.key(34), s0.shape)
+  config = pallas_triton.default_config(per_channel_gate=True, dtype=BF16, dim_k=case.d, compute_capability=(9, 0))
+  config = dataclasses.replace(config, warp_specialized=True)
+  assert config.keeps_chunk_terms(per_channel_gate=True)
+  assert not dataclasses.replace(config, forward_states=False).keeps_chunk_terms(per_channel_gate=True)
+  interpret = mode == "interpret"
+  options = dict(scale=case.d ** -0.5, interpret=interpret)
+
+  def fallback(*args):
+    return pallas_triton.forward(*args, with_final_state=True, config=config, **options)
+
+  for rates in (decay, decay.at[0, 20:36, 1, 3].set(8.0)):  # the second past the bound: the Triton kernels
+    forward = lambda **kw: jax.jit(lambda: warp_specialized.forward(  # noqa: E731
+        q, k, v, beta, rates, None, s0, with_final_state=True, fallback=fallback, **options, **kw))()
+    o, final, terms = forward(with_chunk_terms=True)
+    o_alone, final_alone = forward()
+    assert jnp.array_equal(o, o_alone) and jnp.array_equal(final, final_alone)
+    assert len(terms) == 7 and terms[-1].shape == (1, 192, 2, 64) and terms[-1].dtype == F32
+    backward = jax.jit(lambda terms: pallas_triton.backward(q, k, v, beta, rates, None, s0, do, d_final,
+                                                            config=config, chunk_terms=terms, **options))
+    for g, g_formed in zip(backward(terms), backward(None)):
+      assert jnp.array_equal(g, g_formed)
+  cot = jax.random.split(jax.random.key(35), 2)
+  args = (q, k, v, beta, decay, s0, None, jax.random.normal(cot[0], v.shape), jax.random.normal(cot[1], s0.shape))
+  grads = [delta_value_and_grads("pallas", config=lj.DeltaConfig(warp_specialized=True, sequence_pieces=2,
+                                                                 forward_states=kept), interpret=interpret)(*args)[1]
+           for kept in (None, False)]
+  for name, g, g_formed in zip(DELTA_ARG_NAMES, *grads):
+    assert rel_err(g, g_formed) < 1e-6, (name, rel_err(g, g_formed))
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
 def test_delta_kda_float16_keeps_its_range(mode):
   """float16 operands with rates whose 16-token blocks decay by 16-32 (natural log): within bf16's bound, past
   float16's (the blocks' key factors would pass its largest value), so the Triton kernels run, forward and backward,
@@ -852,7 +897,8 @@ def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
       # float32 inputs (or jax < 0.11)
       ((q, k, v, beta), forced, r"warp_specialized=True\): the warp-specialised forward needs"),
       ((*bf16, rates), forced, "per-key-channel gates without packed sequences"),
-      # The states are kept for the warp-specialised backward alone: not interpreted unless forced, not for KDA.
+      # The states (KDA: the chunk terms) are kept for the warp-specialised backward alone: not interpreted unless
+      # forced.
       (bf16, keep, r"forward_states=True\) needs the warp-specialised backward"),
       ((*bf16, rates), keep, r"forward_states=True\) needs the warp-specialised backward"),
   ]:
@@ -868,6 +914,10 @@ def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
   assert not forced.keeps_forward_states(per_channel_gate=True)
   assert not lj.DeltaConfig(warp_specialized=True, forward_states=False).keeps_forward_states(per_channel_gate=False)
   assert not lj.DeltaConfig(warp_specialized=False, forward_states=True).keeps_forward_states(per_channel_gate=False)
+  # KDA's warp-specialised forward keeps its chunk terms, unless told not to.
+  assert forced.keeps_chunk_terms(per_channel_gate=True) and not forced.keeps_chunk_terms(per_channel_gate=False)
+  assert not lj.DeltaConfig(warp_specialized=True, forward_states=False).keeps_chunk_terms(per_channel_gate=True)
+  assert not lj.DeltaConfig(forward_states=True).keeps_chunk_terms(per_channel_gate=True)
 
 
 @pytest.mark.parametrize("mode", WS_MODES)

@@ -204,10 +204,12 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       # Unless asked, compiled only (its interpreter is for tests).
       config = dataclasses.replace(config, warp_specialized=not cannot and (
           config.warp_specialized or (config.warp_specialized is None and not interpret)))
-      if config.forward_states and not config.warp_specializes_backward(per_channel_gate=per_channel_gate):
+      if config.forward_states and not (config.warp_specializes_backward(per_channel_gate=per_channel_gate)
+                                        or config.keeps_chunk_terms(per_channel_gate=per_channel_gate)):
         raise ValueError("DeltaConfig(forward_states=True) needs the warp-specialised backward, which this call does "
                          "not run (`DeltaConfig.warp_specializes_backward`: the sm90 forward, compiled or forced, a "
-                         "scalar decay or none, split_backward not False, block_e >= 64); pass None or False")
+                         "scalar decay or none, split_backward not False, block_e >= 64; for KDA's per-key-channel "
+                         "decay, the sm90 forward); pass None or False")
       if config.sequence_pieces is None:
         value_blocks = -(-v.shape[-1] // min(config.block_e, WarpSpecializedConfig.BLOCK_E))
         config = dataclasses.replace(config, sequence_pieces=sequence_split.num_pieces(

@@ -125,7 +125,11 @@ class DeltaConfig:
       from the forward to the backward. None: so wherever the backward is
       warp-specialised; True: required (ValueError where it is not); False:
       the backward's state sweep recomputes them (less memory between the
-      two).
+      two). For KDA's per-key-channel gates, where the forward is
+      warp-specialised, the chunk terms its pair kernel forms (T, T', P,
+      Q_g, K_g, K_C and G: about 6.5 times q's bytes at D = 128) instead,
+      which the backward's pair kernel would form again
+      (`keeps_chunk_terms`).
     sequence_pieces: pieces each row of the sequence is cut into, run in
       parallel from their true initial states (`sequence_split`), forward and
       backward; 1: no split; None: `sequence_split.num_pieces` for the call
@@ -185,6 +189,10 @@ class DeltaConfig:
   def keeps_forward_states(self, *, per_channel_gate: bool) -> bool:
     """Whether the forward keeps S_n^T and U^T for the backward (`forward_states`)."""
     return self.warp_specializes_backward(per_channel_gate=per_channel_gate) and self.forward_states is not False
+
+  def keeps_chunk_terms(self, *, per_channel_gate: bool) -> bool:
+    """Whether KDA's warp-specialised forward keeps its chunk terms for the backward (`forward_states`)."""
+    return per_channel_gate and bool(self.warp_specialized) and self.forward_states is not False
 
 
 # What shrinks, by (operand bytes, padded D at least, budget at most), and the largest backward chunk there.
@@ -1335,7 +1343,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
 
 
 def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale, config: DeltaConfig,
-             interpret, inverses=None, states=None, initial_cotangent_only=False):
+             interpret, inverses=None, states=None, chunk_terms=None, initial_cotangent_only=False):
   """The cotangents (dq, dk, dv, dbeta, d decay or None, d initial_state or None) of `forward`'s inputs.
 
   do: [B, T, H, E] the output cotangent; d_final: [B, H, D, E] or None.
@@ -1353,6 +1361,10 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   then (S_n^T [B, H, N, Ep, Dp], U^T [B, H, Ep, Tp]) as the forward kept them
   (`warp_specialized.forward(..., with_states=True)`; `forward_states`), or
   None: the state sweep forms them here.
+  chunk_terms: KDA's, where its forward is warp-specialised: the
+  forward's `pallas_mosaic_gpu.ChannelGatedChunks` with its backward terms
+  (`warp_specialized.forward(..., with_chunk_terms=True)`), or None: formed
+  here (`_channel_gated_backward`).
   initial_cotangent_only: return only dL/dS_0 [B, H, D, E] float32 (the
   reverse sweep's; initial_state may be None): the sequence split's
   cotangent of each piece's start from its own outputs (`sequence_split`).
@@ -1361,12 +1373,13 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   per_channel_gate = decay is not None and decay.ndim == 4
   if per_channel_gate and config.warp_specialized and segment_starts is None:
     if inverses is not None or states is not None:
-      raise ValueError("KDA's warp-specialised backward forms its own chunk terms: no inverses or states")
+      raise ValueError("KDA's warp-specialised backward takes chunk_terms, not inverses or states")
     arguments = (q, k, v, beta, decay, segment_starts, initial_state, do, d_final)
     triton = functools.partial(backward, *arguments, scale=scale, config=dataclasses.replace(
         config, warp_specialized=False), interpret=interpret, initial_cotangent_only=initial_cotangent_only)
     return _channel_gated_backward(*arguments, scale=scale, config=config, interpret=interpret,
-                                   initial_cotangent_only=initial_cotangent_only, fallback=triton)
+                                   chunk_terms=chunk_terms, initial_cotangent_only=initial_cotangent_only,
+                                   fallback=triton)
   split = config.splits_backward(per_channel_gate=per_channel_gate)
   warp_specialized = config.warp_specializes_backward(per_channel_gate=per_channel_gate)
   config = dataclasses.replace(config, chunk_size=config.backward_chunk_size, prepare_warps=None)
@@ -1374,6 +1387,8 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   if warp_specialized and c != WarpSpecializedConfig.CHUNK_SIZE:
     raise ValueError(f"the warp-specialised backward takes backward_chunk_size={WarpSpecializedConfig.CHUNK_SIZE}, "
                      f"got {c}")
+  if chunk_terms is not None:
+    raise ValueError("chunk_terms are KDA's where its forward is warp-specialised (no segments)")
   if (inverses is not None or states is not None) and not warp_specialized:
     raise ValueError("inverses and states are the warp-specialised backward's (DeltaConfig.warp_specializes_backward)")
   dp, ep = (WarpSpecializedConfig.padded_dims(d, e) if warp_specialized
@@ -1443,14 +1458,15 @@ def _chunk_products(tri, x):
 
 
 def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale,
-                            config: DeltaConfig, interpret, initial_cotangent_only, fallback):
+                            config: DeltaConfig, interpret, chunk_terms, initial_cotangent_only, fallback):
   """`backward` for KDA's per-key-channel gates where the forward is warp-specialised (`config.warp_specialized`,
   no segments), at its 64-token chunks, where every 16-token block's decay is bounded
   (`pallas_mosaic_gpu.channel_spans_bounded`; else `fallback`, `backward`'s Triton one at 16-token chunks, a
   traced choice).
 
   `pallas_mosaic_gpu.channel_gated_chunks` forms each chunk's T', T, P,
-  Q_g, K_g, K_C and G as the forward's did; W = T' K_g and U_v = T' V are
+  Q_g, K_g, K_C and G as the forward's did (or chunk_terms, the forward's
+  own, `backward`'s); W = T' K_g and U_v = T' V are
   batched products (XLA); the Triton sweeps take the terms pre-gated (Q_g
   and P carry the scale, K_C the decay to the chunk's end, the state decays
   by 2^{G_C} per key channel): `state_cotangents` G_n and dU, `sweep` S_n
@@ -1470,8 +1486,9 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
   def on_chunk_terms():
     qp, kp, vp = pad(q, dp), pad(k, dp), pad(v, ep)
     beta_rows = warp_specialized_forward.beta_rows(beta, tp=tp)
-    terms = pallas_mosaic_gpu.channel_gated_chunks(qp, kp, beta_rows, rates, block_ends, scale=scale,
-                                                   with_backward_terms=True, interpret=interpret)
+    terms = pallas_mosaic_gpu.ChannelGatedChunks(*chunk_terms) if chunk_terms is not None else (
+        pallas_mosaic_gpu.channel_gated_chunks(qp, kp, beta_rows, rates, block_ends, scale=scale,
+                                               with_backward_terms=True, interpret=interpret))
     w, u_v = _chunk_products(terms.inverse, terms.keys), _chunk_products(terms.inverse, vp)
     gates_ = Gates(None, None, jnp.exp2(block_ends[:, :, :, -1]).reshape(b, h, (tp // c) * dp, 1))
     kernels = dict(config=dataclasses.replace(config, chunk_size=c), interpret=interpret)

@@ -30,9 +30,10 @@ so dg_t = x_t dx_t - y_t dy_t summed over those uses; the rates' cotangent is
 the vjp of the chunk-local cumulative sum (`pallas_triton.gate_logs`).
 
 KDA's per-key-channel gates: where the forward is warp-specialised, the
-backward forms each chunk's terms again with the forward's kernel and runs
-at its 64-token chunks (`pallas_triton._channel_gated_backward`), else the
-Triton one at 16-token chunks; neither keeps residuals beyond the inputs.
+backward runs at its 64-token chunks on each chunk's terms, which the
+forward keeps (`DeltaConfig.keeps_chunk_terms`) or the forward's kernel forms
+again (`pallas_triton._channel_gated_backward`), else the Triton one at
+16-token chunks.
 
 The backward is first-order only (`lightning_attention.vjp.first_order_only`).
 Forward and backward kernels run through `auto_sharding.blockwise`: under
@@ -70,6 +71,8 @@ MAX_VALUE_DIM = WarpSpecializedConfig.MAX_DIM_V
 # The split's residuals: the state before each piece, each piece's transition M (both [B P, H, D, *]) and
 # whether each piece continues the segment before it ([B, P]).
 SPLIT_LABELS = (STATE, STATE, STARTS)
+# KDA's chunk terms (`delta_mosaic.ChannelGatedChunks` with its backward terms): T', P, Q_g, K_g, K_C, T and G.
+TERM_LABELS = (CHUNK_TILES, CHUNK_TILES, ROWS_D, ROWS_D, ROWS_D, CHUNK_TILES, ROWS_D)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,15 +91,17 @@ def _labelled(q, k, v, beta, decay, segment_starts, initial_state):
           (initial_state, STATE))
 
 
-def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=False, with_states=False):
+def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=False, with_states=False,
+            with_chunk_terms=False):
   """The forward kernels on each device's block of B and H (see `auto_sharding`): the prepare (or inverse) kernel,
   then the warp-specialised sweep where `DeltaConfig.warp_specialized` (resolved by the op) says so, else the
   Triton one, over pieces of the sequence where `DeltaConfig.sequence_pieces` > 1 (`sequence_split`).
 
   Returns ((o, final state or None), the backward's residuals: with_inverses
   each chunk's (T, T') (the warp-specialised forward's), with_states each
-  chunk's (S_n^T, U^T) (its sweep's), then with a split its piece starts,
-  transitions and continues flags (`SPLIT_LABELS`)).
+  chunk's (S_n^T, U^T) (its sweep's), with_chunk_terms KDA's chunk terms
+  (`TERM_LABELS`), then with a split its piece starts, transitions and
+  continues flags (`SPLIT_LABELS`)).
   """
   ws = opts.config.warp_specialized
   # The scalar-gate chain serves the split's map pass and takes inverses formed once for both its passes; KDA's
@@ -114,7 +119,8 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
     o, final_state, *kept = warp_specialized.forward(*args, scale=opts.scale, with_final_state=opts.with_final_state,
                                                      interpret=opts.interpret, with_inverses=with_inverses,
                                                      with_states=with_states, inverses=inverses,
-                                                     fallback=None if ws_scalar else triton_forward)
+                                                     fallback=None if ws_scalar else triton_forward,
+                                                     with_chunk_terms=with_chunk_terms)
     return (o, final_state, *(kept[0] if kept else ()))
 
   def piece_maps(k, v, beta, decay, segment_starts, inverses):  # the split's map pass: final states alone
@@ -145,6 +151,7 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
                                 (ROWS_E,) + ((STATE,) if opts.with_final_state else ())
                                 + ((CHUNK_TILES, CHUNK_TILES) if with_inverses else ())
                                 + ((CHUNK_STATES, CHUNK_VALUES) if with_states else ())
+                                + (TERM_LABELS if with_chunk_terms else ())
                                 + (SPLIT_LABELS if pieces > 1 else ()))
   return (out[0], out[1] if opts.with_final_state else None), tuple(out[1 + opts.with_final_state:])
 
@@ -161,19 +168,21 @@ def _forward(q, k, v, beta, decay, segment_starts, initial_state, opts):
   per_channel_gate = decay is not None and decay.ndim == 4
   with_inverses = opts.config.warp_specializes_backward(per_channel_gate=per_channel_gate)
   with_states = opts.config.keeps_forward_states(per_channel_gate=per_channel_gate)
+  with_chunk_terms = opts.config.keeps_chunk_terms(per_channel_gate=per_channel_gate)
   q, k, v, beta, decay, segment_starts, initial_state = first_order_only(
       "delta_attention", (q, k, v, beta, decay, segment_starts, initial_state))
   out, kept = _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=with_inverses,
-                      with_states=with_states)
+                      with_states=with_states, with_chunk_terms=with_chunk_terms)
   kept = list(kept)
   inverses = (kept.pop(0), kept.pop(0)) if with_inverses else (None, None)
   states = (kept.pop(0), kept.pop(0)) if with_states else (None, None)
-  return out, (q, k, v, beta, decay, segment_starts, initial_state, *inverses, *states, tuple(kept))
+  terms = tuple(kept.pop(0) for _ in TERM_LABELS) if with_chunk_terms else ()
+  return out, (q, k, v, beta, decay, segment_starts, initial_state, *inverses, *states, terms, tuple(kept))
 
 
 def _backward(opts, residuals, cotangents):
   residuals, cotangents = first_order_only("delta_attention", (residuals, cotangents))
-  q, k, v, beta, decay, segment_starts, initial_state, tri, tri_beta, states_t, values_t, split = residuals
+  q, k, v, beta, decay, segment_starts, initial_state, tri, tri_beta, states_t, values_t, terms, split = residuals
   do, d_final = cotangents
   operands = _labelled(q, k, v, beta, decay, segment_starts, initial_state)
   # The cotangents `pallas_triton.backward` returns: of q, k, v, beta, and of decay and initial_state if given.
@@ -181,25 +190,28 @@ def _backward(opts, residuals, cotangents):
   kernels = dict(scale=opts.scale, config=opts.config, interpret=opts.interpret)
 
   def local(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, tri, tri_beta, states_t, values_t,
-            *split_arrays):
+            *rest):
     inverses = None if tri is None else (tri, tri_beta)
     states = None if states_t is None else (states_t, values_t)
+    chunk_terms, split_arrays = (rest[:len(terms)] or None), rest[len(terms):]
     if not split_arrays:
       grads = pallas_triton.backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final,
-                                     inverses=inverses, states=states, **kernels)
+                                     inverses=inverses, states=states, chunk_terms=chunk_terms, **kernels)
     else:
       starts, transitions, continues = split_arrays
       pieces = sequence_split.Pieces(count=continues.shape[1],
                                      length=sequence_split.piece_length(q.shape[1], continues.shape[1]),
                                      starts=starts, transitions=transitions, continues=continues)
-      run = functools.partial(pallas_triton.backward, inverses=inverses, states=states, **kernels)
+      run = functools.partial(pallas_triton.backward, inverses=inverses, states=states, chunk_terms=chunk_terms,
+                              **kernels)
       grads = sequence_split.backward(run, pieces, q, k, v, beta, decay, segment_starts, do, d_final)
       grads = grads if initial_state is not None else grads[:-1]
     return tuple(g for g in grads if g is not None)
 
   grads = iter(auto_sharding.blockwise(local, (*operands, (do, ROWS_E), (d_final, STATE), (tri, CHUNK_TILES),
                                                (tri_beta, CHUNK_TILES), (states_t, CHUNK_STATES),
-                                               (values_t, CHUNK_VALUES), *zip(split, SPLIT_LABELS)), returned))
+                                               (values_t, CHUNK_VALUES), *zip(terms, TERM_LABELS),
+                                               *zip(split, SPLIT_LABELS)), returned))
   dq, dk, dv, d_beta = (next(grads) for _ in range(4))
   d_decay = None if decay is None else next(grads)
   d_initial = None if initial_state is None else next(grads)

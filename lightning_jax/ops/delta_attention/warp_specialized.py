@@ -18,13 +18,14 @@ The sequence split's map pass (`piece_maps`) runs the chain alone, twice a CTA.
 KDA's per-key-channel gates (`_channel_gated`): `delta_mosaic.channel_gated_chunks`
 forms each chunk's T', P, Q_g, K_g and K_C, and the chain takes them
 pre-gated (its `channel_gated` mode: the state decayed per key channel). No
-kept inverses or states (KDA's backward forms the chunk terms again,
-`pallas_triton._channel_gated_backward`), no packed sequences; the split's
-map pass is the Triton sweep's.
+kept inverses or states: the backward (`pallas_triton._channel_gated_backward`)
+takes those chunk terms (`with_chunk_terms`, with T and G) or forms them
+again; no packed sequences; the split's map pass is the Triton sweep's.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -65,11 +66,14 @@ def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
                               with_unscaled=with_unscaled, interpret=interpret)
 
 
-def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_state, interpret, fallback):
+def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_state, interpret, fallback,
+                   with_chunk_terms):
   """`forward` with KDA's per-key-channel rates decay [B, T, H, D] (no segments): `delta_mosaic.channel_gated_chunks`
   forms each chunk's T', P, Q_g, K_g and K_C, and the sweep takes them. Where some 16-token block decays by more
   than `delta_mosaic.max_block_span(q.dtype)` (log2 units) on a key channel, `fallback` (a callable of `forward`'s
-  arguments) runs instead: the chunks' factors would leave the operands' range (a traced choice, `lax.cond`)."""
+  arguments) runs instead: the chunks' factors would leave the operands' range (a traced choice, `lax.cond`).
+  with_chunk_terms: a third result, the chunk terms with their backward terms (`delta_mosaic.ChannelGatedChunks`,
+  as a tuple; zeros where `fallback` runs: then the backward's choice is its Triton kernels too)."""
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
@@ -77,9 +81,12 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
   rates = pad(decay, dp).astype(jnp.float32)
   block_ends = delta_mosaic.block_log_decays(rates)  # [B, H, N, 4, Dp]
 
+  def chunk_terms():
+    return delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), beta_rows(beta, tp=tp), rates, block_ends,
+                                             scale=scale, with_backward_terms=with_chunk_terms, interpret=interpret)
+
   def on_chunk_terms():
-    terms = delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), beta_rows(beta, tp=tp), rates, block_ends,
-                                              scale=scale, interpret=interpret)
+    terms = chunk_terms()
     channel_decay = jnp.exp2(block_ends[:, :, :, -1:])  # 2^G_C, the state's decay per key channel over each chunk
     state = None
     if initial_state is not None:  # the kernel carries S^T [E, D], one slice
@@ -93,14 +100,21 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
     o, final_state = result if with_final_state else (result, None)
     if final_state is not None:
       final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :d, :e]
-    return o[:, :t, :, :e], final_state
+    return o[:, :t, :, :e], final_state, (tuple(terms) if with_chunk_terms else ())
 
-  return lax.cond(delta_mosaic.channel_spans_bounded(block_ends, q.dtype), on_chunk_terms,
-                  lambda: fallback(q, k, v, beta, decay, None, initial_state))
+  def on_fallback():
+    kept = ()
+    if with_chunk_terms:  # placeholders of the terms' shapes: the backward's own choice skips them
+      kept = tuple(jnp.zeros(x.shape, x.dtype) for x in jax.eval_shape(chunk_terms))
+    return (*fallback(q, k, v, beta, decay, None, initial_state), kept)
+
+  o, final_state, kept = lax.cond(delta_mosaic.channel_spans_bounded(block_ends, q.dtype), on_chunk_terms,
+                                  on_fallback)
+  return (o, final_state, kept) if with_chunk_terms else (o, final_state)
 
 
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, interpret,
-            with_inverses=False, with_states=False, inverses=None, fallback=None):
+            with_inverses=False, with_states=False, inverses=None, fallback=None, with_chunk_terms=False):
   """`pallas_triton.forward`'s contract (its arguments but the blocks' config, and its results) on the
   warp-specialised sweep; with_inverses
   or with_states, a third result, the backward's residuals (`pallas_triton.backward`'s inverses and states): each
@@ -116,15 +130,18 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   tokens, whatever `DeltaConfig.chunk_size` says.
 
   KDA's per-key-channel rates (decay [B, T, H, D], no segments; neither
-  inverses nor states are kept) run `_channel_gated`, with `fallback` (a
-  callable of this function's first seven arguments returning (o, final
-  state)) where the chunks' gates leave its range.
+  inverses nor states are kept, but with_chunk_terms its chunk terms, the
+  third result) run `_channel_gated`, with `fallback` (a callable of this
+  function's first seven arguments returning (o, final state)) where the
+  chunks' gates leave its range.
   """
   if decay is not None and decay.ndim == 4:
     if segment_starts is not None or with_inverses or with_states or inverses is not None or fallback is None:
       raise ValueError("per-key-channel gates take no segments, kept inverses or states, and a fallback")
     return _channel_gated(q, k, v, beta, decay, initial_state, scale=scale, with_final_state=with_final_state,
-                          interpret=interpret, fallback=fallback)
+                          interpret=interpret, fallback=fallback, with_chunk_terms=with_chunk_terms)
+  if with_chunk_terms:
+    raise ValueError("with_chunk_terms is KDA's (per-key-channel gates)")
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
