@@ -764,11 +764,8 @@ class ChannelGatedChunks(NamedTuple):
   gates: jax.Array | None = None
 
 
-# Whether `channel_gated_chunks` forms G from the rates itself, by K; else an XLA pass over the rates does. H200
-# (B4 H32 D64 / B2 H32 D128, T8K, bf16, KDA's forward, in-process): at K = 64 1.620 ms in the kernel against 1.809;
-# at K = 128 3.389 against 2.120 (probably registers: a [C, K] float32 accumulator and the rates' parts beside the
-# kernel's tiles; not profiled).
-RATE_SUMS_IN_KERNEL = {64: True, 128: False}
+# The columns of each part the kernel forms its [C, K] tiles in (K / _PART of them).
+_PART = 64
 
 # The largest decay (log2 units) across any 16-token block of a chunk at which `channel_gated_chunks` runs, by the
 # operands' dtype (`max_block_span`): its diagonal blocks' key factors 2^(O - G) reach 2^span (O the log decay before
@@ -785,23 +782,27 @@ def max_block_span(dtype) -> float:
 
 
 def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_ref, queries_ref,
-                          keys_ref, keys_end_ref, *refs, chunks_per_cta, scale, in_registers, sums_in_kernel):
-  # with_backward_terms: T and G out too.
+                          keys_ref, keys_end_ref, *refs, chunks_per_cta, scale, in_registers):
+  # with_backward_terms: T and G out too. Every [C, K] tile is K / _PART column parts ([..., parts, C, _PART] in
+  # shared memory), formed one at a time (`each_part`): [C, _PART] float32 tiles in registers whatever K (at K = 128
+  # whole tiles spilled 668 bytes a thread, ptxas).
   unscaled_ref, gates_ref, buffers, loaded = refs if len(refs) == 4 else (None, None, *refs)
   (q_smem, k_smem, g_smem, rows_smem, boundary_smem, (operands, solve_smem), keys_end_smem,
    (inverse_smem, pairs_smem), staging) = buffers
   x_keys, y_keys, x_queries = operands
   c, block = CHUNK_SIZE, _SOLVE_BLOCK
   num_blocks = c // block
-  dim_k, dtype = q_smem.shape[-1], q_smem.dtype
+  num_parts, dtype = q_smem.shape[1], q_smem.dtype
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   first_chunk = lax.axis_index("chunk_blocks") * chunks_per_cta
+  columns_of = lambda part: pl.ds(part * _PART, _PART)  # noqa: E731
 
   def load(n, slot):  # chunk first_chunk + n: q, k, the rates, G's blocks' last rows and beta's row twice
     chunk_index = first_chunk + n
     rows = pl.ds(pl.multiple_of(chunk_index * c, c), c)
-    for src, dst in ((q_ref, q_smem), (k_ref, k_smem), (rates_ref, g_smem)):
-      plgpu.copy_gmem_to_smem(src.at[batch, rows, head], dst.at[slot], loaded.at[slot])
+    for part in range(num_parts):
+      for src, dst in ((q_ref, q_smem), (k_ref, k_smem), (rates_ref, g_smem)):
+        plgpu.copy_gmem_to_smem(src.at[batch, rows, head, columns_of(part)], dst.at[slot, part], loaded.at[slot])
     plgpu.copy_gmem_to_smem(boundary_ref.at[batch, head, chunk_index], boundary_smem.at[slot], loaded.at[slot])
     for copy in range(2):  # two layouts
       plgpu.copy_gmem_to_smem(rows_ref.at[batch, head, chunk_index], rows_smem.at[slot, copy], loaded.at[slot])
@@ -809,15 +810,23 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
   load(0, 0)
   t = lax.broadcasted_iota(jnp.int32, (c, c), 0)
   s = lax.broadcasted_iota(jnp.int32, (c, c), 1)
-  # Layouts given, not inferred: the [C, K] tiles in wgmma's, each [K] row of G one value per column of it (the
+  # Layouts given, not inferred: the [C, _PART] tiles in wgmma's, each row of G one value per column of it (the
   # inference's search does not end on this kernel unguided).
   as_tile = lambda x: plgpu.layout_cast(x, plgpu.Layout.WGMMA)  # noqa: E731
-  # Each row's 16-row block, formed where used (not a [C, K] int32 tile live across the loop: registers).
-  token_block = lambda: as_tile(lax.div(lax.broadcasted_iota(jnp.int32, (c, dim_k), 0), block))  # noqa: E731
+  # Each row's 16-row block, formed where used (not an int32 tile live across the loop: registers).
+  token_block = lambda: as_tile(lax.div(lax.broadcasted_iota(jnp.int32, (c, _PART), 0), block))  # noqa: E731
   by_row = lambda x: lax.broadcast_in_dim(x, (c, c), (0,))  # noqa: E731
   by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
   by_channel = lambda x: as_tile(lax.broadcast_in_dim(  # noqa: E731
-      plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(0)), (c, dim_k), (1,)))
+      plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(0)), (c, _PART), (1,)))
+
+  def each_part(body):
+    """body(part) for each column part: a loop where there are several (unrolled, K = 128's two parts' tiles were
+    live at once: 244 bytes of spills a thread, ptxas), inline where there is one."""
+    if num_parts == 1:
+      body(0)
+    else:
+      pl.loop(0, num_parts)(body)
 
   @pl.loop(0, chunks_per_cta)
   def _chunk(n):
@@ -830,63 +839,75 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
     def _prefetch():  # into the other slot, which chunk n - 1 read last
       load(n + 1, 1 - slot)
 
-    gates = lambda: as_tile(g_smem[slot])  # noqa: E731
-    keys = lambda: as_tile(k_smem[slot].astype(_F32))  # noqa: E731
-    queries = lambda: as_tile(q_smem[slot].astype(_F32))  # noqa: E731
-    # O_j, the log decay before 16-row block j ([K]; 0 before the first), and G_C.
-    ends = [boundary_smem[slot, j] for j in range(num_blocks)]
+    gates = lambda part: as_tile(g_smem[slot, part])  # noqa: E731
+    keys = lambda part: as_tile(k_smem[slot, part].astype(_F32))  # noqa: E731
+    queries = lambda part: as_tile(q_smem[slot, part].astype(_F32))  # noqa: E731
+    # O_j, the log decay before 16-row block j (0 before the first; O_4 = G_C) on a part's columns, by column.
+    block_end = lambda j, part: by_channel(boundary_smem[slot, j - 1, part])  # noqa: E731
     rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores have read their tiles
 
-    def rate_sums(acc):
-      """G = -log2(e) tril(1) R on the tensor cores, R the rates split into three parts in the operands' dtype (their
-      sum exact to float32's rounding; the ones exact), into the inverse's and the pair products' tiles (free here)."""
-      rates = jnp.minimum(as_tile(g_smem[slot]), chunk.MAX_RATE)
-      inverse_smem[...] = jnp.where(t >= s, 1.0, 0.0).astype(dtype)  # the chunk's inclusive sums as a product
-      for part in operands:
+    def rate_sums(part, acc):
+      """G = -log2(e) tril(1) R on the tensor cores, R the rates split into three pieces in the operands' dtype
+      (their sum exact to float32's rounding; the ones exact), in the pair products' operand tiles (free here)."""
+      rates = jnp.minimum(gates(part), chunk.MAX_RATE)
+      for piece in operands:
         rounded = rates.astype(dtype)
-        part[...] = rounded
+        piece.at[part][...] = rounded
         rates = rates - rounded.astype(_F32)
       plgpu.commit_smem()
-      for part in operands:
-        plgpu.wgmma(acc, inverse_smem, part)
+      for piece in operands:
+        plgpu.wgmma(acc, inverse_smem, piece.at[part])
       return acc[...]
 
-    if sums_in_kernel:
-      g_smem[slot] = pl.run_scoped(rate_sums, plgpu.ACC((c, dim_k), _F32)) * -chunk_common.LOG2_E
+    inverse_smem[...] = jnp.where(t >= s, 1.0, 0.0).astype(dtype)  # the chunk's inclusive sums as a product
+    for part in range(num_parts):
+      g_smem[slot, part] = pl.run_scoped(functools.partial(rate_sums, part),
+                                         plgpu.ACC((c, _PART), _F32)) * -chunk_common.LOG2_E
     if gates_ref is not None:
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(g_smem.at[slot], gates_ref.at[batch, rows_out, head])
+      for part in range(num_parts):
+        plgpu.copy_smem_to_gmem(g_smem.at[slot, part], gates_ref.at[batch, rows_out, head, columns_of(part)])
 
     def pair_products(acc_a, acc_a_t, acc_p):
       """Through O_j: with x = k 2^(G - O_j) on the rows of blocks >= j (at most 1) and y = k 2^(O_j - G) on block
       j's (at most 2^max_block_span), x y^T holds A's column block j (beta aside) and P's (from q's x), y x^T the
-      transposed pairs of the diagonal block j."""
+      transposed pairs of the diagonal block j; each summed over the column parts."""
       for j in range(num_blocks):
         if j:
           plgpu.wgmma_wait(0)  # block j - 1's products have read the operand tiles
-        offset = 0.0 if j == 0 else by_channel(ends[j - 1])
-        x_factor = jnp.where(token_block() >= j, jnp.exp2(jnp.minimum(gates() - offset, 0.0)), 0.0)
-        y_factor = jnp.where(token_block() == j, jnp.exp2(offset - gates()), 0.0)
-        x_keys[...] = (keys() * x_factor).astype(dtype)
-        x_queries[...] = (queries() * (scale * x_factor)).astype(dtype)
-        y_keys[...] = (keys() * y_factor).astype(dtype)
+        @each_part
+        def _operands(part, j=j):
+          offset = 0.0 if j == 0 else block_end(j, part)
+          x_factor = jnp.where(token_block() >= j, jnp.exp2(jnp.minimum(gates(part) - offset, 0.0)), 0.0)
+          y_factor = jnp.where(token_block() == j, jnp.exp2(offset - gates(part)), 0.0)
+          x_keys.at[part][...] = (keys(part) * x_factor).astype(dtype)
+          x_queries.at[part][...] = (queries(part) * (scale * x_factor)).astype(dtype)
+          y_keys.at[part][...] = (keys(part) * y_factor).astype(dtype)
+
         plgpu.commit_smem()
         if j == 0:  # x = K_g and scale Q_g (O_0 = 0): out as they are
-          plgpu.copy_smem_to_gmem(x_keys, keys_ref.at[batch, rows_out, head])
-          plgpu.copy_smem_to_gmem(x_queries, queries_ref.at[batch, rows_out, head])
-        plgpu.wgmma(acc_a, x_keys, y_keys.transpose((1, 0)))
-        plgpu.wgmma(acc_a_t, y_keys, x_keys.transpose((1, 0)))
-        plgpu.wgmma(acc_p, x_queries, y_keys.transpose((1, 0)))
+          for part in range(num_parts):
+            plgpu.copy_smem_to_gmem(x_keys.at[part], keys_ref.at[batch, rows_out, head, columns_of(part)])
+            plgpu.copy_smem_to_gmem(x_queries.at[part], queries_ref.at[batch, rows_out, head, columns_of(part)])
+        for part in range(num_parts):
+          x, y, xq = x_keys.at[part], y_keys.at[part], x_queries.at[part]
+          plgpu.wgmma(acc_a, x, y.transpose((1, 0)))
+          plgpu.wgmma(acc_a_t, y, x.transpose((1, 0)))
+          plgpu.wgmma(acc_p, xq, y.transpose((1, 0)))
         if j == 0:
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before block 1 rewrites the tiles
       return acc_a[...], acc_a_t[...], acc_p[...]
 
     pairs, pairs_t, query_pairs = pl.run_scoped(pair_products, *(plgpu.ACC((c, c), _F32) for _ in range(3)))
     # K_C = k 2^(G_C - G), while the solve below runs on other tiles.
-    keys_end_smem[...] = (keys() * jnp.exp2(by_channel(ends[-1]) - gates())).astype(dtype)
+    @each_part
+    def _keys_to_end(part):
+      keys_end_smem.at[part][...] = (keys(part) * jnp.exp2(block_end(num_blocks, part) - gates(part))).astype(dtype)
+
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(keys_end_smem, keys_end_ref.at[batch, rows_out, head])
+    for part in range(num_parts):
+      plgpu.copy_smem_to_gmem(keys_end_smem.at[part], keys_end_ref.at[batch, rows_out, head, columns_of(part)])
     rows, columns = rows_smem.at[slot, 0], rows_smem.at[slot, 1]
     a = jnp.where(t > s, pairs * by_row(rows[_BETA_ROW]), 0.0)
     same_block = lax.div(t, block) == lax.div(s, block)
@@ -920,8 +941,8 @@ def channel_gated_chunks(q, k, beta, rates, block_ends, *, scale: float, chunks_
   warpgroup a CTA walks `chunks_per_cta` chunks (`inverse`'s), the next
   chunk's q, k and rates loading by TMA during this one. G, the chunk-local
   cumulative log2 decay, is formed from the rates in the kernel (one
-  triangle of ones times the rates in three parts, on the tensor cores) at
-  K = 64, by an XLA pass before it at K = 128 (`RATE_SUMS_IN_KERNEL`).
+  triangle of ones times the rates in three pieces, on the tensor cores).
+  Every [C, K] tile is formed in 64-column parts, one part's at a time.
 
   Args:
     q, k: [B, Tp, H, K] bf16 or fp16, Tp a multiple of 64, K 64 or 128.
@@ -943,31 +964,29 @@ def channel_gated_chunks(q, k, beta, rates, block_ends, *, scale: float, chunks_
   in_registers = not interpret
   dtype = k.dtype
   smem = lightning_mosaic.swizzled_smem
+  parts = dim_k // _PART
   rows = _inverse_rows(beta, (None, None))[0]  # beta's row alone
   solve_tile = plgpu.SMEM((c, c + _SOLVE_PAD), _F32)
   scratch = (
-      (smem((2, c, dim_k), dtype), smem((2, c, dim_k), dtype), smem((2, c, dim_k), _F32),
-       plgpu.SMEM((2, 2, 1, c), _F32), plgpu.SMEM((2, c // _SOLVE_BLOCK, dim_k), _F32),
-       # The rates' three parts, then the pair products' operand tiles, then (the products read) the solve's.
-       plgpu.RefUnion(tuple(smem((c, dim_k), dtype) for _ in range(3)), (solve_tile, solve_tile)),
-       smem((c, dim_k), dtype), (smem((c, c), dtype), smem((c, c), dtype)),
+      (smem((2, parts, c, _PART), dtype), smem((2, parts, c, _PART), dtype), smem((2, parts, c, _PART), _F32),
+       plgpu.SMEM((2, 2, 1, c), _F32), plgpu.SMEM((2, c // _SOLVE_BLOCK, parts, _PART), _F32),
+       # The rates' three pieces, then the pair products' operand tiles, then (the products read) the solve's.
+       plgpu.RefUnion(tuple(smem((parts, c, _PART), dtype) for _ in range(3)), (solve_tile, solve_tile)),
+       smem((parts, c, _PART), dtype), (smem((c, c), dtype), smem((c, c), dtype)),
        tuple(smem((c, c), jnp.float16) for _ in range(1 if in_registers else 2))),
-      plgpu.Barrier(num_arrivals=6, num_barriers=2),  # q, k, the rates, G's blocks' last rows and beta's row twice
+      # q, k and the rates by parts, G's blocks' last rows and beta's row twice
+      plgpu.Barrier(num_arrivals=3 * parts + 3, num_barriers=2),
   )
   out_type = ChannelGatedChunks(
       *(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(2)),
       *(manual_axes.struct((b, tp, h, dim_k), dtype, k, beta) for _ in range(3)),
       *((manual_axes.struct((b, h, tp, c), dtype, k, beta), manual_axes.struct((b, tp, h, dim_k), _F32, k, beta))
         if with_backward_terms else ()))
-  sums_in_kernel = RATE_SUMS_IN_KERNEL[dim_k]
-  if not sums_in_kernel:  # the kernel loads G in the rates' place
-    rates = chunk.chunk_log_decays(rates, chunk_size=c) * chunk_common.LOG2_E
-  kernel = functools.partial(_channel_gated_kernel, chunks_per_cta=per_cta, scale=scale, in_registers=in_registers,
-                             sums_in_kernel=sums_in_kernel)
+  kernel = functools.partial(_channel_gated_kernel, chunks_per_cta=per_cta, scale=scale, in_registers=in_registers)
   results = lightning_mosaic.warpgroup_kernel(
       kernel, out_type=tuple(x for x in out_type if x is not None), scratch_types=scratch, grid=(h, b, n // per_cta),
       grid_names=("heads", "batch", "chunk_blocks"), interpret=interpret, kernel_name="delta_channel_gated_mosaic",
-      num_warpgroups=1)(rows, block_ends, q, k, rates.astype(_F32))
+      num_warpgroups=1)(rows, block_ends.reshape(*block_ends.shape[:-1], parts, _PART), q, k, rates.astype(_F32))
   return ChannelGatedChunks(*results)
 
 
