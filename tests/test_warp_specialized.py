@@ -455,18 +455,19 @@ CHANNEL_GATED_CASES = [(2, 150, 2, 40, (0.0, 0.6)), (1, 128, 1, 64, (2.5, 3.7)),
 
 @pytest.mark.parametrize("case,mode", [
     pytest.param(case, *mode.values, marks=mode.marks, id=f"{case[:4]}-{case[4]}-{mode.id}")
-    for case in CHANNEL_GATED_CASES for mode in (WS_MODES if case[3] <= 64 else WS_MODES[1:])])
+    for case in CHANNEL_GATED_CASES for mode in WS_MODES])
 def test_delta_channel_gated_chunks_match_float64(case, mode):
-  """KDA's chunk terms from `channel_gated_chunks` (T', P, Q_g, K_g, K_C: pair products through each 16-row
-  block's start on the tensor cores, T' from A as the inverse kernel solves it) against numpy float64 of their
-  definitions on the same bf16 q and k, T off the chunk, D padded, one CTA walking every chunk of a row."""
+  """KDA's chunk terms from `channel_gated_chunks` (T', P, Q_g, K_g, K_C and the backward's T and G: pair products
+  through each 16-row block's start on the tensor cores, T' from A as the inverse kernel solves it, G from the rates
+  in the kernel) against numpy float64 of their definitions on the same bf16 q and k, T off the chunk, D padded (D
+  128: two column parts), one CTA walking every chunk of a row."""
   b, t, h, d, rates = case
   q, k, beta, rates = _channel_gated_inputs(b, t, h, d, rates, seed=zlib.crc32(str(case).encode()))
   block_ends = delta_mosaic.block_log_decays(rates)
   assert bool(delta_mosaic.channel_spans_bounded(block_ends, q.dtype))
   scale = 0.3
   got = jax.jit(lambda: delta_mosaic.channel_gated_chunks(q, k, beta, rates, block_ends, scale=scale,
-                                                          chunks_per_cta=q.shape[1] // 64,
+                                                          chunks_per_cta=q.shape[1] // 64, with_backward_terms=True,
                                                           interpret=mode == "interpret"))()
   f64 = lambda x: np.asarray(jnp.asarray(x).astype(F32), np.float64)  # noqa: E731
   q64, k64, beta64, g64 = f64(q), f64(k), f64(beta), _log2_gates64(rates)
@@ -482,13 +483,14 @@ def test_delta_channel_gated_chunks_match_float64(case, mode):
         # 2^(G_t - G_s) <= 1 on the pairs kept (s <= t), clamped on the others (dropped)
         factors = np.exp2(np.minimum(gc[:, None, :] - gc[None, :, :], 0.0))
         a = np.where(np.tri(c, k=-1, dtype=bool), bc[:, None] * np.einsum("td,sd,tsd->ts", kc, kc, factors), 0.0)
-        want = {"inverse": np.linalg.inv(np.eye(c) + a) * bc[None, :],
+        unscaled = np.linalg.inv(np.eye(c) + a)
+        want = {"inverse": unscaled * bc[None, :], "unscaled_inverse": unscaled, "gates": gc,
                 "pairs": np.where(np.tri(c, dtype=bool), scale * np.einsum("td,sd,tsd->ts", qc, kc, factors), 0.0),
                 "queries": scale * qc * np.exp2(gc), "keys": kc * np.exp2(gc),
                 "keys_to_end": kc * np.exp2(gc[-1:] - gc)}
         for name, value in want.items():
           tile = f64(getattr(got, name))
-          tile = tile[bi, hi, rows] if name in ("inverse", "pairs") else tile[bi, rows, hi]
+          tile = tile[bi, hi, rows] if name in ("inverse", "pairs", "unscaled_inverse") else tile[bi, rows, hi]
           err = np.max(np.abs(tile - value)) / max(1.0, np.max(np.abs(value)))
           assert err < 1e-2, (name, start, err)
 
