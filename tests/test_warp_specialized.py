@@ -639,16 +639,18 @@ def test_delta_kda_backward_takes_the_forward_chunk_terms(mode):
   def fallback(*args):
     return pallas_triton.forward(*args, with_final_state=True, config=config, **options)
 
+  # The rates traced: each function compiles once for both rates (the interpreted kernels' compiles dominate).
+  forward = {kept: jax.jit(lambda rates, kept=kept: warp_specialized.forward(
+      q, k, v, beta, rates, None, s0, with_final_state=True, fallback=fallback, with_chunk_terms=kept, **options))
+      for kept in (True, False)}
+  backward = jax.jit(lambda rates, terms: pallas_triton.backward(q, k, v, beta, rates, None, s0, do, d_final,
+                                                                 config=config, chunk_terms=terms, **options))
   for rates in (decay, decay.at[0, 20:36, 1, 3].set(8.0)):  # the second past the bound: the Triton kernels
-    forward = lambda **kw: jax.jit(lambda: warp_specialized.forward(  # noqa: E731
-        q, k, v, beta, rates, None, s0, with_final_state=True, fallback=fallback, **options, **kw))()
-    o, final, terms = forward(with_chunk_terms=True)
-    o_alone, final_alone = forward()
+    o, final, terms = forward[True](rates)
+    o_alone, final_alone = forward[False](rates)
     assert jnp.array_equal(o, o_alone) and jnp.array_equal(final, final_alone)
     assert len(terms) == 7 and terms[-1].shape == (1, 192, 2, 64) and terms[-1].dtype == F32
-    backward = jax.jit(lambda terms: pallas_triton.backward(q, k, v, beta, rates, None, s0, do, d_final,
-                                                            config=config, chunk_terms=terms, **options))
-    for g, g_formed in zip(backward(terms), backward(None)):
+    for g, g_formed in zip(backward(rates, terms), backward(rates, None)):
       assert jnp.array_equal(g, g_formed)
   if interpret:  # the op's VJP in 2 pieces compiled only: interpreted, test_delta_kda_warp_specialized_matches_oracle
     return
