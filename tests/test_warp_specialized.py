@@ -543,11 +543,10 @@ def test_delta_kda_warp_specialized_matches_oracle(case, rates, pieces, mode):
   interpret = mode == "interpret"
   # The op's gradients at D <= 64 through the custom VJP, o and the final state from the same call (the backward
   # alone, at every D and near the bound: test_delta_kda_backward_on_chunk_terms); else the forward alone.
-  with_grads = case.d <= 64 and rates is not None and rates[1] < 1.0
-  cot = jax.random.split(jax.random.key(1), 2)
-  args = (q, k, v, beta, decay, s0, None, jax.random.normal(cot[0], v.shape),
-          jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
-  if with_grads:
+  if case.d <= 64 and rates is not None and rates[1] < 1.0:
+    cot = jax.random.split(jax.random.key(1), 2)
+    args = (q, k, v, beta, decay, s0, None, jax.random.normal(cot[0], v.shape),
+            jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
     (_, (o, final)), grads = delta_value_and_grads("pallas", config=config, interpret=interpret)(*args)
     (_, (o_ref, final_ref)), grads_ref = delta_value_and_grads("reference")(*args)
     for name, g, g_ref in zip(DELTA_ARG_NAMES, grads, grads_ref):
