@@ -576,9 +576,10 @@ KDA_BACKWARD_CASES = [
     for i, (case, rates) in enumerate(KDA_BACKWARD_CASES) for mode in (WS_MODES if i == 0 else WS_MODES[1:])])
 def test_delta_kda_backward_on_chunk_terms(case, rates, mode):
   """KDA's backward where the forward is warp-specialised (`pallas_triton._channel_gated_backward`: the chunk
-  terms kernel, the Triton sweeps on its gated terms, the per-channel tile gradient kernel) against the oracle's
-  gradients; that path runs (its kernels in the jaxpr); where a block's span passes the bound, the Triton backward
-  bit for bit; dL/dS_0 alone (the sequence split's) as in the full backward."""
+  terms kernel, the warp-specialised state sweep and reverse sweep in their channel-gated modes, the per-channel
+  tile gradient kernel) against the oracle's gradients; that path runs (its kernels in the jaxpr); where a block's
+  span passes the bound, the Triton backward bit for bit; dL/dS_0 alone (the sequence split's) as in the full
+  backward."""
   from lightning_jax.ops.delta_attention import pallas_triton
 
   q, k, v, beta, decay, s0, _ = delta_inputs(case, seed=zlib.crc32(f"{case}kda-bwd".encode()))
@@ -595,7 +596,9 @@ def test_delta_kda_backward_on_chunk_terms(case, rates, mode):
       q, k, v, beta, decay, None, s0, do, d_final, config=dataclasses.replace(config, warp_specialized=warp_specialized),
       **options, **kw))
   jaxpr = str(jax.make_jaxpr(backward(True))())
-  assert "delta_channel_gated_mosaic" in jaxpr and "delta_attention_tile_gradients" in jaxpr
+  for kernel in ("delta_channel_gated_mosaic", "delta_warp_specialized", "delta_state_cotangents_warp_specialized",
+                 "delta_attention_tile_gradients"):
+    assert kernel in jaxpr, kernel
   grads = backward(True)()
 
   def loss(q, k, v, beta, decay, s0):
@@ -617,10 +620,12 @@ def test_delta_kda_backward_on_chunk_terms(case, rates, mode):
 
 @pytest.mark.parametrize("mode", WS_MODES)
 def test_delta_kda_backward_takes_the_forward_chunk_terms(mode):
-  """KDA's forward keeping its chunk terms (`DeltaConfig.forward_states`, the default) and the backward taking them:
-  o and the final state as without them, the backward's gradients bit for bit as it gives forming the terms again
-  (the same kernel on the same operands), and (compiled) through the op's VJP in 2 pieces as with
-  forward_states=False; where a block's span passes the bound, the zeros kept in their place are not read."""
+  """KDA's forward keeping its chunk terms and states (`DeltaConfig.forward_states`, the default) and the backward
+  taking them: o and the final state as without them, the backward's gradients bit for bit as it gives forming them
+  again (the same kernels on the same operands: the pair kernel, the state sweep for S_n^T and U^T, the blocks' log
+  decays), and
+  (compiled) through the op's VJP in 2 pieces as with forward_states=False; where a block's span passes the bound,
+  the zeros kept in their place are not read."""
   from lightning_jax.ops.delta_attention import pallas_triton
   from lightning_jax.ops.delta_attention import warp_specialized
 
@@ -650,7 +655,8 @@ def test_delta_kda_backward_takes_the_forward_chunk_terms(mode):
     o, final, terms = forward[True](rates)
     o_alone, final_alone = forward[False](rates)
     assert jnp.array_equal(o, o_alone) and jnp.array_equal(final, final_alone)
-    assert len(terms) == 7 and terms[-1].shape == (1, 192, 2, 64) and terms[-1].dtype == F32
+    assert len(terms) == 10 and terms[6].shape == (1, 192, 2, 64) and terms[6].dtype == F32
+    assert [x.shape for x in terms[7:]] == [(1, 2, 3, 128, 64), (1, 2, 128, 192), (1, 2, 3, 4, 64)]
     for g, g_formed in zip(backward(rates, terms), backward(rates, None)):
       assert jnp.array_equal(g, g_formed)
   if interpret:  # the op's VJP in 2 pieces compiled only: interpreted, test_delta_kda_warp_specialized_matches_oracle
@@ -686,7 +692,9 @@ def test_delta_kda_float16_keeps_its_range(mode):
 @needs_ws_jax
 @pytest.mark.parametrize("dim_k,dim_v", [(128, 128), (64, 192)])
 def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
-  """KDA's chunk-terms kernel and the sweep taking them lower as the GPU compiles them, from any backend."""
+  """KDA's chunk-terms kernel, the sweep taking them (storing S_n^T and U^T for the backward, or those alone), and
+  the reverse sweep in its channel-gated mode (2 ring slots at K = 128, 3 at K = 64, within sm90's shared memory)
+  lower as the GPU compiles them, from any backend."""
   q = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
   beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
   rates = jax.ShapeDtypeStruct((2, 512, 3, dim_k), F32)
@@ -706,6 +714,23 @@ def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, s0, tiles, q, tiles, channel_decay)
   assert "delta_warp_specialized" in exported.mlir_module()
   assert [o.shape for o in exported.out_avals] == [(2, 512, 3, dim_v), (2, 3, dim_v, dim_k)]
+  states = [(2, 3, 8, dim_v, dim_k), (2, 3, dim_v, 512)]
+  fn = jax.jit(lambda q, k, v, inverse, keys_end, pairs, decay: pallas_mosaic_gpu.forward_padded(
+      q, k, v, None, chunk_gates=(None, None), delta_inverse=inverse, delta_channel_gates=(keys_end, pairs, decay),
+      delta_states=True, scale=0.1, seq_len=500, cfg=cfg))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, tiles, q, tiles, channel_decay)
+  assert [o.shape for o in exported.out_avals] == [(2, 512, 3, dim_v)] + states
+  fn = jax.jit(lambda k, v, inverse, keys_end, pairs, decay, s0: delta_mosaic.state_sweep(
+      k, v, inverse, (None, None), s0, channel_gates=(keys_end, pairs, decay)))
+  state_t = jax.ShapeDtypeStruct((2, 3, dim_v, dim_k), F32)
+  exported = jax.export.export(fn, platforms=["cuda"])(q, v, tiles, q, tiles, channel_decay, state_t)
+  assert [o.shape for o in exported.out_avals] == states
+  assert delta_mosaic.num_stages(dim_k=dim_k, itemsize=2, channel_gated=True) == (2 if dim_k == 128 else 3)
+  fn = jax.jit(lambda q, k, inverse, do, keys, pairs, decay, d_final: delta_mosaic.state_cotangents(
+      q, k, inverse, do, (None, None), d_final, scale=1.0, channel_gates=(keys, pairs, decay)))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, tiles, v, q, tiles, channel_decay, state_t)
+  assert "delta_state_cotangents_warp_specialized" in exported.mlir_module()
+  assert [o.shape for o in exported.out_avals] == [states[0], (2, 3, dim_v, dim_k), states[1]]
 
 
 @pytest.mark.parametrize("mode", WS_MODES)

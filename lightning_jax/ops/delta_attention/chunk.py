@@ -118,6 +118,17 @@ def chunk_cumsum(x, *, chunk_size):
   return jnp.einsum("nts,nsx->ntx", ones, rows, precision=_HI).reshape(x.shape)
 
 
+def chunk_sums_to_end(x, *, chunk_size, sign=1.0):
+  """sign times the sums of x [B, N C, ...] along axis 1 from each row to its chunk's end, float32: `chunk_cumsum`'s
+  vjp, the transposed product (sign, 1 or -1, folded into the triangle)."""
+  b, tp = x.shape[:2]
+  n = tp // chunk_size
+  rows = x.reshape(b * n, chunk_size, -1).astype(jnp.float32)
+  ones = jnp.broadcast_to(sign * jnp.triu(jnp.ones((chunk_size, chunk_size), jnp.float32)),
+                          (b * n, chunk_size, chunk_size))
+  return jnp.einsum("nts,nsx->ntx", ones, rows, precision=_HI).reshape(x.shape)
+
+
 def chunk_log_decays(rates, *, chunk_size):
   """g = -(the rates summed from each chunk's first row through each row), float32, token-major.
 

@@ -91,15 +91,20 @@ _PUBLISHED_PAIRS = 2
 _RESERVED = 2048
 
 
-def shared_memory_bytes(*, num_stages: int, dim_k: int, itemsize: int, factor_rows: int = 2) -> int:
+def shared_memory_bytes(*, num_stages: int, dim_k: int, itemsize: int, factor_rows: int = 2,
+                        channel_gated: bool = False) -> int:
   """The kernel's shared memory: the ring (q, k [C, K], T' [C, C] and dO [C, 64] per slot, the factor rows twice),
   the scaled causal mask, the published pair products and W, G^T and dU^T double-buffered for their stores (the
-  float32 [64, K] initial and final cotangent share G^T's bytes), and `_RESERVED`."""
+  float32 [64, K] initial and final cotangent share G^T's bytes), and `_RESERVED`. channel_gated (KDA): K_g [C, K],
+  P [C, C] and the state's decay [K] float32 in each ring slot instead of the factor rows, W alone published and
+  no causal mask."""
   c, be = CHUNK_SIZE, BLOCK_E
-  ring = num_stages * (c * (2 * dim_k + c + be) * itemsize + 2 * factor_rows * c * 4)
-  published = _PUBLISHED_PAIRS * c * (c + dim_k) * itemsize
+  slot = c * (2 * dim_k + c + be) * itemsize + (
+      c * (dim_k + c) * itemsize + dim_k * 4 if channel_gated else 2 * factor_rows * c * 4)
+  published = _PUBLISHED_PAIRS * c * (dim_k + (0 if channel_gated else c)) * itemsize
   stores = 2 * be * (dim_k + c) * itemsize
-  return ring + c * c * 4 + published + max(stores, be * dim_k * 4 + 2 * be * c * itemsize) + _RESERVED
+  mask = 0 if channel_gated else c * c * 4
+  return num_stages * slot + mask + published + max(stores, be * dim_k * 4 + 2 * be * c * itemsize) + _RESERVED
 
 
 def _deepest_ring(bytes_at, max_stages: int) -> int:
@@ -111,24 +116,35 @@ def _deepest_ring(bytes_at, max_stages: int) -> int:
   raise AssertionError("unreachable: one stage fits sm90 at every K <= 128")
 
 
-def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3) -> int:
-  """The deepest ring of at most `max_stages` that fits sm90 (2 at K = 128 in 16 bits, 3 at K = 64)."""
-  return _deepest_ring(lambda stages: shared_memory_bytes(num_stages=stages, dim_k=dim_k, itemsize=itemsize),
-                       max_stages)
+def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3, channel_gated: bool = False) -> int:
+  """The deepest ring of at most `max_stages` that fits sm90 (2 at K = 128 in 16 bits, 3 at K = 64; the same
+  channel_gated)."""
+  return _deepest_ring(lambda stages: shared_memory_bytes(num_stages=stages, dim_k=dim_k, itemsize=itemsize,
+                                                          channel_gated=channel_gated), max_stages)
 
 
-def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, has_segments,
-            has_final, scale, in_registers, per_chunk):
+def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, has_segments, has_final, scale,
+            in_registers, per_chunk, channel_gated):
   refs = list(refs)
+  # The gates: the scaled causal mask and each chunk's factor rows (`chunk_factors`); or KDA's (`channel_gated`: q
+  # and k come as Q_g, scaled, and K_C) K_g [B, Tp, H, K], P [B, H, Tp, C] and the state's decay [B, H, N, 1, K].
+  intra_ref, vectors_ref = (None, None) if channel_gated else (refs.pop(0), refs.pop(0))
+  keys_ref, given_pairs_ref, channel_decay_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if channel_gated else (
+      None, None, None)
   d_final_ref = refs.pop(0) if has_final else None
   # Without `per_chunk`, dL/dS_0^T alone: G_n^T and dU^T are formed in shared memory but not stored.
   d_next_ref, du_ref = (refs.pop(0), refs.pop(0)) if per_chunk else (None, None)
   d_initial_ref, buffers, barriers = refs
-  (q_smem, k_smem, inverse_smem, do_smem, rows_smem, columns_smem, intra_smem, pairs_smem, w_smem,
-   (g_smem, g_f32_smem), du_smem, *staged) = buffers
+  q_smem, k_smem, inverse_smem, do_smem, *buffers = buffers
+  if channel_gated:  # ring slots of K_g, P and the state's decay; P read there, W alone published
+    keys_smem, given_pairs_smem, channel_decay_smem, w_smem, (g_smem, g_f32_smem), du_smem, *staged = buffers
+    rows_smem = columns_smem = intra_smem = pairs_smem = None
+  else:
+    (rows_smem, columns_smem, intra_smem, pairs_smem, w_smem, (g_smem, g_f32_smem), du_smem,
+     *staged) = buffers
   # Interpreted: the left operands dO^T Diag(row) (the chain's) and T' Diag(2^-c) (the pairs') staged, as Diag(row) dO
   # [C, 64] and [C, C] (G^T and dU^T are read where they are published).
-  queries_smem, inverse_scaled_smem = staged if staged else (None, None)
+  queries_smem, inverse_scaled_smem = (staged + [None])[:2] if staged else (None, None)
   # `loaded`: one barrier a slot, for every tile of the chunk (each copy arrives on it).
   loaded, intra_loaded, released, pairs_ready, w_ready, pairs_read, *barriers = barriers
   c, be = CHUNK_SIZE, BLOCK_E
@@ -148,7 +164,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
 
   @pl.when(wg == 0)
   def _memory():
-    plgpu.copy_gmem_to_smem(intra_ref, intra_smem, intra_loaded.at[0])
+    if not channel_gated:
+      plgpu.copy_gmem_to_smem(intra_ref, intra_smem, intra_loaded.at[0])
 
     def load(i, slot):
       rows = chunk_rows(i)
@@ -156,8 +173,14 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
       plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], loaded.at[slot])
       plgpu.copy_gmem_to_smem(inverse_ref.at[batch, head, rows], inverse_smem.at[slot], loaded.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head, cols], do_smem.at[slot], loaded.at[slot])
-      for factors_smem in (rows_smem, columns_smem):
-        plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, chunk_of(i)], factors_smem.at[slot], loaded.at[slot])
+      if channel_gated:
+        plgpu.copy_gmem_to_smem(keys_ref.at[batch, rows, head], keys_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(given_pairs_ref.at[batch, head, rows], given_pairs_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(channel_decay_ref.at[batch, head, chunk_of(i)], channel_decay_smem.at[slot],
+                                loaded.at[slot])
+      else:
+        for factors_smem in (rows_smem, columns_smem):
+          plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, chunk_of(i)], factors_smem.at[slot], loaded.at[slot])
 
     lightning_mosaic.fill_ring(load, released, num_chunks=num_chunks, num_stages=num_stages)
 
@@ -176,13 +199,18 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
     def body(i, grad_t):
       slot, buf, pub = slot_of(i), lax.rem(i, 2), lax.rem(i, _PUBLISHED_PAIRS)
       plgpu.barrier_wait(loaded.at[slot])
-      rows = rows_smem.at[slot]
-      cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
-      runs_end = rows_smem[slot, lightning_mosaic.RUNS, c - 1] if has_segments else None
-      key_exponent, state_exponent = lightning_mosaic.update_exponents(rows, cum_end=cum_end, runs_end=runs_end,
-                                                                       has_segments=has_segments)
-      # -scale 2^-c_t (zero past a segment start): dO^T Diag(row) Q is dO^T Q_g, negated with the state term below.
-      row = -scale * jnp.exp2(lightning_mosaic.row_exponents(rows, has_segments=has_segments))
+      if channel_gated:  # Q_g (scaled) and K_C carry the gates, the state decays per key channel
+        row = key_factor = None
+        decay = lax.broadcast_in_dim(channel_decay_smem[slot, 0], grad_t.shape, (1,))
+      else:
+        rows = rows_smem.at[slot]
+        cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
+        runs_end = rows_smem[slot, lightning_mosaic.RUNS, c - 1] if has_segments else None
+        key_exponent, state_exponent = lightning_mosaic.update_exponents(rows, cum_end=cum_end, runs_end=runs_end,
+                                                                         has_segments=has_segments)
+        key_factor, decay = by_column(jnp.exp2(key_exponent)), jnp.exp2(state_exponent)
+        # scale 2^-c_t (zero past a segment start): dO^T Diag(row) Q is dO^T Q_g.
+        row = scale * jnp.exp2(lightning_mosaic.row_exponents(rows, has_segments=has_segments))
       # G_n^T out; the stores of chunk i - 2 have read their buffers (two stores a chunk). Staged where stored or
       # read from shared memory by wgmma.
       staged = per_chunk or not in_registers
@@ -194,31 +222,39 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
       if per_chunk:
         plgpu.copy_smem_to_gmem(g_smem.at[buf], d_next_ref.at[batch, head, chunk_of(i), cols])
       do_t = do_smem.at[slot].transpose((1, 0))
-      plgpu.barrier_wait(pairs_ready.at[pub])
+      if channel_gated:
+        pairs = given_pairs_smem.at[slot]
+      else:
+        plgpu.barrier_wait(pairs_ready.at[pub])
+        pairs = pairs_smem.at[pub]
 
       def cotangent_products(through_pairs, through_keys):  # dO^T P and G^T K^T
-        plgpu.wgmma(through_pairs, do_t, pairs_smem.at[pub])
+        plgpu.wgmma(through_pairs, do_t, pairs)
         plgpu.wgmma(through_keys, grad_in if in_registers else g_smem.at[buf], k_smem.at[slot].transpose((1, 0)))
         return through_pairs[...], through_keys[...]
 
       through_pairs, through_keys = pl.run_scoped(cotangent_products, plgpu.ACC((be, c), _F32),
                                                   plgpu.ACC((be, c), _F32))
-      du_t = (through_pairs + through_keys * by_column(jnp.exp2(key_exponent))).astype(du_smem.dtype)
+      du_t = (through_pairs + (through_keys if key_factor is None else through_keys * key_factor)).astype(
+          du_smem.dtype)
       if staged:
         du_smem[buf] = du_t
         plgpu.commit_smem()
       if per_chunk:
         plgpu.copy_smem_to_gmem(du_smem.at[buf], du_ref.at[batch, head, cols, chunk_rows(i)])
+      # -dO^T Diag(row): negated with the state term below.
       if in_registers:
-        queries_t = (do_t[...].astype(_F32) * by_column(row)).astype(do_smem.dtype)
+        do_rows = do_t[...].astype(_F32)
+        queries_t = (-do_rows if row is None else do_rows * by_column(-row)).astype(do_smem.dtype)
       else:  # staged untransposed, read transposed by wgmma
-        queries_smem[...] = (do_smem[slot].astype(_F32) * row[:, None]).astype(queries_smem.dtype)
+        do_rows = do_smem[slot].astype(_F32)
+        queries_smem[...] = (-do_rows if row is None else do_rows * -row[:, None]).astype(queries_smem.dtype)
         plgpu.commit_smem()
         queries_t = queries_smem.transpose((1, 0))
       # -(G^T before the chunk) = -a G^T - dO^T Q_g + dU^T W, one accumulator.
       plgpu.barrier_wait(w_ready.at[pub])
       negated = lightning_mosaic.update(
-          grad_t * -jnp.exp2(state_exponent), (queries_t, q_smem.at[slot]),
+          grad_t * -decay, (queries_t, q_smem.at[slot]),
           (du_t if in_registers else du_smem.at[buf], w_smem.at[pub]), in_registers=in_registers)
       plgpu.barrier_arrive(pairs_read.at[pub])
       plgpu.barrier_arrive(released.at[slot])
@@ -233,46 +269,56 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
 
   @pl.when(wg == 2)
   def _pairs():
-    plgpu.barrier_wait(intra_loaded.at[0])
-    intra = intra_smem[...]
+    if not channel_gated:
+      plgpu.barrier_wait(intra_loaded.at[0])
+      intra = intra_smem[...]
 
     @pl.loop(0, num_chunks)
     def _chunk(i):
       slot, pub = slot_of(i), lax.rem(i, _PUBLISHED_PAIRS)
       plgpu.barrier_wait(loaded.at[slot])
-      rows = rows_smem.at[slot]
-      cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
 
-      def weighted_scores(acc):
-        plgpu.wgmma(acc, q_smem.at[slot], k_smem.at[slot].transpose((1, 0)))
-        weights = lightning_mosaic.pair_weights(intra, rows, columns_smem.at[slot], cum_end=cum_end,
-                                                has_segments=has_segments)
-        return acc[...] * weights
+      def claim():  # the chain is done with chunk i - _PUBLISHED_PAIRS's buffers
+        @pl.when(i >= _PUBLISHED_PAIRS)
+        def _():
+          plgpu.barrier_wait(pairs_read.at[pub])
 
-      pairs = pl.run_scoped(weighted_scores, plgpu.ACC((c, c), _F32)).astype(pairs_smem.dtype)
+      if channel_gated:  # W = T' K_g (P comes in the ring)
+        inverse_scaled, keys = inverse_smem.at[slot], keys_smem.at[slot]
+      else:
+        rows = rows_smem.at[slot]
+        cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
 
-      @pl.when(i >= _PUBLISHED_PAIRS)
-      def _():
-        plgpu.barrier_wait(pairs_read.at[pub])
+        def weighted_scores(acc):
+          plgpu.wgmma(acc, q_smem.at[slot], k_smem.at[slot].transpose((1, 0)))
+          weights = lightning_mosaic.pair_weights(intra, rows, columns_smem.at[slot], cum_end=cum_end,
+                                                  has_segments=has_segments)
+          return acc[...] * weights
 
-      # P out first: the chain's first products take it, its update alone W.
-      pairs_smem[pub] = pairs
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(pairs_ready.at[pub])
-      # W = T' K_g = (T' Diag(2^-c_s)) K, the columns of T' scaled as K_g's rows (zero past a segment start).
-      by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
-      key_rows = jnp.exp2(lightning_mosaic.row_exponents(columns_smem.at[slot], has_segments=has_segments))
-      inverse_scaled = (inverse_smem[slot].astype(_F32) * by_column(key_rows)).astype(inverse_smem.dtype)
-      if not in_registers:
-        inverse_scaled_smem[...] = inverse_scaled
+        pairs = pl.run_scoped(weighted_scores, plgpu.ACC((c, c), _F32)).astype(pairs_smem.dtype)
+        claim()
+        # P out first: the chain's first products take it, its update alone W.
+        pairs_smem[pub] = pairs
         plgpu.commit_smem()
-        inverse_scaled = inverse_scaled_smem
+        plgpu.barrier_arrive(pairs_ready.at[pub])
+        # W = T' K_g = (T' Diag(2^-c_s)) K, the columns of T' scaled as K_g's rows (zero past a segment start).
+        by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
+        key_rows = jnp.exp2(lightning_mosaic.row_exponents(columns_smem.at[slot], has_segments=has_segments))
+        inverse_scaled = (inverse_smem[slot].astype(_F32) * by_column(key_rows)).astype(inverse_smem.dtype)
+        if not in_registers:
+          inverse_scaled_smem[...] = inverse_scaled
+          plgpu.commit_smem()
+          inverse_scaled = inverse_scaled_smem
+        keys = k_smem.at[slot]
 
       def wy_keys(acc):
-        plgpu.wgmma(acc, inverse_scaled, k_smem.at[slot])
+        plgpu.wgmma(acc, inverse_scaled, keys)
         return acc[...]
 
-      w_smem[pub] = pl.run_scoped(wy_keys, plgpu.ACC((c, k_smem.shape[-1]), _F32)).astype(w_smem.dtype)
+      w = pl.run_scoped(wy_keys, plgpu.ACC((c, k_smem.shape[-1]), _F32)).astype(w_smem.dtype)
+      if channel_gated:
+        claim()
+      w_smem[pub] = w
       plgpu.commit_smem()
       plgpu.barrier_arrive(w_ready.at[pub])
       plgpu.barrier_arrive(released.at[slot])
@@ -282,39 +328,49 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, inverse_ref, do_ref, *refs, nu
       plgpu.barrier_wait(pairs_read.at[lax.rem(i, _PUBLISHED_PAIRS)])
 
 
-def _checked_factors(keys, dim_v: int, inverse, chunk_gates):
-  """The chunks' factor rows (`lightning_mosaic.chunk_factors`) for padded operands, which it checks: keys [B, Tp, H,
-  K] with Tp a multiple of 64 and K 64 or 128, Ep = dim_v a multiple of 64, inverse [B, H, Tp, 64]."""
+def _check_padded(keys, dim_v: int, inverse):
+  """keys [B, Tp, H, K] with Tp a multiple of 64 and K 64 or 128, Ep = dim_v a multiple of 64, inverse [B, H, Tp,
+  64], or a ValueError."""
   b, tp, h, dim_k = keys.shape
   c, be = CHUNK_SIZE, BLOCK_E
   if tp % c or dim_k not in (64, 128) or dim_v % be or inverse.shape != (b, h, tp, c):
     raise ValueError(f"padded operands: Tp a multiple of {c}, K 64 or 128, Ep a multiple of {be}, inverse [B, H, Tp, "
                      f"{c}]; got keys {keys.shape}, Ep {dim_v}, inverse {inverse.shape}")
+
+
+def _checked_factors(keys, dim_v: int, inverse, chunk_gates):
+  """The chunks' factor rows (`lightning_mosaic.chunk_factors`) for padded operands, which it checks
+  (`_check_padded`)."""
+  _check_padded(keys, dim_v, inverse)
+  b, tp, h, _ = keys.shape
   cumdecay, runs = chunk_gates
   if cumdecay is None:
     cumdecay = jnp.zeros((b, h, tp), _F32)
   return lightning_mosaic.chunk_factors(cumdecay, runs)
 
 
-def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = False):
+def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = False, channel_gates=None):
   """The backward's state sweep on padded operands: (S_n^T [B, H, N, Ep, K], the state before chunk n; U^T [B, H, Ep,
   Tp]), both in the input dtype.
 
   k: [B, Tp, H, K]; v: [B, Tp, H, Ep] (as for `state_cotangents`); inverse:
   each chunk's T' = T Diag(beta) [B, H, Tp, 64] (`inverse`, as
   the forward's); chunk_gates: as for `state_cotangents`; initial_state: None or
-  S_0^T [B, H, Ep, K] float32.
+  S_0^T [B, H, Ep, K] float32. channel_gates: None, or KDA's (K_C, P, the
+  state's decay), k then K_g and chunk_gates (None, None), as
+  `lightning_mosaic.forward_padded`'s `delta_channel_gates`.
   """
   b, tp, h, dim_k = k.shape
-  cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=k.dtype.itemsize, delta=True)
+  cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=k.dtype.itemsize, delta=True,
+                                            channel_gated=channel_gates is not None)
   return lightning_mosaic.forward_padded(
       None, k, v, None, None if initial_state is None else initial_state[:, :, None], chunk_gates=chunk_gates,
-      delta_inverse=inverse, delta_states=True, with_outputs=False, scale=1.0, seq_len=tp, cfg=cfg,
-      interpret=interpret)
+      delta_inverse=inverse, delta_states=True, delta_channel_gates=channel_gates, with_outputs=False, scale=1.0,
+      seq_len=tp, cfg=cfg, interpret=interpret)
 
 
 def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, interpret: bool = False,
-                     initial_only: bool = False):
+                     initial_only: bool = False, channel_gates=None):
   """The reverse sweep on padded operands: (G^T [B, H, N, Ep, K] in the input dtype, G_n^T = (dL/dS after chunk
   n)^T; dL/dS_0^T [B, H, Ep, K] float32; dU^T [B, H, Ep, Tp] in the input dtype); with `initial_only`, dL/dS_0^T
   alone (the sequence split's pass from zero end cotangents, which stores nothing a chunk).
@@ -325,39 +381,58 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
   Tp] float32 or None, runs [B, Tp] int32 or None) as
   `chunk_common.token_chunk_gates` gives them for the forward sweep over 64-token
   chunks. d_final: None or (dL/dS_T)^T [B, H, Ep, K] float32.
+  channel_gates: None, or KDA's per-key-channel gates (`channel_gated_chunks`'
+  terms): (K_g [B, Tp, H, K], P [B, H, Tp, 64], the state's decay 2^G_C [B,
+  H, N, 1, K] float32), with q and k given as Q_g (scaled) and K_C,
+  chunk_gates (None, None) and scale 1: P is read as given, W = T' K_g.
   """
   b, tp, h, dim_k = q.shape
   dim_v = do.shape[-1]
   c, be = CHUNK_SIZE, BLOCK_E
-  vectors = _checked_factors(q, dim_v, inverse, chunk_gates)
-  runs = chunk_gates[1]
-  intra = scale * chunk_common.causal_mask(c, reverse=False).astype(_F32)
+  channel_gated = channel_gates is not None
+  if channel_gated:
+    keys, pairs, channel_decay = channel_gates
+    if (any(g is not None for g in chunk_gates) or scale != 1.0 or keys.shape != q.shape or k.shape != q.shape
+        or pairs.shape != (b, h, tp, c) or channel_decay.shape != (b, h, tp // c, 1, dim_k)):
+      raise ValueError(f"channel_gates take chunk_gates (None, None), scale 1, and K_g [B, Tp, H, K] = {q.shape}, P "
+                       f"[B, H, Tp, {c}], the state's decay [B, H, N, 1, K]; got {chunk_gates}, {scale}, "
+                       f"{keys.shape}, {pairs.shape}, {channel_decay.shape}")
+    _check_padded(q, dim_v, inverse)
+    gate_inputs, gate_smem = (keys, pairs, channel_decay.astype(_F32)), None
+  else:
+    vectors = _checked_factors(q, dim_v, inverse, chunk_gates)
+    gate_inputs = (scale * chunk_common.causal_mask(c, reverse=False).astype(_F32), vectors)
   dtype = q.dtype
-  stages = num_stages(dim_k=dim_k, itemsize=dtype.itemsize)
+  stages = num_stages(dim_k=dim_k, itemsize=dtype.itemsize, channel_gated=channel_gated)
   in_registers = not interpret  # the interpreter's wgmma reads shared memory alone
   smem = lightning_mosaic.swizzled_smem
   ring = lambda width: smem((stages, c, width), dtype)  # noqa: E731
-  factor_rows = vectors.shape[-2]
+  if channel_gated:  # K_g, P and the state's decay in the ring; W published
+    gate_smem = (ring(dim_k), ring(c), plgpu.SMEM((stages, 1, dim_k), _F32))
+  else:  # the factor rows twice in the ring, the scaled causal mask; P and W published
+    factor_rows = vectors.shape[-2]
+    gate_smem = (plgpu.SMEM((stages, factor_rows, c), _F32), plgpu.SMEM((stages, factor_rows, c), _F32),
+                 plgpu.SMEM((c, c), _F32), smem((_PUBLISHED_PAIRS, c, c), dtype))
+  staged = () if in_registers else (smem((c, be), dtype),) + (() if channel_gated else (smem((c, c), dtype),))
   scratch = (
-      (ring(dim_k), ring(dim_k), ring(c), ring(be),
-       plgpu.SMEM((stages, factor_rows, c), _F32), plgpu.SMEM((stages, factor_rows, c), _F32),
-       plgpu.SMEM((c, c), _F32), smem((_PUBLISHED_PAIRS, c, c), dtype), smem((_PUBLISHED_PAIRS, c, dim_k), dtype),
+      (ring(dim_k), ring(dim_k), ring(c), ring(be), *gate_smem, smem((_PUBLISHED_PAIRS, c, dim_k), dtype),
        plgpu.RefUnion(smem((2, be, dim_k), dtype), plgpu.SMEM((be, dim_k), _F32)), smem((2, be, c), dtype))
-      + (() if in_registers else (smem((c, be), dtype), smem((c, c), dtype))),
-      # q, k, T', dO and the factor rows twice, one arrival each.
-      (plgpu.Barrier(num_arrivals=6, num_barriers=stages), plgpu.Barrier(num_barriers=1),
+      + staged,
+      # q, k, T', dO and the factor rows twice (KDA: K_g, P and the decay), one arrival each.
+      (plgpu.Barrier(num_arrivals=7 if channel_gated else 6, num_barriers=stages), plgpu.Barrier(num_barriers=1),
        plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS),
        plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS))
       + ((plgpu.Barrier(num_barriers=1),) if d_final is not None else ()),
   )
-  inputs = (intra, vectors, q, k, inverse, do) + (() if d_final is None else (d_final,))
+  inputs = (q, k, inverse, do) + gate_inputs + (() if d_final is None else (d_final,))
   n = tp // c
   out_type = (manual_axes.struct((b, h, n, dim_v, dim_k), dtype, *inputs),
               manual_axes.struct((b, h, dim_v, tp), dtype, *inputs))
   out_type = (() if initial_only else out_type) + (manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs),)
-  kernel = functools.partial(_kernel, num_chunks=n, num_stages=stages, has_segments=runs is not None,
+  kernel = functools.partial(_kernel, num_chunks=n, num_stages=stages,
+                             has_segments=not channel_gated and chunk_gates[1] is not None,
                              has_final=d_final is not None, scale=scale, in_registers=in_registers,
-                             per_chunk=not initial_only)
+                             per_chunk=not initial_only, channel_gated=channel_gated)
   *per_chunk, d_initial_t = lightning_mosaic.warpgroup_kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(h, b, dim_v // be),
       grid_names=("heads", "batch", "value_blocks"), interpret=interpret,

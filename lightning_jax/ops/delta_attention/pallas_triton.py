@@ -36,8 +36,9 @@ U, G_n and dU transposed, as `tile_gradients(transposed=True)` reads them)
 and no prepare runs: they and the gradient kernel take the T and T' of the
 forward's inverse kernel; `backward` says where. KDA's backward where its
 forward is warp-specialised (`_channel_gated_backward`) runs at 64-token
-chunks too: the forward's chunk-terms kernel again, the Triton sweeps on its
-pre-gated terms, and `tile_gradients` with the per-key-channel gates
+chunks too: on the forward's chunk terms and states (or its kernels again),
+the warp-specialised reverse sweep in a channel-gated mode, and
+`tile_gradients` with the per-key-channel gates
 (`_channel_tile_gradients_kernel`).
 
 The gates arrive as chunk-local cumulative log decays g (`chunk.chunk_log_decays`):
@@ -127,9 +128,9 @@ class DeltaConfig:
       the backward's state sweep recomputes them (less memory between the
       two). For KDA's per-key-channel gates, where the forward is
       warp-specialised, the chunk terms its pair kernel forms (T, T', P,
-      Q_g, K_g, K_C and G: about 6.5 times q's bytes at D = 128) instead,
-      which the backward's pair kernel would form again
-      (`keeps_chunk_terms`).
+      Q_g, K_g, K_C and G) with S_n^T and U^T (about 9.5 times q's bytes at
+      D = E = 128), which the backward would form again, running the pair
+      kernel and the state sweep (`keeps_chunk_terms`).
     sequence_pieces: pieces each row of the sequence is cut into, run in
       parallel from their true initial states (`sequence_split`), forward and
       backward; 1: no split; None: `sequence_split.num_pieces` for the call
@@ -1362,7 +1363,8 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   (`warp_specialized.forward(..., with_states=True)`; `forward_states`), or
   None: the state sweep forms them here.
   chunk_terms: KDA's, where its forward is warp-specialised: the
-  forward's `pallas_mosaic_gpu.ChannelGatedChunks` with its backward terms
+  forward's `pallas_mosaic_gpu.ChannelGatedChunks` with its backward terms,
+  then S_n^T, U^T and `pallas_mosaic_gpu.block_log_decays`
   (`warp_specialized.forward(..., with_chunk_terms=True)`), or None: formed
   here (`_channel_gated_backward`).
   initial_cotangent_only: return only dL/dS_0 [B, H, D, E] float32 (the
@@ -1448,15 +1450,6 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
           d_decay, None if initial_state is None else d_initial[:, :, :d, :e])
 
 
-def _chunk_products(tri, x):
-  """Each 64-token chunk's T' X: tri [B, H, Tp, C], x [B, Tp, H, K] -> [B, Tp, H, K] in x's dtype (float32 sums)."""
-  b, tp, h, dim = x.shape
-  c = tri.shape[-1]
-  y = jnp.einsum("bhnts,bnshk->bnthk", tri.reshape(b, h, tp // c, c, c), x.reshape(b, tp // c, c, h, dim),
-                 preferred_element_type=_F32)
-  return y.reshape(b, tp, h, dim).astype(x.dtype)
-
-
 def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale,
                             config: DeltaConfig, interpret, chunk_terms, initial_cotangent_only, fallback):
   """`backward` for KDA's per-key-channel gates where the forward is warp-specialised (`config.warp_specialized`,
@@ -1464,14 +1457,15 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
   (`pallas_mosaic_gpu.channel_spans_bounded`; else `fallback`, `backward`'s Triton one at 16-token chunks, a
   traced choice).
 
-  `pallas_mosaic_gpu.channel_gated_chunks` forms each chunk's T', T, P,
-  Q_g, K_g, K_C and G as the forward's did (or chunk_terms, the forward's
-  own, `backward`'s); W = T' K_g and U_v = T' V are
-  batched products (XLA); the Triton sweeps take the terms pre-gated (Q_g
-  and P carry the scale, K_C the decay to the chunk's end, the state decays
-  by 2^{G_C} per key channel): `state_cotangents` G_n and dU, `sweep` S_n
-  and U; then `tile_gradients(channel_gates=G)` every chunk's cotangents,
-  and the rates' is the vjp of their chunk-local sums.
+  Each chunk's T', T, P, Q_g, K_g, K_C and G, its S_n^T and U^T and its
+  blocks' log decays come from the forward (chunk_terms, `backward`'s), or
+  `pallas_mosaic_gpu.channel_gated_chunks` and `state_sweep` form them
+  again as the forward did. The warp-specialised reverse sweep
+  (`pallas_mosaic_gpu.state_cotangents` in its channel-gated mode: Q_g and P
+  carry the scale, K_C the decay to the chunk's end, the state decays by
+  2^{G_C} per key channel, W = T' K_g formed on chip) gives G_n^T and dU^T;
+  then `tile_gradients(channel_gates=G, transposed=True)` every chunk's
+  cotangents, and the rates' is the vjp of their chunk-local sums.
   """
   del segment_starts  # None here
   b, t, h, d = q.shape
@@ -1480,33 +1474,41 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
   tp = -(-t // c) * c
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
+  transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
   rates = pad(decay.astype(_F32), dp)
-  block_ends = pallas_mosaic_gpu.block_log_decays(rates)
+  block_ends = (pallas_mosaic_gpu.block_log_decays(rates) if chunk_terms is None
+                else chunk_terms[-1])  # the forward's own, also where its Triton fallback ran
 
   def on_chunk_terms():
     qp, kp, vp = pad(q, dp), pad(k, dp), pad(v, ep)
     beta_rows = warp_specialized_forward.beta_rows(beta, tp=tp)
-    terms = pallas_mosaic_gpu.ChannelGatedChunks(*chunk_terms) if chunk_terms is not None else (
-        pallas_mosaic_gpu.channel_gated_chunks(qp, kp, beta_rows, rates, block_ends, scale=scale,
-                                               with_backward_terms=True, interpret=interpret))
-    w, u_v = _chunk_products(terms.inverse, terms.keys), _chunk_products(terms.inverse, vp)
-    gates_ = Gates(None, None, jnp.exp2(block_ends[:, :, :, -1]).reshape(b, h, (tp // c) * dp, 1))
-    kernels = dict(config=dataclasses.replace(config, chunk_size=c), interpret=interpret)
+    kept_states = None
+    if chunk_terms is None:
+      terms = pallas_mosaic_gpu.channel_gated_chunks(qp, kp, beta_rows, rates, block_ends, scale=scale,
+                                                     with_backward_terms=True, interpret=interpret)
+    else:
+      terms, kept_states = pallas_mosaic_gpu.ChannelGatedChunks(*chunk_terms[:-3]), chunk_terms[-3:-1]
+    channel_decay = jnp.exp2(block_ends[:, :, :, -1:])  # 2^G_C [B, H, N, 1, Dp]
     dop = chunk_common.pad_tokens_and_features(do.astype(q.dtype), num_tokens=tp, dim=ep)
-    sweeps = (terms.queries, terms.keys_to_end, w)
+    reverse_sweep = functools.partial(
+        pallas_mosaic_gpu.state_cotangents, terms.queries, terms.keys_to_end, terms.inverse, dop, (None, None),
+        transpose(chunk_common.pad_state(d_final, dp, ep)), scale=1.0, interpret=interpret,
+        channel_gates=(terms.keys, terms.pairs, channel_decay))
     if initial_cotangent_only:
-      return state_cotangents(*sweeps, terms.pairs, gates_, dop, chunk_common.pad_state(d_final, dp, ep), scale=1.0,
-                              with_chunk_cotangents=False, **kernels)[1][:, :, :d, :e]
-    d_next, d_initial, du = state_cotangents(*sweeps, terms.pairs, gates_, dop, chunk_common.pad_state(d_final, dp, ep),
-                                             scale=1.0, with_value_cotangents=True, **kernels)
-    _, _, states, u = sweep(*sweeps, u_v, None, gates_, chunk_common.pad_state(initial_state, dp, ep), scale=1.0,
-                            with_outputs=False, with_final_state=False, with_states=True, with_values=True, **kernels)
+      return transpose(reverse_sweep(initial_only=True))[:, :, :d, :e]
+    d_next_t, d_initial_t, du_t = reverse_sweep()
+    states_t, values_t = kept_states or pallas_mosaic_gpu.state_sweep(
+        terms.keys, vp, terms.inverse, (None, None), transpose(chunk_common.pad_state(initial_state, dp, ep)),
+        channel_gates=(terms.keys_to_end, terms.pairs, channel_decay), interpret=interpret)
     dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, Gates(None, None, None), terms.unscaled_inverse,
-                                            states, d_next, u, du, dop, scale=scale, channel_gates=terms.gates,
-                                            **kernels)
-    d_rates = jax.vjp(functools.partial(chunk.chunk_log_decays, chunk_size=c), rates)[1](dg)[0]
+                                            states_t, d_next_t, values_t, du_t, dop, scale=scale,
+                                            config=dataclasses.replace(config, chunk_size=c), interpret=interpret,
+                                            transposed=True, channel_gates=terms.gates)
+    # The vjp of the rates' chunk-local sums g = -cumsum(min(rates, MAX_RATE)): every rate here is below
+    # chunk.MAX_RATE (a 16-token block decays by at most the span bound), so the clamp passes each gradient whole.
+    d_rates = chunk.chunk_sums_to_end(dg, chunk_size=c, sign=-1.0)
     return (dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :e],
             jnp.moveaxis(d_beta[:, :, :t], 1, 2).astype(beta.dtype), d_rates[:, :t, :, :d].astype(decay.dtype),
-            None if initial_state is None else d_initial[:, :, :d, :e])
+            None if initial_state is None else transpose(d_initial_t)[:, :, :d, :e])
 
   return jax.lax.cond(pallas_mosaic_gpu.channel_spans_bounded(block_ends, q.dtype), on_chunk_terms, fallback)

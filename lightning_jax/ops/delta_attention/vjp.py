@@ -30,10 +30,11 @@ so dg_t = x_t dx_t - y_t dy_t summed over those uses; the rates' cotangent is
 the vjp of the chunk-local cumulative sum (`pallas_triton.gate_logs`).
 
 KDA's per-key-channel gates: where the forward is warp-specialised, the
-backward runs at its 64-token chunks on each chunk's terms, which the
-forward keeps (`DeltaConfig.keeps_chunk_terms`) or the forward's kernel forms
-again (`pallas_triton._channel_gated_backward`), else the Triton one at
-16-token chunks.
+backward runs at its 64-token chunks on the warp-specialised sweeps, on each
+chunk's terms and S_n^T and U^T, which the forward keeps
+(`DeltaConfig.keeps_chunk_terms`) or the forward's kernels form again
+(`pallas_triton._channel_gated_backward`), else the Triton one at 16-token
+chunks.
 
 The backward is first-order only (`lightning_attention.vjp.first_order_only`).
 Forward and backward kernels run through `auto_sharding.blockwise`: under
@@ -55,6 +56,7 @@ from lightning_jax.ops.delta_attention import sequence_split
 from lightning_jax.ops.delta_attention import warp_specialized
 from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import auto_sharding
+from lightning_jax.ops.lightning_attention.auto_sharding import CHUNK_BLOCKS
 from lightning_jax.ops.lightning_attention.auto_sharding import CHUNK_STATES
 from lightning_jax.ops.lightning_attention.auto_sharding import CHUNK_TILES
 from lightning_jax.ops.lightning_attention.auto_sharding import CHUNK_VALUES
@@ -71,8 +73,10 @@ MAX_VALUE_DIM = WarpSpecializedConfig.MAX_DIM_V
 # The split's residuals: the state before each piece, each piece's transition M (both [B P, H, D, *]) and
 # whether each piece continues the segment before it ([B, P]).
 SPLIT_LABELS = (STATE, STATE, STARTS)
-# KDA's chunk terms (`delta_mosaic.ChannelGatedChunks` with its backward terms): T', P, Q_g, K_g, K_C, T and G.
-TERM_LABELS = (CHUNK_TILES, CHUNK_TILES, ROWS_D, ROWS_D, ROWS_D, CHUNK_TILES, ROWS_D)
+# KDA's chunk terms (`delta_mosaic.ChannelGatedChunks` with its backward terms: T', P, Q_g, K_g, K_C, T and G),
+# then each chunk's S_n^T and U^T and its 16-token blocks' log decays (`delta_mosaic.block_log_decays`).
+TERM_LABELS = (CHUNK_TILES, CHUNK_TILES, ROWS_D, ROWS_D, ROWS_D, CHUNK_TILES, ROWS_D, CHUNK_STATES, CHUNK_VALUES,
+               CHUNK_BLOCKS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -17,9 +17,10 @@ The sequence split's map pass (`piece_maps`) runs the chain alone, twice a CTA.
 
 KDA's per-key-channel gates (`_channel_gated`): `delta_mosaic.channel_gated_chunks`
 forms each chunk's T', P, Q_g, K_g and K_C, and the chain takes them
-pre-gated (its `channel_gated` mode: the state decayed per key channel). No
-kept inverses or states: the backward (`pallas_triton._channel_gated_backward`)
-takes those chunk terms (`with_chunk_terms`, with T and G) or forms them
+pre-gated (its `channel_gated` mode: the state decayed per key channel). The
+backward (`pallas_triton._channel_gated_backward`, on the warp-specialised
+sweeps in the same mode) takes those chunk terms with T and G and the S_n^T
+and U^T the output warpgroup stores (`with_chunk_terms`), or forms them
 again; no packed sequences; the split's map pass is the Triton sweep's.
 """
 
@@ -73,7 +74,8 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
   than `delta_mosaic.max_block_span(q.dtype)` (log2 units) on a key channel, `fallback` (a callable of `forward`'s
   arguments) runs instead: the chunks' factors would leave the operands' range (a traced choice, `lax.cond`).
   with_chunk_terms: a third result, the chunk terms with their backward terms (`delta_mosaic.ChannelGatedChunks`,
-  as a tuple; zeros where `fallback` runs: then the backward's choice is its Triton kernels too)."""
+  as a tuple) and each chunk's S_n^T [B, H, N, Ep, Dp] and U^T [B, H, Ep, Tp] (`delta_states`), zeros where
+  `fallback` runs, then `delta_mosaic.block_log_decays` (from which the backward makes the same choice)."""
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
@@ -95,22 +97,21 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
                                               channel_gated=True)
     result = pallas_mosaic_gpu.forward_padded(
         terms.queries, terms.keys, pad(v, ep), None, state, chunk_gates=(None, None), delta_inverse=terms.inverse,
-        delta_channel_gates=(terms.keys_to_end, terms.pairs, channel_decay),
+        delta_channel_gates=(terms.keys_to_end, terms.pairs, channel_decay), delta_states=with_chunk_terms,
         scale=scale, seq_len=t, return_final_state=with_final_state, cfg=cfg, interpret=interpret)
-    o, final_state = result if with_final_state else (result, None)
-    if final_state is not None:
-      final_state = jnp.swapaxes(final_state, -1, -2)[:, :, :d, :e]
-    return o[:, :t, :, :e], final_state, (tuple(terms) if with_chunk_terms else ())
+    o, *results = result if isinstance(result, tuple) else (result,)
+    final_state = jnp.swapaxes(results.pop(), -1, -2)[:, :, :d, :e] if with_final_state else None
+    return o[:, :t, :, :e], final_state, ((*terms, *results) if with_chunk_terms else ())
 
   def on_fallback():
     kept = ()
     if with_chunk_terms:  # placeholders of the terms' shapes: the backward's own choice skips them
-      kept = tuple(jnp.zeros(x.shape, x.dtype) for x in jax.eval_shape(chunk_terms))
+      kept = tuple(jnp.zeros(x.shape, x.dtype) for x in jax.eval_shape(on_chunk_terms)[2])
     return (*fallback(q, k, v, beta, decay, None, initial_state), kept)
 
   o, final_state, kept = lax.cond(delta_mosaic.channel_spans_bounded(block_ends, q.dtype), on_chunk_terms,
                                   on_fallback)
-  return (o, final_state, kept) if with_chunk_terms else (o, final_state)
+  return (o, final_state, (*kept, block_ends)) if with_chunk_terms else (o, final_state)
 
 
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, interpret,
@@ -130,8 +131,8 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   tokens, whatever `DeltaConfig.chunk_size` says.
 
   KDA's per-key-channel rates (decay [B, T, H, D], no segments; neither
-  inverses nor states are kept, but with_chunk_terms its chunk terms, the
-  third result) run `_channel_gated`, with `fallback` (a callable of this
+  inverses nor states are kept, but with_chunk_terms its chunk terms and
+  states, the third result) run `_channel_gated`, with `fallback` (a callable of this
   function's first seven arguments returning (o, final state)) where the
   chunks' gates leave its range.
   """

@@ -45,9 +45,10 @@ from lightning_jax.ops.lightning_attention.config import PallasOptions
 
 # Labels of the dimensions of each array (Shardy factors): B, T, H, D, E; and the delta rule's per-chunk [C, C]
 # tiles [B, H, Tp, C] (p: T padded to whole chunks, c: a chunk's tokens), its states before each chunk, transposed,
-# [B, H, N, Ep, Dp] (n: chunks; f, k: E and D padded) and pseudo-values U^T [B, H, Ep, Tp].
+# [B, H, N, Ep, Dp] (n: chunks; f, k: E and D padded), pseudo-values U^T [B, H, Ep, Tp], and KDA's log decays at
+# each chunk's 16-token blocks' ends [B, H, N, 4, Dp] (j: the blocks).
 ROWS_D, ROWS_E, TOKENS, STATE, STARTS, CHUNK_TILES = "bthd", "bthe", "bth", "bhde", "bt", "bhpc"
-CHUNK_STATES, CHUNK_VALUES = "bhnfk", "bhfp"
+CHUNK_STATES, CHUNK_VALUES, CHUNK_BLOCKS = "bhnfk", "bhfp", "bhnjk"
 _SPLIT = ("b", "h")  # the factors kept split; the others are gathered if they were split
 
 
