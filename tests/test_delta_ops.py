@@ -411,17 +411,25 @@ def test_sequence_split_matches_oracle(case, pieces, with_final_state, kernel_mo
 
 def test_sequence_pieces_where_measured():
   """The split runs where the sweeps' programs fill at most a quarter of the SMs (4 or 8 pieces, each at least 16
-  chunks), not at 2; on the warp-specialised sweeps (their map pass the chain alone) from half the SMs, 2 to 16
+  chunks), not at 2; where the map pass is warp-specialised (the chain alone) from half the SMs, 2 to 16
   pieces. `default_config` leaves it to the call, an explicit count is checked."""
   from lightning_jax.ops.delta_attention import sequence_split
 
   pieces = lambda programs, chunks=1024, ws=False: sequence_split.num_pieces(  # noqa: E731
-      programs=programs, num_chunks=chunks, num_sms=132, warp_specialized=ws)
+      programs=programs, num_chunks=chunks, num_sms=132, warp_specialized_map=ws)
   assert [pieces(p) for p in (8, 16, 32, 33, 34, 64, 128)] == [8, 8, 4, 4, 1, 1, 1]
   assert [pieces(p, ws=True) for p in (4, 8, 9, 16, 32, 33, 34, 64, 66, 67, 128)] == [16, 16, 8, 8, 4, 4, 2, 2, 2,
                                                                                         1, 1]
   assert pieces(16, chunks=127) == 4 and pieces(16, chunks=63) == 1
   assert pieces(64, chunks=31, ws=True) == 1 and pieces(64, chunks=32, ws=True) == 2
+  # A call's: KDA's map pass is the Triton sweep's wherever its sweeps are warp-specialised (B1 H32 D128: 64
+  # programs, no split; B1 H16: 4 pieces), a scalar gate's the chain (2 pieces at B1 H32).
+  call = lambda h, **kw: sequence_split.call_pieces(  # noqa: E731
+      (1, 8192, h, 128), 128, lj.DeltaConfig(warp_specialized=True), num_sms=132, **kw)
+  assert [call(32, per_channel_gate=True), call(16, per_channel_gate=True), call(32, per_channel_gate=False)] == [
+      1, 4, 2]
+  assert sequence_split.call_pieces((1, 8192, 32, 128), 128, lj.DeltaConfig(warp_specialized=False), num_sms=132,
+                                    per_channel_gate=False) == 1
   assert lj.DeltaConfig().sequence_pieces is None
   for bad in (0, 1.5, True):
     with pytest.raises(ValueError, match="sequence_pieces must be None or an int >= 1"):

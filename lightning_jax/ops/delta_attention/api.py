@@ -22,7 +22,6 @@ from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import packing
 from lightning_jax.ops.lightning_attention import sharding
-from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
 
 IMPLS = ("auto", "pallas", "xla", "reference")
 MAX_HEAD_DIM = lightning_api.MAX_HEAD_DIM  # q, k, v are checked by the lightning op's `check_qkv`
@@ -211,10 +210,8 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
                          "scalar decay or none, split_backward not False, block_e >= 64; for KDA's per-key-channel "
                          "decay, the sm90 forward); pass None or False")
       if config.sequence_pieces is None:
-        value_blocks = -(-v.shape[-1] // min(config.block_e, WarpSpecializedConfig.BLOCK_E))
-        config = dataclasses.replace(config, sequence_pieces=sequence_split.num_pieces(
-            programs=q.shape[0] * q.shape[2] * value_blocks, num_chunks=-(-q.shape[1] // sequence_split.PIECE_ALIGN),
-            num_sms=heuristics.num_sms(device), warp_specialized=config.warp_specialized))
+        config = dataclasses.replace(config, sequence_pieces=sequence_split.call_pieces(
+            q.shape, v.shape[-1], config, per_channel_gate=per_channel_gate, num_sms=heuristics.num_sms(device)))
       opts = vjp.PallasOptions(scale=scale, with_final_state=return_final_state, config=config, interpret=interpret)
       o, final_state = vjp.delta_attention_pallas(q, k, v, beta, decay, starts, initial_state, opts)
     else:

@@ -133,9 +133,10 @@ class DeltaConfig:
       kernel and the state sweep (`keeps_chunk_terms`).
     sequence_pieces: pieces each row of the sequence is cut into, run in
       parallel from their true initial states (`sequence_split`), forward and
-      backward; 1: no split; None: `sequence_split.num_pieces` for the call
+      backward; 1: no split; None: `sequence_split.call_pieces` for the call
       (4 to 8 pieces where the sweeps' programs would fill at most a quarter
-      of the SMs; on the warp-specialised sweeps 2 to 16, from half).
+      of the SMs; where the map pass is warp-specialised, a scalar gate or
+      none on the warp-specialised sweeps, 2 to 16, from half).
   """
   chunk_size: int = 32
   backward_chunk_size: int = 64

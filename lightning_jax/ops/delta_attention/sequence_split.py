@@ -56,24 +56,37 @@ MIN_PIECES, MIN_PIECES_WARP_SPECIALIZED = 4, 2
 MAX_PIECES, MAX_PIECES_WARP_SPECIALIZED = 8, 16
 
 
-def num_pieces(*, programs: int, num_chunks: int, num_sms: int, warp_specialized: bool) -> int:
+def num_pieces(*, programs: int, num_chunks: int, num_sms: int, warp_specialized_map: bool) -> int:
   """Pieces per row (a power of two; 1: no split) for a call whose sweeps run `programs` programs unsplit.
 
   programs: B * H * value blocks of the sweeps' width (the warp-specialised
   CTAs' 64 columns, or the Triton sweeps' block_e where narrower).
   num_chunks: the row's 64-token chunks. As many pieces as the `num_sms` SMs
   hold the programs of, at most MAX_PIECES and each at least
-  MIN_PIECE_CHUNKS chunks; none unless that is MIN_PIECES. Where the sweeps
-  (and so the map pass) are warp-specialised, MIN_PIECES_WARP_SPECIALIZED
-  and MAX_PIECES_WARP_SPECIALIZED instead.
+  MIN_PIECE_CHUNKS chunks; none unless that is MIN_PIECES. Where the map pass
+  is warp-specialised (`warp_specialized.piece_maps`: a scalar gate or none
+  on the warp-specialised sweeps), MIN_PIECES_WARP_SPECIALIZED and
+  MAX_PIECES_WARP_SPECIALIZED instead. KDA's map pass is the Triton
+  sweep's on every device: on an H200 (KDA forward, B1 H32 T64K D128, 64
+  programs) 2 pieces on the warp-specialised sweeps took 12.5 ms, unsplit 6.1.
   """
-  most, least = (MAX_PIECES_WARP_SPECIALIZED, MIN_PIECES_WARP_SPECIALIZED) if warp_specialized else (MAX_PIECES,
-                                                                                                     MIN_PIECES)
+  most, least = ((MAX_PIECES_WARP_SPECIALIZED, MIN_PIECES_WARP_SPECIALIZED) if warp_specialized_map
+                 else (MAX_PIECES, MIN_PIECES))
   pieces = 1
   while (2 * pieces <= most and 2 * pieces * programs <= num_sms
          and num_chunks // (2 * pieces) >= MIN_PIECE_CHUNKS):
     pieces *= 2
   return pieces if pieces >= least else 1
+
+
+def call_pieces(q_shape, dim_v: int, config, *, per_channel_gate: bool, num_sms: int) -> int:
+  """`num_pieces` for a call of `delta_attention`'s Pallas path: q [B, T, H, D], E = dim_v, its resolved
+  `DeltaConfig` (the sweeps' programs by its block_e, at most the warp-specialised CTAs' 64 columns; the map pass
+  warp-specialised where the sweeps are, but for KDA's per-key-channel gates)."""
+  b, t, h, _ = q_shape
+  value_blocks = -(-dim_v // min(config.block_e, WarpSpecializedConfig.BLOCK_E))
+  return num_pieces(programs=b * h * value_blocks, num_chunks=-(-t // PIECE_ALIGN), num_sms=num_sms,
+                    warp_specialized_map=bool(config.warp_specialized) and not per_channel_gate)
 
 
 class Pieces(NamedTuple):
