@@ -143,7 +143,8 @@ def test_chunked_matches_oracle(case):
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_chunk_cumsum_is_each_chunks_sums(chunk_size):
   """The kernels' chunk-local sums (a product with a triangle of ones) against float64 sums per chunk, with their
-  vjp (the sums to each chunk's end), on rates from 1e-7 to 1e4 and trailing dims of any size."""
+  vjp (the sums to each chunk's end, also as `chunk_sums_to_end` forms them, negated), on rates from 1e-7 to 1e4
+  and trailing dims of any size."""
   from lightning_jax.ops.delta_attention import chunk
 
   keys = jax.random.split(jax.random.key(21), 3)
@@ -154,7 +155,10 @@ def test_chunk_cumsum_is_each_chunks_sums(chunk_size):
   np.testing.assert_allclose(got, np.cumsum(chunks, axis=2).reshape(shape), rtol=1e-6)
   cot = jax.random.normal(keys[1], shape)
   want = np.cumsum(np.asarray(cot, np.float64).reshape(chunks.shape)[:, :, ::-1], axis=2)[:, :, ::-1]
-  np.testing.assert_allclose(vjp(cot)[0], want.reshape(shape), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(cot))))
+  atol = 1e-5 * float(jnp.max(jnp.abs(cot)))
+  np.testing.assert_allclose(vjp(cot)[0], want.reshape(shape), rtol=1e-5, atol=atol)
+  np.testing.assert_allclose(chunk.chunk_sums_to_end(cot, chunk_size=chunk_size, sign=-1.0), -want.reshape(shape),
+                             rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32])

@@ -7,7 +7,8 @@ outputs, whose third warpgroup stores the S_n^T and U^T the chain publishes
 (where the forward kept them, `DeltaConfig.forward_states`, it does not run).
 
 `state_cotangents` is `pallas_triton.state_cotangents`' job (its results
-transposed, below) for a scalar gate or none. One CTA per (head, batch, 64
+transposed, below) for a scalar gate or none, and in a channel-gated mode for
+KDA (below). One CTA per (head, batch, 64
 value columns) walks the 64-token chunks from the last, carrying G^T = (dL/dS
 after the chunk)^T [64, K] float32 in the registers of its state warpgroup,
 with three warpgroups running concurrently:
@@ -35,6 +36,11 @@ dU^T [B, H, Ep, Tp], as `pallas_triton.tile_gradients` reads them with
 `states_transposed`). The sequence split's pass from zero end cotangents
 (`state_cotangents(..., initial_only=True)`) stores neither: it needs
 dL/dS_0 alone.
+
+KDA's mode (`channel_gates`) takes the terms `channel_gated_chunks` formed:
+q and k as Q_g (scaled) and K_C, and in three more ring slots K_g, P and the
+state's decay per key channel; the pairs warpgroup forms W = T' K_g alone (P
+is read where it is loaded), and the chain decays G^T per key channel.
 
 `inverse` forms each chunk's T' = (I + A)^{-1} Diag(beta), which all of them
 and the forward's sweep take: one warpgroup, the 16 x 16 diagonal blocks of T
@@ -144,7 +150,8 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
      *staged) = buffers
   # Interpreted: the left operands dO^T Diag(row) (the chain's) and T' Diag(2^-c) (the pairs') staged, as Diag(row) dO
   # [C, 64] and [C, C] (G^T and dU^T are read where they are published).
-  queries_smem, inverse_scaled_smem = (staged + [None])[:2] if staged else (None, None)
+  queries_smem = staged[0] if staged else None
+  inverse_scaled_smem = staged[1] if len(staged) > 1 else None  # (KDA's W needs no scaled T')
   # `loaded`: one barrier a slot, for every tile of the chunk (each copy arrives on it).
   loaded, intra_loaded, released, pairs_ready, w_ready, pairs_read, *barriers = barriers
   c, be = CHUNK_SIZE, BLOCK_E
@@ -398,7 +405,7 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
                        f"[B, H, Tp, {c}], the state's decay [B, H, N, 1, K]; got {chunk_gates}, {scale}, "
                        f"{keys.shape}, {pairs.shape}, {channel_decay.shape}")
     _check_padded(q, dim_v, inverse)
-    gate_inputs, gate_smem = (keys, pairs, channel_decay.astype(_F32)), None
+    gate_inputs = (keys, pairs, channel_decay.astype(_F32))
   else:
     vectors = _checked_factors(q, dim_v, inverse, chunk_gates)
     gate_inputs = (scale * chunk_common.causal_mask(c, reverse=False).astype(_F32), vectors)
