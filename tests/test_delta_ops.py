@@ -426,14 +426,15 @@ def test_sequence_pieces_where_measured():
                                                                                         1, 1]
   assert pieces(16, chunks=127) == 4 and pieces(16, chunks=63) == 1
   assert pieces(64, chunks=31, ws=True) == 1 and pieces(64, chunks=32, ws=True) == 2
-  # A call's: KDA's map pass is the Triton sweep's wherever its sweeps are warp-specialised (B1 H32 D128: 64
-  # programs, no split; B1 H16: 4 pieces), a scalar gate's the chain (2 pieces at B1 H32).
-  call = lambda h, **kw: sequence_split.call_pieces(  # noqa: E731
-      (1, 8192, h, 128), 128, lj.DeltaConfig(warp_specialized=True), num_sms=132, **kw)
-  assert [call(32, per_channel_gate=True), call(16, per_channel_gate=True), call(32, per_channel_gate=False)] == [
-      1, 4, 2]
-  assert sequence_split.call_pieces((1, 8192, 32, 128), 128, lj.DeltaConfig(warp_specialized=False), num_sms=132,
-                                    per_channel_gate=False) == 1
+  # A call's: a scalar gate's map pass on the warp-specialised sweeps is the chain (2 pieces at B1 H32 D128, 64
+  # programs; 4 at B1 H16); KDA's is the Triton sweep's, so KDA there never splits; on the Triton sweeps both take
+  # the Triton rule (none at 64 programs, 4 pieces at 32).
+  call = lambda h, ws, kda: sequence_split.call_pieces(  # noqa: E731
+      (1, 8192, h, 128), 128, lj.DeltaConfig(warp_specialized=ws), num_sms=132, per_channel_gate=kda)
+  assert [call(32, True, False), call(16, True, False), call(32, True, True), call(16, True, True),
+          call(2, True, True)] == [2, 4, 1, 1, 1]
+  assert [call(32, False, kda) for kda in (False, True)] == [1, 1]
+  assert [call(16, False, kda) for kda in (False, True)] == [4, 4]
   assert lj.DeltaConfig().sequence_pieces is None
   for bad in (0, 1.5, True):
     with pytest.raises(ValueError, match="sequence_pieces must be None or an int >= 1"):

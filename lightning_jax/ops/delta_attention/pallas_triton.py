@@ -136,7 +136,8 @@ class DeltaConfig:
       backward; 1: no split; None: `sequence_split.call_pieces` for the call
       (4 to 8 pieces where the sweeps' programs would fill at most a quarter
       of the SMs; where the map pass is warp-specialised, a scalar gate or
-      none on the warp-specialised sweeps, 2 to 16, from half).
+      none on the warp-specialised sweeps, 2 to 16, from half; KDA on the
+      warp-specialised sweeps, whose map pass is the Triton sweep's, none).
   """
   chunk_size: int = 32
   backward_chunk_size: int = 64

@@ -66,9 +66,7 @@ def num_pieces(*, programs: int, num_chunks: int, num_sms: int, warp_specialized
   MIN_PIECE_CHUNKS chunks; none unless that is MIN_PIECES. Where the map pass
   is warp-specialised (`warp_specialized.piece_maps`: a scalar gate or none
   on the warp-specialised sweeps), MIN_PIECES_WARP_SPECIALIZED and
-  MAX_PIECES_WARP_SPECIALIZED instead. KDA's map pass is the Triton
-  sweep's on every device: on an H200 (KDA forward, B1 H32 T64K D128, 64
-  programs) 2 pieces on the warp-specialised sweeps took 12.5 ms, unsplit 6.1.
+  MAX_PIECES_WARP_SPECIALIZED instead (`call_pieces` says where).
   """
   most, least = ((MAX_PIECES_WARP_SPECIALIZED, MIN_PIECES_WARP_SPECIALIZED) if warp_specialized_map
                  else (MAX_PIECES, MIN_PIECES))
@@ -82,11 +80,21 @@ def num_pieces(*, programs: int, num_chunks: int, num_sms: int, warp_specialized
 def call_pieces(q_shape, dim_v: int, config, *, per_channel_gate: bool, num_sms: int) -> int:
   """`num_pieces` for a call of `delta_attention`'s Pallas path: q [B, T, H, D], E = dim_v, its resolved
   `DeltaConfig` (the sweeps' programs by its block_e, at most the warp-specialised CTAs' 64 columns; the map pass
-  warp-specialised where the sweeps are, but for KDA's per-key-channel gates)."""
+  warp-specialised where the sweeps are).
+
+  KDA's per-key-channel gates on the warp-specialised sweeps: no split. Its
+  map pass is the Triton sweep's, whose chain walks 64 tokens in about 8
+  times the warp-specialised chain's time (H200, B1 H32 T64K D128, 64
+  programs: the forward in 2 pieces took 12.5 ms, of which the map pass over
+  one 32K-token piece about 6.9; unsplit 6.1), so no split into at most
+  MAX_PIECES pieces shortens the longest chain.
+  """
+  if per_channel_gate and config.warp_specialized:
+    return 1
   b, t, h, _ = q_shape
   value_blocks = -(-dim_v // min(config.block_e, WarpSpecializedConfig.BLOCK_E))
   return num_pieces(programs=b * h * value_blocks, num_chunks=-(-t // PIECE_ALIGN), num_sms=num_sms,
-                    warp_specialized_map=bool(config.warp_specialized) and not per_channel_gate)
+                    warp_specialized_map=bool(config.warp_specialized))
 
 
 class Pieces(NamedTuple):
