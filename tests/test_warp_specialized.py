@@ -623,9 +623,8 @@ def test_delta_kda_backward_takes_the_forward_chunk_terms(mode):
   """KDA's forward keeping its chunk terms and states (`DeltaConfig.forward_states`, the default) and the backward
   taking them: o and the final state as without them, the backward's gradients bit for bit as it gives forming them
   again (the same kernels on the same operands: the pair kernel, the state sweep for S_n^T and U^T, the blocks' log
-  decays), and
-  (compiled) through the op's VJP in 2 pieces as with forward_states=False; where a block's span passes the bound,
-  the zeros kept in their place are not read."""
+  decays), and (compiled) through the op's VJP in 2 pieces as with forward_states=False; where a block's span passes
+  the bound, the zeros kept in their place are not read."""
   from lightning_jax.ops.delta_attention import pallas_triton
   from lightning_jax.ops.delta_attention import warp_specialized
 
