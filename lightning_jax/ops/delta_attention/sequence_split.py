@@ -87,7 +87,8 @@ def call_pieces(q_shape, dim_v: int, config, *, per_channel_gate: bool, num_sms:
   times the warp-specialised chain's time (H200, B1 H32 T64K D128, 64
   programs: the forward in 2 pieces took 12.5 ms, of which the map pass over
   one 32K-token piece about 6.9; unsplit 6.1), so no split into at most
-  MAX_PIECES pieces shortens the longest chain.
+  MAX_PIECES pieces shortens the forward's longest chain (PERFORMANCE.md,
+  "KDA speed": where one might still pay in the backward).
   """
   if per_channel_gate and config.warp_specialized:
     return 1
