@@ -101,32 +101,33 @@ class ChunkTerms(NamedTuple):
   state_decay: jax.Array  # [B, H, N, D]      e^{g_C}, 0 where a segment starts in the chunk
 
 
+def _chunk_product(triangle, x):
+  """triangle [C, C] times x [B, N C, ...] along axis 1 within each chunk of C rows, float32 (HIGHEST precision),
+  rows token-major so that the triangle broadcasts over B N alone ([B N, C, C])."""
+  b, tp = x.shape[:2]
+  c = triangle.shape[0]
+  n = b * (tp // c)
+  rows = x.reshape(n, c, -1).astype(jnp.float32)
+  return jnp.einsum("nts,nsx->ntx", jnp.broadcast_to(triangle, (n, c, c)), rows, precision=_HI).reshape(x.shape)
+
+
 def chunk_cumsum(x, *, chunk_size):
   """Inclusive sums of x [B, N C, ...] along axis 1 within each chunk of `chunk_size` rows, float32.
 
   One float32 product (HIGHEST precision) with a triangle of ones per
-  (batch, chunk), rows token-major so that the triangle broadcasts over B N
-  alone ([B N, C, C]); its vjp, the sums from each row to the chunk's end, is
-  the transposed product. XLA's cumsum on a GPU is an associative scan fused
-  into one loop: for KDA's rates at B2 H32 T8K D128 on an H200 it took 0.62
-  ms, its vjp 0.49; the product 0.22 and 0.14 (PERFORMANCE.md).
+  (batch, chunk); its vjp, the sums from each row to the chunk's end, is
+  the transposed product (`chunk_sums_to_end`). XLA's cumsum on a GPU is an
+  associative scan fused into one loop: for KDA's rates at B2 H32 T8K D128 on
+  an H200 it took 0.62 ms, its vjp 0.49; the product 0.22 and 0.14
+  (PERFORMANCE.md).
   """
-  b, tp = x.shape[:2]
-  n = tp // chunk_size
-  rows = x.reshape(b * n, chunk_size, -1).astype(jnp.float32)
-  ones = jnp.broadcast_to(jnp.tril(jnp.ones((chunk_size, chunk_size), jnp.float32)), (b * n, chunk_size, chunk_size))
-  return jnp.einsum("nts,nsx->ntx", ones, rows, precision=_HI).reshape(x.shape)
+  return _chunk_product(jnp.tril(jnp.ones((chunk_size, chunk_size), jnp.float32)), x)
 
 
 def chunk_sums_to_end(x, *, chunk_size, sign=1.0):
   """sign times the sums of x [B, N C, ...] along axis 1 from each row to its chunk's end, float32: `chunk_cumsum`'s
   vjp, the transposed product (sign, 1 or -1, folded into the triangle)."""
-  b, tp = x.shape[:2]
-  n = tp // chunk_size
-  rows = x.reshape(b * n, chunk_size, -1).astype(jnp.float32)
-  ones = jnp.broadcast_to(sign * jnp.triu(jnp.ones((chunk_size, chunk_size), jnp.float32)),
-                          (b * n, chunk_size, chunk_size))
-  return jnp.einsum("nts,nsx->ntx", ones, rows, precision=_HI).reshape(x.shape)
+  return _chunk_product(sign * jnp.triu(jnp.ones((chunk_size, chunk_size), jnp.float32)), x)
 
 
 def chunk_log_decays(rates, *, chunk_size):

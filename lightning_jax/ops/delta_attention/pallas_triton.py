@@ -1477,9 +1477,9 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
   transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
-  rates = pad(decay.astype(_F32), dp)
-  block_ends = (pallas_mosaic_gpu.block_log_decays(rates) if chunk_terms is None
-                else chunk_terms[-1])  # the forward's own, also where its Triton fallback ran
+  # The forward's block ends, also where its Triton fallback ran; else from the rates, which form the terms here.
+  rates = None if chunk_terms is not None else pad(decay.astype(_F32), dp)
+  block_ends = pallas_mosaic_gpu.block_log_decays(rates) if rates is not None else chunk_terms[-1]
 
   def on_chunk_terms():
     qp, kp, vp = pad(q, dp), pad(k, dp), pad(v, ep)
