@@ -449,6 +449,14 @@ def _log2_gates64(rates):
   return -sums * np.log2(np.e)
 
 
+def _block_ends64(rates):
+  """numpy float64 [B, H, Tp / 64, 4, K]: G's rows 15, 31, 47 and 63 of each chunk (`_log2_gates64`), the block ends
+  `channel_gated_chunks` returns."""
+  b, tp, h, d = rates.shape
+  ends = _log2_gates64(rates)[:, 15::16]  # [B, Tp / 16, H, K]
+  return np.moveaxis(ends.reshape(b, tp // 64, 4, h, d), 3, 1)
+
+
 # Moderate rates, and rates whose 16-token blocks decay by up to 59 (the kernel's bound is 60, natural log).
 CHANNEL_GATED_CASES = [(2, 150, 2, 40, (0.0, 0.6)), (1, 128, 1, 64, (2.5, 3.7)), (1, 100, 2, 128, (0.0, 0.6))]
 
@@ -459,21 +467,19 @@ CHANNEL_GATED_CASES = [(2, 150, 2, 40, (0.0, 0.6)), (1, 128, 1, 64, (2.5, 3.7)),
 def test_delta_channel_gated_chunks_match_float64(case, mode):
   """KDA's chunk terms from `channel_gated_chunks` (T', P, Q_g, K_g, K_C and the backward's T and G: pair products
   through each 16-row block's start on the tensor cores, T' from A as the inverse kernel solves it, G from the rates
-  in the kernel) against numpy float64 of their definitions on the same bf16 q and k, T off the chunk, D padded (D
-  128: two column parts), one CTA walking every chunk of a row."""
+  in the kernel, and its block ends) against numpy float64 of their definitions on the same bf16 q and k, T off the
+  chunk, D padded (D 128: two column parts, one warpgroup each), one CTA walking every chunk of a row."""
   b, t, h, d, rates = case
   q, k, beta, rates = _channel_gated_inputs(b, t, h, d, rates, seed=zlib.crc32(str(case).encode()))
-  block_ends = delta_mosaic.block_log_decays(rates)
-  assert bool(delta_mosaic.channel_spans_bounded(block_ends, q.dtype))
   scale = 0.3
-  got = jax.jit(lambda: delta_mosaic.channel_gated_chunks(q, k, beta, rates, block_ends, scale=scale,
+  got = jax.jit(lambda: delta_mosaic.channel_gated_chunks(q, k, beta, rates, scale=scale,
                                                           chunks_per_cta=q.shape[1] // 64, with_backward_terms=True,
                                                           interpret=mode == "interpret"))()
   f64 = lambda x: np.asarray(jnp.asarray(x).astype(F32), np.float64)  # noqa: E731
   q64, k64, beta64, g64 = f64(q), f64(k), f64(beta), _log2_gates64(rates)
-  # The blocks' ends against G's rows 15, 31, 47 and 63.
-  want_ends = np.moveaxis(g64[:, 15::16], 2, 1).reshape(block_ends.shape)
-  assert np.max(np.abs(f64(block_ends) - want_ends)) < 1e-4
+  # The blocks' ends against G's rows 15, 31, 47 and 63; these rates are within the fast path's bound.
+  assert np.max(np.abs(f64(got.block_ends) - _block_ends64(rates))) < 1e-4
+  assert bool(delta_mosaic.channel_spans_bounded(got.block_ends, q.dtype))
   tp, c = q.shape[1], 64
   for bi in range(b):
     for hi in range(h):
@@ -500,7 +506,7 @@ def test_delta_channel_spans_bounded():
   each key channel (60 in natural log, 6 for float16), counted from the row before the block; moderate rates meet
   it, extreme ones do not, and one block of one channel just past the bound fails it."""
   def bounded(rates, dtype=BF16):
-    return bool(delta_mosaic.channel_spans_bounded(delta_mosaic.block_log_decays(rates), dtype))
+    return bool(delta_mosaic.channel_spans_bounded(jnp.asarray(_block_ends64(rates), F32), dtype))
 
   assert bounded(_channel_gated_inputs(1, 200, 2, 64, (0.0, 0.6), seed=0)[3])
   assert not bounded(_channel_gated_inputs(1, 200, 2, 64, (30.0, 40.0), seed=0)[3])
@@ -538,7 +544,8 @@ def test_delta_kda_warp_specialized_matches_oracle(case, rates, pieces, mode):
   q, k, v = (x.astype(BF16) for x in (q, k, v))
   padded = chunk_common.pad_tokens_and_features(decay, num_tokens=-(-case.t // 64) * 64,
                                                 dim=64 if case.d <= 64 else 128)
-  assert bool(delta_mosaic.channel_spans_bounded(delta_mosaic.block_log_decays(padded), BF16)) == (rates is not None)
+  assert bool(delta_mosaic.channel_spans_bounded(jnp.asarray(_block_ends64(padded), F32), BF16)) == (
+      rates is not None)
   config = lj.DeltaConfig(warp_specialized=True, sequence_pieces=pieces)
   interpret = mode == "interpret"
   # The op's gradients at D <= 64 through the custom VJP, o and the final state from the same call (the backward
@@ -697,11 +704,11 @@ def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
   q = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
   beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
   rates = jax.ShapeDtypeStruct((2, 512, 3, dim_k), F32)
-  block_ends = jax.ShapeDtypeStruct((2, 3, 8, 4, dim_k), F32)
-  exported = jax.export.export(jax.jit(lambda q, k, beta, rates, ends: tuple(delta_mosaic.channel_gated_chunks(
-      q, k, beta, rates, ends, scale=0.1, chunks_per_cta=4))), platforms=["cuda"])(q, q, beta, rates, block_ends)
+  exported = jax.export.export(jax.jit(lambda q, k, beta, rates: tuple(delta_mosaic.channel_gated_chunks(
+      q, k, beta, rates, scale=0.1, chunks_per_cta=4))), platforms=["cuda"])(q, q, beta, rates)
   assert "delta_channel_gated_mosaic" in exported.mlir_module()
-  assert [o.shape for o in exported.out_avals] == [(2, 3, 512, 64)] * 2 + [(2, 512, 3, dim_k)] * 3
+  assert [o.shape for o in exported.out_avals] == ([(2, 3, 512, 64)] * 2 + [(2, 512, 3, dim_k)] * 3
+                                                   + [(2, 3, 8, 4, dim_k)])
   v = jax.ShapeDtypeStruct((2, 512, 3, dim_v), BF16)
   tiles = jax.ShapeDtypeStruct((2, 3, 512, 64), BF16)
   channel_decay = jax.ShapeDtypeStruct((2, 3, 8, 1, dim_k), F32)

@@ -71,6 +71,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
@@ -837,6 +838,8 @@ class ChannelGatedChunks(NamedTuple):
   keys_to_end: K_C = k 2^(G_C - G) [B, Tp, H, K].
   unscaled_inverse: T = (I + A)^{-1} [B, H, Tp, C], and
   gates: G [B, Tp, H, K] float32, both only `with_backward_terms` (KDA's warp-specialised backward), else None.
+  block_ends: G's last row in each 16-row block of each chunk [B, H, Tp / C, 4, K] float32: the log decays O_j the
+  pair factors go through (O_1 .. O_3), then G_C (`channel_spans_bounded`'s operand; the state's decay is 2^G_C).
   """
   inverse: jax.Array
   pairs: jax.Array
@@ -845,6 +848,7 @@ class ChannelGatedChunks(NamedTuple):
   keys_to_end: jax.Array
   unscaled_inverse: jax.Array | None = None
   gates: jax.Array | None = None
+  block_ends: jax.Array | None = None
 
 
 # The columns of each part the kernel forms its [C, K] tiles in (K / _PART of them).
@@ -864,14 +868,34 @@ def max_block_span(dtype) -> float:
   return MAX_BLOCK_SPAN_FLOAT16 if jnp.dtype(dtype) == jnp.float16 else MAX_BLOCK_SPAN
 
 
-def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_ref, queries_ref,
-                          keys_ref, keys_end_ref, *refs, chunks_per_cta, scale, in_registers):
-  # with_backward_terms: T and G out too. Every [C, K] tile is K / _PART column parts ([..., parts, C, _PART] in
+def _store_block_ends(gates, ends_ref, *, in_registers):
+  """The last row of each 16-row block of gates [C, _PART] float32 (G in wgmma's layout) into ends_ref
+  [C / 16, _PART] float32 shared memory (not swizzled): O_1 .. O_4. Compiled, the threads holding those rows store
+  them (warp w holds rows 16w .. 16w + 15); interpreted, which runs no inline Mosaic GPU, a strided slice."""
+  if not in_registers:
+    ends_ref[...] = gates[_SOLVE_BLOCK - 1::_SOLVE_BLOCK]
+    return
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def store(_, gates, ends_ref):
+    index = ir.IndexType.get()
+    block = mgpu_utils.c(_SOLVE_BLOCK, index)
+    for (row, column), register in zip(gates.layout.thread_idxs(gates.shape), np.ndindex(gates.registers.shape)):
+      last = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(row, block), mgpu_utils.c(_SOLVE_BLOCK - 1, index))
+      with mgpu_utils.when(last):
+        vector.store(gates.registers[register], ends_ref, [arith.divui(row, block), column])
+
+  store(gates, ends_ref)
+
+
+def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_ref, queries_ref, keys_ref,
+                          keys_end_ref, *refs, chunks_per_cta, scale, in_registers):
+  # with_backward_terms: T and G out too; last, G's blocks' last rows O_1 .. O_4 (which the factors go through). Every [C, K] tile is K / _PART column parts ([..., parts, C, _PART] in
   # shared memory): warpgroup p forms part p's, as [C, _PART] float32 tiles in registers (at K = 128 whole tiles
   # spilled 668 bytes a thread, ptxas); warpgroup 0, the leader, also runs the pair products over every part, the
   # solve and the stores of T' and P. At K = 128 its one warpgroup a CTA (shared memory allows one CTA an SM) waited
   # on its own elementwise passes: two halve them.
-  unscaled_ref, gates_ref, buffers, barriers = refs if len(refs) == 4 else (None, None, *refs)
+  unscaled_ref, gates_ref, ends_ref, buffers, barriers = refs if len(refs) == 5 else (None, None, *refs)
   (q_smem, k_smem, g_smem, rows_smem, boundary_smem, (operands, solve_smem, rate_pieces), keys_end_smem,
    (inverse_smem, pairs_smem), staging) = buffers
   loaded, rows_loaded, *hand_overs = barriers
@@ -915,13 +939,11 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
       def _():
         plgpu.barrier_wait(barrier)
 
-  def load(n, slot):  # chunk first_chunk + n: q, k, the rates and G's blocks' last rows on this part; beta's row twice
+  def load(n, slot):  # chunk first_chunk + n: q, k and the rates on this part; beta's row twice
     chunk_index = first_chunk + n
     rows = pl.ds(pl.multiple_of(chunk_index * c, c), c)
     for src, dst in ((q_ref, q_smem), (k_ref, k_smem), (rates_ref, g_smem)):
       plgpu.copy_gmem_to_smem(src.at[batch, rows, head, columns], dst.at[slot, part], loaded.at[2 * part + slot])
-    plgpu.copy_gmem_to_smem(boundary_ref.at[batch, head, chunk_index, :, part], boundary_smem.at[slot, part],
-                            loaded.at[2 * part + slot])
 
     @leader
     def _():
@@ -954,8 +976,7 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
   def _chunk(n):
     slot = lax.rem(n, 2)
     plgpu.barrier_wait(loaded.at[2 * part + slot])
-    if gates_ref is not None:  # chunk n - 1's G store has read the slot the prefetch below refills
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores have read their tiles (G's: the prefetch)
 
     @pl.when(n + 1 < chunks_per_cta)
     def _prefetch():  # into the other slot, which chunk n - 1 read last
@@ -967,7 +988,6 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
     # O_j, the log decay before 16-row block j (0 before the first; O_4 = G_C) on this part's columns, by column.
     block_end = lambda j: by_channel(boundary_smem[slot, part, j - 1])  # noqa: E731
     rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores have read their tiles
     await_signal(consumed)
 
     def rate_sums(acc):
@@ -984,9 +1004,12 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
         plgpu.wgmma(acc, ones, piece.at[part])
       return acc[...]
 
-    g_smem[slot, part] = pl.run_scoped(rate_sums, plgpu.ACC((c, _PART), _F32)) * -chunk_common.LOG2_E
+    g = pl.run_scoped(rate_sums, plgpu.ACC((c, _PART), _F32)) * -chunk_common.LOG2_E
+    g_smem[slot, part] = g
+    _store_block_ends(g, boundary_smem.at[slot, part], in_registers=in_registers)
+    plgpu.commit_smem()  # also every thread's rows of the block ends, read below by every thread
+    plgpu.copy_smem_to_gmem(boundary_smem.at[slot, part], ends_ref.at[batch, head, first_chunk + n, :, part])
     if gates_ref is not None:
-      plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(g_smem.at[slot, part], gates_ref.at[batch, rows_out, head, columns])
 
     def pair_products(acc_a, acc_a_t, acc_p):
@@ -1059,7 +1082,7 @@ def _channel_gated_kernel(rows_ref, boundary_ref, q_ref, k_ref, rates_ref, inver
   plgpu.wait_smem_to_gmem(0)
 
 
-def channel_gated_chunks(q, k, beta, rates, block_ends, *, scale: float, chunks_per_cta: int | None = None,
+def channel_gated_chunks(q, k, beta, rates, *, scale: float, chunks_per_cta: int | None = None,
                          with_backward_terms: bool = False, interpret: bool = False) -> ChannelGatedChunks:
   """Each 64-token chunk's terms of KDA's per-key-channel gates for the warp-specialised forward
   (`ChannelGatedChunks`): the pair products A and P, T' from A as `inverse` forms it, and the gated keys and queries.
@@ -1069,7 +1092,8 @@ def channel_gated_chunks(q, k, beta, rates, block_ends, *, scale: float, chunks_
   2^span, span the block's largest decay over its key channels, so the
   products run on the tensor cores (four [C, K] x [K, C] products a chunk for
   each of A, A^T's diagonal blocks and P) as long as every span is at most
-  `max_block_span(q.dtype)`, which the caller checks (`channel_spans_bounded`). A
+  `max_block_span(q.dtype)`, which the caller checks on the O_j the kernel
+  returns (`channel_spans_bounded`; past it the other results are not used). A
   CTA walks `chunks_per_cta` chunks (`inverse`'s), the next chunk's q, k and
   rates loading by TMA during this one. G, the chunk-local cumulative log2
   decay, is formed from the rates in the kernel (one triangle of ones times
@@ -1083,17 +1107,15 @@ def channel_gated_chunks(q, k, beta, rates, block_ends, *, scale: float, chunks_
     beta: [B, H, Tp] float32, zero on padding.
     rates: [B, Tp, H, K] float32 >= 0, zero on padding (clamped at
       `chunk.MAX_RATE`, as `chunk.chunk_log_decays` does).
-    block_ends: `block_log_decays(rates)`.
     with_backward_terms: also T and G (`ChannelGatedChunks`).
   """
   b, tp, h, dim_k = k.shape
   c = CHUNK_SIZE
   n = tp // c
   if (tp % c or dim_k not in (64, 128) or q.shape != k.shape or rates.shape != k.shape
-      or beta.shape != (b, h, tp) or block_ends.shape != (b, h, n, c // _SOLVE_BLOCK, dim_k)):
+      or beta.shape != (b, h, tp)):
     raise ValueError(f"padded operands: q, k, rates [B, Tp, H, K] with Tp a multiple of {c} and K 64 or 128, "
-                     f"beta [B, H, Tp], block_ends [B, H, Tp / {c}, {c // _SOLVE_BLOCK}, K]; got q {q.shape}, "
-                     f"k {k.shape}, rates {rates.shape}, beta {beta.shape}, block_ends {block_ends.shape}")
+                     f"beta [B, H, Tp]; got q {q.shape}, k {k.shape}, rates {rates.shape}, beta {beta.shape}")
   per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
   in_registers = not interpret
   dtype = k.dtype
@@ -1109,36 +1131,28 @@ def channel_gated_chunks(q, k, beta, rates, block_ends, *, scale: float, chunks_
        plgpu.RefUnion(tuple(smem((parts, c, _PART), dtype) for _ in range(3)), (solve_tile, solve_tile), pieces),
        smem((parts, c, _PART), dtype), (smem((c, c), dtype), smem((c, c), dtype)),
        tuple(smem((c, c), jnp.float16) for _ in range(1 if in_registers else 2))),
-      # Each part's q, k, rates and G's blocks' last rows by slot; beta's row twice; split, the hand-overs.
-      (plgpu.Barrier(num_arrivals=4, num_barriers=2 * parts), plgpu.Barrier(num_arrivals=2, num_barriers=2),
+      # Each part's q, k and rates by slot; beta's row twice; split, the hand-overs.
+      (plgpu.Barrier(num_arrivals=3, num_barriers=2 * parts), plgpu.Barrier(num_arrivals=2, num_barriers=2),
        *((plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1)) if parts > 1 else ())),
   )
-  out_type = ChannelGatedChunks(
+  num_blocks = c // _SOLVE_BLOCK
+  out_type = (
       *(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(2)),
       *(manual_axes.struct((b, tp, h, dim_k), dtype, k, beta) for _ in range(3)),
       *((manual_axes.struct((b, h, tp, c), dtype, k, beta), manual_axes.struct((b, tp, h, dim_k), _F32, k, beta))
-        if with_backward_terms else ()))
+        if with_backward_terms else ()),
+      manual_axes.struct((b, h, n, num_blocks, parts, _PART), _F32, k, beta))
   kernel = functools.partial(_channel_gated_kernel, chunks_per_cta=per_cta, scale=scale, in_registers=in_registers)
-  results = lightning_mosaic.warpgroup_kernel(
-      kernel, out_type=tuple(x for x in out_type if x is not None), scratch_types=scratch, grid=(h, b, n // per_cta),
+  *terms, block_ends = lightning_mosaic.warpgroup_kernel(
+      kernel, out_type=out_type, scratch_types=scratch, grid=(h, b, n // per_cta),
       grid_names=("heads", "batch", "chunk_blocks"), interpret=interpret, kernel_name="delta_channel_gated_mosaic",
-      num_warpgroups=parts)(rows, block_ends.reshape(*block_ends.shape[:-1], parts, _PART), q, k, rates.astype(_F32))
-  return ChannelGatedChunks(*results)
-
-
-def block_log_decays(rates):
-  """G's last row in each 16-row block of each 64-token chunk, G the chunk-local cumulative log2 decay
-  (`chunk.chunk_log_decays` times log2 e): [B, H, Tp / 64, 4, K] float32, the log decays O_j that
-  `channel_gated_chunks`' pair factors go through, the last G_C. One pass over rates [B, Tp, H, K] (>= 0, zero on
-  padding, Tp a multiple of 64), clamped at `chunk.MAX_RATE` as the kernel clamps them."""
-  b, tp, h, dim_k = rates.shape
-  blocks = jnp.minimum(rates.astype(_F32), chunk.MAX_RATE).reshape(
-      b, tp // CHUNK_SIZE, CHUNK_SIZE // _SOLVE_BLOCK, _SOLVE_BLOCK, h, dim_k).sum(axis=3)
-  return jnp.moveaxis(jnp.cumsum(blocks, axis=2) * -chunk_common.LOG2_E, 3, 1)
+      num_warpgroups=parts)(rows, q, k, rates.astype(_F32))
+  return ChannelGatedChunks(*terms, block_ends=block_ends.reshape(b, h, n, num_blocks, dim_k))
 
 
 def channel_spans_bounded(block_ends, dtype):
   """Whether every 16-row block of every chunk decays by at most `max_block_span(dtype)` on each key channel (a
-  traced bool): `channel_gated_chunks`' condition for operands of that dtype. block_ends: `block_log_decays`'."""
+  traced bool): `channel_gated_chunks`' condition for operands of that dtype. block_ends: its
+  `ChannelGatedChunks.block_ends` [B, H, Tp / 64, 4, K]."""
   before = jnp.concatenate([jnp.zeros_like(block_ends[..., :1, :]), block_ends[..., :-1, :]], axis=-2)
   return jnp.max(before - block_ends) <= max_block_span(dtype)

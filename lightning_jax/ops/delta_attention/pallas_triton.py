@@ -1366,7 +1366,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   None: the state sweep forms them here.
   chunk_terms: KDA's, where its forward is warp-specialised: the
   forward's `pallas_mosaic_gpu.ChannelGatedChunks` with its backward terms,
-  then S_n^T, U^T and `pallas_mosaic_gpu.block_log_decays`
+  then S_n^T, U^T and its block ends (`ChannelGatedChunks.block_ends`)
   (`warp_specialized.forward(..., with_chunk_terms=True)`), or None: formed
   here (`_channel_gated_backward`).
   initial_cotangent_only: return only dL/dS_0 [B, H, D, E] float32 (the
@@ -1477,19 +1477,18 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
   transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
-  # The forward's block ends, also where its Triton fallback ran; else from the rates, which form the terms here.
-  rates = None if chunk_terms is not None else pad(decay.astype(_F32), dp)
-  block_ends = pallas_mosaic_gpu.block_log_decays(rates) if rates is not None else chunk_terms[-1]
+  qp, kp, vp = pad(q, dp), pad(k, dp), pad(v, ep)
+  beta_rows = warp_specialized_forward.beta_rows(beta, tp=tp)
+  kept_states = None
+  if chunk_terms is None:  # formed again, as the forward formed them, with the block ends the choice below takes
+    terms = pallas_mosaic_gpu.channel_gated_chunks(qp, kp, beta_rows, pad(decay.astype(_F32), dp), scale=scale,
+                                                   with_backward_terms=True, interpret=interpret)
+  else:  # the forward's, whose block ends it also kept where its Triton fallback ran
+    terms = pallas_mosaic_gpu.ChannelGatedChunks(*chunk_terms[:-3], block_ends=chunk_terms[-1])
+    kept_states = chunk_terms[-3:-1]
+  block_ends = terms.block_ends
 
   def on_chunk_terms():
-    qp, kp, vp = pad(q, dp), pad(k, dp), pad(v, ep)
-    beta_rows = warp_specialized_forward.beta_rows(beta, tp=tp)
-    kept_states = None
-    if chunk_terms is None:
-      terms = pallas_mosaic_gpu.channel_gated_chunks(qp, kp, beta_rows, rates, block_ends, scale=scale,
-                                                     with_backward_terms=True, interpret=interpret)
-    else:
-      terms, kept_states = pallas_mosaic_gpu.ChannelGatedChunks(*chunk_terms[:-3]), chunk_terms[-3:-1]
     channel_decay = jnp.exp2(block_ends[:, :, :, -1:])  # 2^G_C [B, H, N, 1, Dp]
     dop = chunk_common.pad_tokens_and_features(do.astype(q.dtype), num_tokens=tp, dim=ep)
     reverse_sweep = functools.partial(

@@ -74,7 +74,7 @@ MAX_VALUE_DIM = WarpSpecializedConfig.MAX_DIM_V
 # whether each piece continues the segment before it ([B, P]).
 SPLIT_LABELS = (STATE, STATE, STARTS)
 # KDA's chunk terms (`delta_mosaic.ChannelGatedChunks` with its backward terms: T', P, Q_g, K_g, K_C, T and G),
-# then each chunk's S_n^T and U^T and its 16-token blocks' log decays (`delta_mosaic.block_log_decays`).
+# then each chunk's S_n^T and U^T and its 16-token blocks' log decays (`ChannelGatedChunks.block_ends`).
 TERM_LABELS = (CHUNK_TILES, CHUNK_TILES, ROWS_D, ROWS_D, ROWS_D, CHUNK_TILES, ROWS_D, CHUNK_STATES, CHUNK_VALUES,
                CHUNK_BLOCKS)
 

@@ -71,24 +71,23 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
                    with_chunk_terms):
   """`forward` with KDA's per-key-channel rates decay [B, T, H, D] (no segments): `delta_mosaic.channel_gated_chunks`
   forms each chunk's T', P, Q_g, K_g and K_C, and the sweep takes them. Where some 16-token block decays by more
-  than `delta_mosaic.max_block_span(q.dtype)` (log2 units) on a key channel, `fallback` (a callable of `forward`'s
-  arguments) runs instead: the chunks' factors would leave the operands' range (a traced choice, `lax.cond`).
-  with_chunk_terms: a third result, the chunk terms with their backward terms (`delta_mosaic.ChannelGatedChunks`,
-  as a tuple) and each chunk's S_n^T [B, H, N, Ep, Dp] and U^T [B, H, Ep, Tp] (`delta_states`), zeros where
-  `fallback` runs, then `delta_mosaic.block_log_decays` (from which the backward makes the same choice)."""
+  than `delta_mosaic.max_block_span(q.dtype)` (log2 units) on a key channel (by the block ends that kernel
+  returns), `fallback` (a callable of `forward`'s arguments) runs instead: the chunks' factors would leave the
+  operands' range (a traced choice, `lax.cond`, after that kernel).
+  with_chunk_terms: a third result, the chunk terms with their backward terms (`delta_mosaic.ChannelGatedChunks`
+  but its block ends, as a tuple) and each chunk's S_n^T [B, H, N, Ep, Dp] and U^T [B, H, Ep, Tp]
+  (`delta_states`), zeros where `fallback` runs, then the block ends (from which the backward makes the same
+  choice)."""
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
-  rates = pad(decay, dp).astype(jnp.float32)
-  block_ends = delta_mosaic.block_log_decays(rates)  # [B, H, N, 4, Dp]
-
-  def chunk_terms():
-    return delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), beta_rows(beta, tp=tp), rates, block_ends,
-                                             scale=scale, with_backward_terms=with_chunk_terms, interpret=interpret)
+  terms = delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), beta_rows(beta, tp=tp),
+                                            pad(decay, dp).astype(jnp.float32), scale=scale,
+                                            with_backward_terms=with_chunk_terms, interpret=interpret)
+  block_ends = terms.block_ends  # [B, H, N, 4, Dp]
 
   def on_chunk_terms():
-    terms = chunk_terms()
     channel_decay = jnp.exp2(block_ends[:, :, :, -1:])  # 2^G_C, the state's decay per key channel over each chunk
     state = None
     if initial_state is not None:  # the kernel carries S^T [E, D], one slice
@@ -101,7 +100,7 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
         scale=scale, seq_len=t, return_final_state=with_final_state, cfg=cfg, interpret=interpret)
     o, *results = result if isinstance(result, tuple) else (result,)
     final_state = jnp.swapaxes(results.pop(), -1, -2)[:, :, :d, :e] if with_final_state else None
-    return o[:, :t, :, :e], final_state, ((*terms, *results) if with_chunk_terms else ())
+    return o[:, :t, :, :e], final_state, ((*terms[:-1], *results) if with_chunk_terms else ())
 
   def on_fallback():
     kept = ()
