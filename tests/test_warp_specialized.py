@@ -477,8 +477,10 @@ def test_delta_channel_gated_chunks_match_float64(case, mode):
                                                           interpret=mode == "interpret"))()
   f64 = lambda x: np.asarray(jnp.asarray(x).astype(F32), np.float64)  # noqa: E731
   q64, k64, beta64, g64 = f64(q), f64(k), f64(beta), _log2_gates64(rates)
-  # The blocks' ends against G's rows 15, 31, 47 and 63; these rates are within the fast path's bound.
-  assert np.max(np.abs(f64(got.block_ends) - _block_ends64(rates))) < 1e-4
+  # The blocks' ends against G's rows 15, 31, 47 and 63 (float32 sums of up to 64 rates: a few ulps of G; a
+  # neighbouring row is a whole rate away); these rates are within the fast path's bound.
+  want_ends = _block_ends64(rates)
+  assert np.max(np.abs(f64(got.block_ends) - want_ends) / np.maximum(1.0, np.abs(want_ends))) < 2e-6
   assert bool(delta_mosaic.channel_spans_bounded(got.block_ends, q.dtype))
   tp, c = q.shape[1], 64
   for bi in range(b):
