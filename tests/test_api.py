@@ -265,9 +265,15 @@ def bad_calls():
   ]
 
 
-@pytest.mark.parametrize("index", range(len(bad_calls())))
+# The count, not the list, at collection: building the list makes arrays (eager compiles) in every pytest process.
+BAD_CALL_COUNT = 18
+
+
+@pytest.mark.parametrize("index", range(BAD_CALL_COUNT))
 def test_bad_input_raises_clearly(index):
-  match, error, call = bad_calls()[index]
+  calls = bad_calls()
+  assert len(calls) == BAD_CALL_COUNT, "a bad call was added or removed: update BAD_CALL_COUNT"
+  match, error, call = calls[index]
   with pytest.raises(error, match=match):
     call()
 

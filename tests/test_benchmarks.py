@@ -610,6 +610,7 @@ def test_kernel_times_runs_the_cli_cases(capsys):
     kernel_times.main(["--calls", "0"])
 
 
+@pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time (it checks no values)
 def test_sequence_pieces_times_one_sequence_parallel_device():
   """`benchmarks.sequence_pieces` on a tiny shape (interpret mode): every program timed with each states config."""
   from benchmarks import sequence_pieces  # noqa: PLC0415
