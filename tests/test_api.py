@@ -239,43 +239,42 @@ def test_auto_variant_is_chunk_loop_off_sm90():
 
 # --- bad input ----------------------------------------------------------------
 
-def bad_calls():
-  q, k, v, decay, s0 = inputs(6)
-  f = lj.lightning_attention
-  return [
-      ("q must be \\[B, T, H, D\\]", ValueError, lambda: f(q[0], k, v)),
-      ("k must be \\[B, T, H, D\\]", ValueError, lambda: f(q, k[:, :5], v)),
-      ("v must be \\[B, T, H, E\\]", ValueError, lambda: f(q, k, v[:, :, :2])),
-      ("head dim D", ValueError, lambda: f(jnp.ones((1, 4, 1, 300)), jnp.ones((1, 4, 1, 300)), jnp.ones((1, 4, 1, 8)))),
-      ("head dim E", ValueError, lambda: f(jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 257)))),
-      ("q must be float32, bfloat16 or float16", TypeError,
-       lambda: f(q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32))),
-      ("share one dtype", TypeError, lambda: f(q, k.astype(jnp.bfloat16), v)),
-      ("decay must be None, per-head rates \\[H\\]", ValueError, lambda: f(q, k, v, jnp.ones((H + 1,)))),
-      ("decay must be a floating array", TypeError, lambda: f(q, k, v, jnp.ones((H,), jnp.int32))),
-      ("decay rates must be finite and >= 0", ValueError, lambda: f(q, k, v, -decay)),
-      ("initial_state must be \\[B, H, D, E\\]", ValueError, lambda: f(q, k, v, initial_state=s0[:, :, :, :3])),
-      ("impl must be one of", ValueError, lambda: f(q, k, v, impl="cuda")),
-      ("variant must be one of", ValueError, lambda: f(q, k, v, impl="pallas", variant="fast")),
-      ("variant='warp_specialized' needs", ValueError, lambda: f(q, k, v, impl="pallas", variant="warp_specialized")),
-      ("config must be a LightningConfig", TypeError, lambda: f(q, k, v, config={"chunk_size": 64})),
-      ("scale must be None or a finite Python float", TypeError, lambda: f(q, k, v, scale=jnp.float32(0.5))),
-      ("return_final_state must be a bool", TypeError, lambda: f(q, k, v, return_final_state=1)),
-      ("need B, T, H >= 1", ValueError, lambda: f(q[:, :0], k[:, :0], v[:, :0])),
-  ]
+# Each bad call as a function of the inputs `inputs(6)` gives (made in the test, not at collection: arrays would
+# compile eagerly in every pytest process).
+_f = lj.lightning_attention
+BAD_CALLS = [
+    ("q must be \\[B, T, H, D\\]", ValueError, lambda q, k, v, decay, s0: _f(q[0], k, v)),
+    ("k must be \\[B, T, H, D\\]", ValueError, lambda q, k, v, decay, s0: _f(q, k[:, :5], v)),
+    ("v must be \\[B, T, H, E\\]", ValueError, lambda q, k, v, decay, s0: _f(q, k, v[:, :, :2])),
+    ("head dim D", ValueError,
+     lambda q, k, v, decay, s0: _f(jnp.ones((1, 4, 1, 300)), jnp.ones((1, 4, 1, 300)), jnp.ones((1, 4, 1, 8)))),
+    ("head dim E", ValueError,
+     lambda q, k, v, decay, s0: _f(jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 257)))),
+    ("q must be float32, bfloat16 or float16", TypeError,
+     lambda q, k, v, decay, s0: _f(q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32))),
+    ("share one dtype", TypeError, lambda q, k, v, decay, s0: _f(q, k.astype(jnp.bfloat16), v)),
+    ("decay must be None, per-head rates \\[H\\]", ValueError,
+     lambda q, k, v, decay, s0: _f(q, k, v, jnp.ones((H + 1,)))),
+    ("decay must be a floating array", TypeError, lambda q, k, v, decay, s0: _f(q, k, v, jnp.ones((H,), jnp.int32))),
+    ("decay rates must be finite and >= 0", ValueError, lambda q, k, v, decay, s0: _f(q, k, v, -decay)),
+    ("initial_state must be \\[B, H, D, E\\]", ValueError,
+     lambda q, k, v, decay, s0: _f(q, k, v, initial_state=s0[:, :, :, :3])),
+    ("impl must be one of", ValueError, lambda q, k, v, decay, s0: _f(q, k, v, impl="cuda")),
+    ("variant must be one of", ValueError, lambda q, k, v, decay, s0: _f(q, k, v, impl="pallas", variant="fast")),
+    ("variant='warp_specialized' needs", ValueError,
+     lambda q, k, v, decay, s0: _f(q, k, v, impl="pallas", variant="warp_specialized")),
+    ("config must be a LightningConfig", TypeError, lambda q, k, v, decay, s0: _f(q, k, v, config={"chunk_size": 64})),
+    ("scale must be None or a finite Python float", TypeError,
+     lambda q, k, v, decay, s0: _f(q, k, v, scale=jnp.float32(0.5))),
+    ("return_final_state must be a bool", TypeError, lambda q, k, v, decay, s0: _f(q, k, v, return_final_state=1)),
+    ("need B, T, H >= 1", ValueError, lambda q, k, v, decay, s0: _f(q[:, :0], k[:, :0], v[:, :0])),
+]
 
 
-# The count, not the list, at collection: building the list makes arrays (eager compiles) in every pytest process.
-BAD_CALL_COUNT = 18
-
-
-@pytest.mark.parametrize("index", range(BAD_CALL_COUNT))
-def test_bad_input_raises_clearly(index):
-  calls = bad_calls()
-  assert len(calls) == BAD_CALL_COUNT, "a bad call was added or removed: update BAD_CALL_COUNT"
-  match, error, call = calls[index]
+@pytest.mark.parametrize("match,error,call", BAD_CALLS, ids=[str(i) for i in range(len(BAD_CALLS))])
+def test_bad_input_raises_clearly(match, error, call):
   with pytest.raises(error, match=match):
-    call()
+    call(*inputs(6))
 
 
 def test_bad_input_raises_under_jit_before_tracing_kernels():

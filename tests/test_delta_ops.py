@@ -570,17 +570,14 @@ INVERSE_CASES = [Case(t=150, d=48, decay=None, segments=True), Case(t=100, d=64,
 
 
 def inverse_inputs(case, dtype, aligned_keys, seed=11):
-  """(k in dtype, beta, rates or None, segment starts [B, T] or None) for `inverse_error`: random keys of norm 1, or
-  keys near one direction (`aligned_keys`), where T's entries grow and its rounding shows; aligned_keys="mixed":
-  random keys in the first row, aligned ones in the others (both kinds in one kernel call, one compile)."""
+  """(k in dtype, beta, rates or None, segment starts [B, T] or None) for `inverse_error`: random keys of norm 1,
+  and with aligned_keys, keys near one direction (where T's entries grow and its rounding shows) in every row but
+  the first (both kinds in one kernel call, one compile)."""
   _, k, _, beta, decay, _, ids = make_inputs(case, seed=seed)
   if aligned_keys:
+    assert case.b >= 2, case
     aligned = k * 0.3 + jnp.ones_like(k)
-    aligned = aligned / jnp.linalg.norm(aligned, axis=-1, keepdims=True)
-    if aligned_keys == "mixed":
-      assert case.b >= 2, case
-      aligned = aligned.at[0].set(k[0])
-    k = aligned
+    k = (aligned / jnp.linalg.norm(aligned, axis=-1, keepdims=True)).at[0].set(k[0])
   starts = None if ids is None else jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], 1)
   return k.astype(dtype), beta, decay, starts
 
@@ -621,7 +618,7 @@ def test_inverse_matches_float64(kernel, case, dtype, kernel_mode):
   `prepare_by_tiles`' (the split backward's, whole tiles). The warp-specialised path's Mosaic GPU kernel:
   tests/test_warp_specialized.py."""
   from lightning_jax.ops.delta_attention import pallas_triton as pt
-  k, beta, decay, starts = inverse_inputs(case, dtype, "mixed")
+  k, beta, decay, starts = inverse_inputs(case, dtype, aligned_keys=True)
   c = 64
   g = pt.gate_logs(decay, seq_len=case.t, dim_k=case.d, chunk_size=c)
   _, kp, _, beta_rows, gates = pt.padded_operands(k, k, k, beta, starts, g, chunk_size=c)

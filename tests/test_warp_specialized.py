@@ -378,7 +378,7 @@ def test_delta_inverse_matches_float64(case, dtype, mode):
   in the first row, keys near one direction in the second (one interpreted call for both)."""
   from lightning_jax.ops.delta_attention import warp_specialized
 
-  k, beta, decay, starts = inverse_inputs(case, dtype, "mixed")
+  k, beta, decay, starts = inverse_inputs(case, dtype, aligned_keys=True)
   tri, tri_beta = jax.jit(lambda: warp_specialized.chunk_inverses(k, beta, decay, starts, with_unscaled=True,
                                                                   interpret=mode == "interpret"))()
   assert tri.shape == tri_beta.shape == (case.b, case.h, -(-case.t // 64) * 64, 64) and tri.dtype == dtype
