@@ -524,9 +524,11 @@ def test_delta_channel_spans_bounded():
 
 # KDA on the warp-specialised forward: from and to states, E off the blocks, rates near the fast path's bound, and
 # extreme rates (1e-7 and 1e4), where the Triton forward runs instead (`warp_specialized._channel_gated`).
-# The first in 2 pieces (`sequence_split`: the pieces' forwards warp-specialised, their maps the Triton sweep's).
+# The first in 2 pieces (`sequence_split`: the pieces' forwards warp-specialised, their maps the Triton sweep's);
+# the second packed (segments starting inside chunks, on a 16-token edge, one of one token).
 KDA_CASES = [
     (DeltaCase(b=1, t=150, h=1, d=64, e=48, decay="channel"), (0.0, 0.6), 2),
+    (DeltaCase(b=1, t=150, h=2, d=64, e=48, decay="channel", segments=True), (0.0, 0.6), 1),
     (DeltaCase(b=1, t=200, h=2, d=40, e=72, decay="channel", initial_state=False), (2.5, 3.7), 1),
     (DeltaCase(b=1, t=100, h=1, d=64, e=64, decay="channel", rates="extreme", beta="edges"), None, 1),
     (DeltaCase(b=2, t=300, h=3, d=128, e=100, decay="channel"), (0.0, 0.6), 1),
@@ -540,7 +542,7 @@ def test_delta_kda_warp_specialized_matches_oracle(case, rates, pieces, mode):
   """KDA's forward on the warp-specialised kernels (o and the final state) and the op's gradients through it (its
   backward on the chunk terms, split in 2 pieces for the first case) against the oracle's; whether the fast path
   runs is checked on the same rates."""
-  q, k, v, beta, decay, s0, _ = delta_inputs(case, seed=zlib.crc32(f"{case}kda".encode()))
+  q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=zlib.crc32(f"{case}kda".encode()))
   if rates is not None:
     decay = jax.random.uniform(jax.random.key(case.t), decay.shape, minval=rates[0], maxval=rates[1])
   q, k, v = (x.astype(BF16) for x in (q, k, v))
@@ -554,7 +556,7 @@ def test_delta_kda_warp_specialized_matches_oracle(case, rates, pieces, mode):
   # alone, at every D and near the bound: test_delta_kda_backward_on_chunk_terms); else the forward alone.
   if case.d <= 64 and rates is not None and rates[1] < 1.0:
     cot = jax.random.split(jax.random.key(1), 2)
-    args = (q, k, v, beta, decay, s0, None, jax.random.normal(cot[0], v.shape),
+    args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape),
             jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
     (_, (o, final)), grads = delta_value_and_grads("pallas", config=config, interpret=interpret)(*args)
     (_, (o_ref, final_ref)), grads_ref = delta_value_and_grads("reference")(*args)
@@ -562,7 +564,7 @@ def test_delta_kda_warp_specialized_matches_oracle(case, rates, pieces, mode):
       if g_ref is not None:
         assert rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
   else:
-    call = lambda **kw: lj.delta_attention(q, k, v, beta, decay, initial_state=s0,  # noqa: E731
+    call = lambda **kw: lj.delta_attention(q, k, v, beta, decay, initial_state=s0, segment_ids=ids,  # noqa: E731
                                            return_final_state=True, **kw)
     o, final = jax.jit(lambda: call(impl="pallas", config=config, interpret=interpret))()
     o_ref, final_ref = jax.jit(lambda: call(impl="reference"))()
@@ -570,10 +572,10 @@ def test_delta_kda_warp_specialized_matches_oracle(case, rates, pieces, mode):
   assert rel_err(o, o_ref) < TOL[BF16] and rel_err(final, final_ref) < TOL[BF16]
 
 
-# KDA's warp-specialised backward: T, E and D off the blocks and from and to states; rates near the bound of the
-# 16-token blocks' spans; extreme rates, where the Triton backward runs instead; D = 128 on the GPU alone.
+# KDA's warp-specialised backward: T, E and D off the blocks and from and to states, packed; rates near the bound of
+# the 16-token blocks' spans; extreme rates, where the Triton backward runs instead; D = 128 on the GPU alone.
 KDA_BACKWARD_CASES = [
-    (DeltaCase(b=1, t=130, h=2, d=40, e=72, decay="channel"), (0.0, 0.6)),
+    (DeltaCase(b=1, t=130, h=2, d=40, e=72, decay="channel", segments=True), (0.0, 0.6)),
     (DeltaCase(b=1, t=200, h=2, d=64, e=48, decay="channel"), (2.5, 3.7)),
     (DeltaCase(b=1, t=100, h=1, d=64, e=64, decay="channel", rates="extreme", beta="edges"), None),
     (DeltaCase(b=2, t=300, h=3, d=128, e=100, decay="channel"), (0.0, 0.6)),
@@ -591,7 +593,8 @@ def test_delta_kda_backward_on_chunk_terms(case, rates, mode):
   backward."""
   from lightning_jax.ops.delta_attention import pallas_triton
 
-  q, k, v, beta, decay, s0, _ = delta_inputs(case, seed=zlib.crc32(f"{case}kda-bwd".encode()))
+  q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=zlib.crc32(f"{case}kda-bwd".encode()))
+  starts = None if ids is None else chunk_common.segment_starts(ids)
   if rates is not None:
     decay = jax.random.uniform(jax.random.key(case.t), decay.shape, minval=rates[0], maxval=rates[1])
   q, k, v = (x.astype(BF16) for x in (q, k, v))
@@ -602,7 +605,7 @@ def test_delta_kda_backward_on_chunk_terms(case, rates, mode):
                                         compute_capability=(9, 0))
   options = dict(scale=case.d ** -0.5, interpret=mode == "interpret")
   backward = lambda warp_specialized, **kw: jax.jit(lambda: pallas_triton.backward(  # noqa: E731
-      q, k, v, beta, decay, None, s0, do, d_final, config=dataclasses.replace(config, warp_specialized=warp_specialized),
+      q, k, v, beta, decay, starts, s0, do, d_final, config=dataclasses.replace(config, warp_specialized=warp_specialized),
       **options, **kw))
   warp_specialized_backward = backward(True)  # one jitted function: traced once for its jaxpr and its run
   jaxpr = str(jax.make_jaxpr(warp_specialized_backward)())
@@ -612,7 +615,8 @@ def test_delta_kda_backward_on_chunk_terms(case, rates, mode):
   grads = warp_specialized_backward()
 
   def loss(q, k, v, beta, decay, s0):
-    o, final = lj.delta_attention(q, k, v, beta, decay, initial_state=s0, return_final_state=True, impl="reference")
+    o, final = lj.delta_attention(q, k, v, beta, decay, initial_state=s0, segment_ids=ids, return_final_state=True,
+                                  impl="reference")
     return jnp.sum(o.astype(F32) * do.astype(F32)) + jnp.sum(final * d_final)
 
   grads_ref = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(q, k, v, beta, decay, s0)
@@ -703,14 +707,16 @@ def test_delta_kda_float16_keeps_its_range(mode):
 @needs_ws_jax
 @pytest.mark.parametrize("dim_k,dim_v", [(128, 128), (64, 192)])
 def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
-  """KDA's chunk-terms kernel, the sweep taking them (storing S_n^T and U^T for the backward, or those alone), and
-  the reverse sweep in its channel-gated mode (2 ring slots at K = 128, 3 at K = 64, within sm90's shared memory)
-  lower as the GPU compiles them, from any backend."""
+  """KDA's chunk-terms kernel (packed at K = 128), the sweep taking them (storing S_n^T and U^T for the backward, or
+  those alone), and the reverse sweep in its channel-gated mode (2 ring slots at K = 128, 3 at K = 64, within sm90's
+  shared memory) lower as the GPU compiles them, from any backend."""
   q = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
   beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
   rates = jax.ShapeDtypeStruct((2, 512, 3, dim_k), F32)
-  exported = jax.export.export(jax.jit(lambda q, k, beta, rates: tuple(delta_mosaic.channel_gated_chunks(
-      q, k, beta, rates, scale=0.1, chunks_per_cta=4))), platforms=["cuda"])(q, q, beta, rates)
+  runs = (jax.ShapeDtypeStruct((2, 512), jnp.int32),) if dim_k == 128 else ()
+  exported = jax.export.export(jax.jit(lambda q, k, beta, rates, *runs: tuple(delta_mosaic.channel_gated_chunks(
+      q, k, beta, rates, scale=0.1, runs=runs[0] if runs else None, chunks_per_cta=4))),
+      platforms=["cuda"])(q, q, beta, rates, *runs)
   assert "delta_channel_gated_mosaic" in exported.mlir_module()
   assert [o.shape for o in exported.out_avals] == ([(2, 3, 512, 64)] * 2 + [(2, 512, 3, dim_k)] * 3
                                                    + [(2, 3, 8, 4, dim_k)])
@@ -942,15 +948,13 @@ def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
   for args, config, match in [
       # float32 inputs (or jax < 0.11)
       ((q, k, v, beta), forced, r"warp_specialized=True\): the warp-specialised forward needs"),
-      ((*bf16, rates), forced, "per-key-channel gates without packed sequences"),
       # The states (KDA: the chunk terms) are kept for the warp-specialised backward alone: not interpreted unless
       # forced.
       (bf16, keep, r"forward_states=True\) needs the warp-specialised backward"),
       ((*bf16, rates), keep, r"forward_states=True\) needs the warp-specialised backward"),
   ]:
     with pytest.raises(ValueError, match=match):
-      lj.delta_attention(*args, impl="pallas", config=config, interpret=True,
-                         segment_ids=jnp.zeros(q.shape[:2], jnp.int32) if match.startswith("per-key") else None)
+      lj.delta_attention(*args, impl="pallas", config=config, interpret=True)
   with pytest.raises(TypeError, match="warp_specialized must be None or a bool"):
     lj.DeltaConfig(warp_specialized=1)
   with pytest.raises(TypeError, match="forward_states must be None or a bool"):

@@ -14,7 +14,6 @@ from lightning_jax.ops.delta_attention import reference
 from lightning_jax.ops.delta_attention import sequence_parallel
 from lightning_jax.ops.delta_attention import sequence_split
 from lightning_jax.ops.delta_attention import vjp
-from lightning_jax.ops.delta_attention import warp_specialized
 from lightning_jax.ops.delta_attention import xla
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import api as lightning_api
@@ -195,9 +194,8 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
           per_channel_gate=per_channel_gate, dtype=q.dtype, dim_k=q.shape[-1], dim_v=v.shape[-1],
           compute_capability=cc, batch_heads=q.shape[0] * q.shape[2], num_sms=heuristics.num_sms(device))
       interpret = lightning_api.pallas_interpret(interpret, cc, q)
-      cannot = warp_specialized.unsupported(dim_k=q.shape[-1], dim_v=v.shape[-1], dtype=q.dtype,
-                                            per_channel_gate=per_channel_gate, compute_capability=cc,
-                                            interpret=interpret, packed=starts is not None)
+      cannot = heuristics.warp_specialized_unsupported(dim_k=q.shape[-1], dim_v=v.shape[-1], dtype=q.dtype,
+                                                       compute_capability=cc, interpret=interpret)
       if config.warp_specialized and cannot:
         raise ValueError(f"DeltaConfig(warp_specialized=True): the warp-specialised forward {cannot}")
       # Unless asked, compiled only (its interpreter is for tests).

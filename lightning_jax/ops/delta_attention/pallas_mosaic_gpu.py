@@ -58,7 +58,7 @@ takes (`warp_specialized`).
 columns), no outputs.
 
 Where the kernels run is
-`warp_specialized.unsupported` (sm90, bf16/fp16, K <= 128) and
+`heuristics.warp_specialized_unsupported` (sm90, bf16/fp16, K <= 128) and
 `pallas_triton.backward`; they also run in the Mosaic GPU interpreter (the
 inverse's solve aside: it is inline Mosaic GPU, which the interpreter does not
 run).
@@ -889,7 +889,7 @@ def _store_block_ends(gates, ends_ref, *, in_registers):
 
 
 def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_ref, queries_ref, keys_ref,
-                          keys_end_ref, *refs, chunks_per_cta, scale, in_registers):
+                          keys_end_ref, *refs, chunks_per_cta, scale, runs_row, in_registers):
   # with_backward_terms: T and G out too; last, G's blocks' last rows O_1 .. O_4 (which the factors go through). Every [C, K] tile is K / _PART column parts ([..., parts, C, _PART] in
   # shared memory): warpgroup p forms part p's, as [C, _PART] float32 tiles in registers (at K = 128 whole tiles
   # spilled 668 bytes a thread, ptxas); warpgroup 0, the leader, also runs the pair products over every part, the
@@ -1059,12 +1059,16 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
     def _solve():
       plgpu.barrier_wait(rows_loaded.at[slot])
       rows, columns_ = rows_smem.at[slot, 0], rows_smem.at[slot, 1]
-      a = jnp.where(t > s, pairs * by_row(rows[_BETA_ROW]), 0.0)
+      kept, kept_t, kept_inclusive = t > s, s > t, t >= s
+      if runs_row is not None:  # packed: the pairs of one segment alone
+        same_segment = by_row(rows[runs_row]) == by_column(columns_[runs_row])
+        kept, kept_t, kept_inclusive = kept & same_segment, kept_t & same_segment, kept_inclusive & same_segment
+      a = jnp.where(kept, pairs * by_row(rows[_BETA_ROW]), 0.0)
       same_block = lax.div(t, block) == lax.div(s, block)
-      neg_upper = jnp.where((s > t) & same_block, pairs_t * by_column(-columns_[_BETA_ROW]), 0.0)
+      neg_upper = jnp.where(kept_t & same_block, pairs_t * by_column(-columns_[_BETA_ROW]), 0.0)
       x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers)
       for result, tile, out_ref in ((x * by_column(columns_[_BETA_ROW]), inverse_smem, inverse_ref),
-                                    (jnp.where(t >= s, query_pairs, 0.0), pairs_smem, pairs_ref)):
+                                    (jnp.where(kept_inclusive, query_pairs, 0.0), pairs_smem, pairs_ref)):
         tile[...] = result.astype(tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(tile, out_ref.at[batch, head, rows_out])
@@ -1082,7 +1086,7 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
   plgpu.wait_smem_to_gmem(0)
 
 
-def channel_gated_chunks(q, k, beta, rates, *, scale: float, chunks_per_cta: int | None = None,
+def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_per_cta: int | None = None,
                          with_backward_terms: bool = False, interpret: bool = False) -> ChannelGatedChunks:
   """Each 64-token chunk's terms of KDA's per-key-channel gates for the warp-specialised forward
   (`ChannelGatedChunks`): the pair products A and P, T' from A as `inverse` forms it, and the gated keys and queries.
@@ -1107,6 +1111,12 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, chunks_per_cta: int
     beta: [B, H, Tp] float32, zero on padding.
     rates: [B, Tp, H, K] float32 >= 0, zero on padding (clamped at
       `chunk.MAX_RATE`, as `chunk.chunk_log_decays` does).
+    runs: packed rows' segment-start counts within each chunk [B, Tp] int32
+      (`pallas_mosaic_gpu.sweep_gates`' runs), or None: A, T' and P then
+      keep the pairs of one segment alone. G runs on across a segment start
+      (a kept pair's factor spans one segment's rates), so Q_g, K_g, K_C and
+      the state decay 2^G_C are the rows' as if unpacked: their rows that see
+      no state, or no chunk end, are `mask_channel_gated_chunks`' to drop.
     with_backward_terms: also T and G (`ChannelGatedChunks`).
   """
   b, tp, h, dim_k = k.shape
@@ -1121,12 +1131,15 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, chunks_per_cta: int
   dtype = k.dtype
   smem = lightning_mosaic.swizzled_smem
   parts = dim_k // _PART
-  rows = _inverse_rows(beta, (None, None))[0]  # beta's row alone
+  rows, runs_row = _inverse_rows(beta, (None, None))[0], None  # beta's row, and packed the segment counts'
+  if runs is not None:
+    runs_row = rows.shape[3]
+    rows = jnp.concatenate([rows, jnp.broadcast_to(runs.reshape(b, 1, n, 1, c).astype(_F32), rows.shape)], axis=3)
   solve_tile = plgpu.SMEM((c, c + _SOLVE_PAD), _F32)
   pieces = tuple(smem((parts, c, _PART), jnp.float16) for _ in range(2))
   scratch = (
       (smem((2, parts, c, _PART), dtype), smem((2, parts, c, _PART), dtype), smem((2, parts, c, _PART), _F32),
-       plgpu.SMEM((2, 2, 1, c), _F32), plgpu.SMEM((2, parts, c // _SOLVE_BLOCK, _PART), _F32),
+       plgpu.SMEM((2, 2, rows.shape[3], c), _F32), plgpu.SMEM((2, parts, c // _SOLVE_BLOCK, _PART), _F32),
        # The pair products' operand tiles, the solve's and the rates' pieces: one at a time.
        plgpu.RefUnion(tuple(smem((parts, c, _PART), dtype) for _ in range(3)), (solve_tile, solve_tile), pieces),
        smem((parts, c, _PART), dtype), (smem((c, c), dtype), smem((c, c), dtype)),
@@ -1142,12 +1155,40 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, chunks_per_cta: int
       *((manual_axes.struct((b, h, tp, c), dtype, k, beta), manual_axes.struct((b, tp, h, dim_k), _F32, k, beta))
         if with_backward_terms else ()),
       manual_axes.struct((b, h, n, num_blocks, parts, _PART), _F32, k, beta))
-  kernel = functools.partial(_channel_gated_kernel, chunks_per_cta=per_cta, scale=scale, in_registers=in_registers)
+  kernel = functools.partial(_channel_gated_kernel, chunks_per_cta=per_cta, scale=scale, runs_row=runs_row,
+                             in_registers=in_registers)
   *terms, block_ends = lightning_mosaic.warpgroup_kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(h, b, n // per_cta),
       grid_names=("heads", "batch", "chunk_blocks"), interpret=interpret, kernel_name="delta_channel_gated_mosaic",
       num_warpgroups=parts)(rows, q, k, rates.astype(_F32))
   return ChannelGatedChunks(*terms, block_ends=block_ends.reshape(b, h, n, num_blocks, dim_k))
+
+
+def mask_channel_gated_chunks(terms: ChannelGatedChunks, runs) -> ChannelGatedChunks:
+  """`channel_gated_chunks`' terms of packed rows: Q_g's and K_g's rows dropped where a segment starts at or before
+  the row in its chunk (the row sees no state from before the chunk), K_C's where one starts after it (the row's
+  segment ends in the chunk). runs: as `channel_gated_chunks`'; None: the terms as they are."""
+  if runs is None:
+    return terms
+  b, tp = runs.shape
+  chunks = runs.reshape(b, tp // CHUNK_SIZE, CHUNK_SIZE)
+  sees_state = (chunks == 0).reshape(b, tp, 1, 1)
+  reaches_end = (chunks == chunks[..., -1:]).reshape(b, tp, 1, 1)
+  drop = lambda x, keep: jnp.where(keep, x, jnp.zeros((), x.dtype))  # noqa: E731
+  return terms._replace(queries=drop(terms.queries, sees_state), keys=drop(terms.keys, sees_state),
+                        keys_to_end=drop(terms.keys_to_end, reaches_end))
+
+
+def channel_state_decay(block_ends, runs):
+  """The state's decay per key channel over each chunk, 2^G_C [B, H, N, 1, K] float32, from
+  `ChannelGatedChunks.block_ends`; 0 where a packed segment starts in the chunk (runs as `channel_gated_chunks'`, or
+  None)."""
+  decay = jnp.exp2(block_ends[:, :, :, -1:])
+  if runs is None:
+    return decay
+  b, tp = runs.shape
+  no_start = runs.reshape(b, 1, tp // CHUNK_SIZE, 1, CHUNK_SIZE)[..., -1:] == 0  # [B, 1, N, 1, 1]
+  return jnp.where(no_start, decay, 0.0)
 
 
 def channel_spans_bounded(block_ends, dtype):

@@ -109,8 +109,7 @@ class DeltaConfig:
       (None: num_warps; the backward's prepare, at backward_chunk_size,
       takes num_warps).
     warp_specialized: the forward on the warp-specialised Mosaic GPU kernel
-      (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256; KDA without
-      packed sequences), which takes each 64-token chunk's inverse (times
+      (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256), which takes each 64-token chunk's inverse (times
       beta) from a Mosaic GPU kernel (`pallas_mosaic_gpu.inverse`; KDA's with
       its gated pair products and keys, `channel_gated_chunks`) instead of W
       and U_v from prepare, and for a scalar decay or none, where block_e >=
@@ -963,13 +962,16 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref
     dg_ref[...] = dg + jnp.sum(jnp.where(last_row, g_end, 0.0), axis=1)
 
 
-def _channel_tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, t_ref, states_ref, d_next_ref, u_ref,
-                                   du_ref, do_ref, dq_ref, dk_ref, dv_ref, d_beta_ref, dg_ref, *, scale, block_d,
+def _channel_tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, t_ref, states_ref, d_next_ref,
+                                   u_ref, du_ref, do_ref, dq_ref, dk_ref, dv_ref, d_beta_ref, dg_ref, *, scale, block_d,
                                    block_e, transposed, exact):
-  """`_tile_gradients_kernel` for KDA's per-key-channel gates (no segments), at the warp-specialised chunks.
+  """`_tile_gradients_kernel` for KDA's per-key-channel gates, at the warp-specialised chunks.
 
   g_ref: [C, Dp] float32 G, the chunk-local cumulative log2 decays
-  (`pallas_mosaic_gpu.channel_gated_chunks`' gates); dg_ref: [C, Dp]
+  (`pallas_mosaic_gpu.channel_gated_chunks`' gates); runs_ref: [C] int32
+  segment-start counts (packed rows; or None), whose pairs and rows the
+  forward's terms dropped (`pallas_mosaic_gpu.mask_channel_gated_chunks`)
+  and so their cotangents here; dg_ref: [C, Dp]
   float32, the cotangent of the natural-log gates G ln 2, every share. The
   rest as `_tile_gradients_kernel`'s. Q_g, K_g and K_C are q and k times
   [C, block_d] tiles of factors, and the state decay a_n = 2^{G_C} one per
@@ -993,12 +995,19 @@ def _channel_tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, t_ref, 
                                        transposed=transposed, exact=exact)
   t = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
   s = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-  d_query_pairs = jnp.where(t >= s, scale * d_p, 0.0).astype(dtype)
-  d_a = jnp.where(t > s, d_a, 0.0)
+  same_segment, sees_state, reaches_end = True, 1.0, 1.0
+  if runs_ref is not None:  # packed: the pairs of one segment; the rows that see the state, or reach the end
+    runs = runs_ref[...]
+    same_segment = runs[:, None] == runs[None, :]
+    sees_state = (runs == 0).astype(_F32)[:, None]
+    reaches_end = (runs[:, None] == runs_ref[pl.ds(c - 1, 1)][None, :]).astype(_F32)
+  d_query_pairs = jnp.where((t >= s) & same_segment, scale * d_p, 0.0).astype(dtype)
+  d_a = jnp.where((t > s) & same_segment, d_a, 0.0)
   # A's rows take beta_t outside their sums (dbeta's share is k . (dA's rows)), its columns inside.
   d_key_pairs, d_key_pairs_beta = d_a.astype(dtype), (beta * d_a).astype(dtype)
   row_block = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) // BLOCK
   last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+  no_start = 1.0 if runs_ref is None else jnp.sum(jnp.where(last_row, sees_state, 0.0), axis=0, keepdims=True)
 
   def keys(di, d_beta):
     key_cols = pl.ds(pl.multiple_of(di * block_d, block_d), block_d)
@@ -1012,13 +1021,14 @@ def _channel_tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, t_ref, 
     g = g_ref[:, key_cols]
     g_end = g_ref[pl.ds(c - 1, 1), key_cols]
     k32 = k_ref[:, key_cols].astype(_F32)
-    row_decay = jnp.exp2(g)
+    row_decay = sees_state * jnp.exp2(g)
     dq = scale * row_decay * d_q_gated
     d_k_gated = dot(tri, d_w.astype(dtype), trans_a=True)  # T^T dW: the cotangent of beta K_g
     d_beta = d_beta + jnp.sum(k32 * row_decay * d_k_gated, axis=1)
     rising = beta * row_decay * d_k_gated  # k's uses whose factors rise with g: beta K_g's, A's rows
-    falling = jnp.exp2(g_end - g) * d_k_end  # and fall: K_C's, A's and P's columns
-    g_end_share = jnp.sum(k32 * falling, axis=0, keepdims=True) + jnp.exp2(g_end) * d_state_decay
+    falling = reaches_end * jnp.exp2(g_end - g) * d_k_end  # and fall: K_C's, A's and P's columns
+    state_decay = jnp.exp2(g_end) * no_start  # a_n = 2^{G_C}, 0 where a segment starts in the chunk
+    g_end_share = jnp.sum(k32 * falling, axis=0, keepdims=True) + state_decay * d_state_decay
     q = q_ref[:, key_cols]
     for i in range(c // BLOCK):  # the factors formed where used, each [C, block_d] tile briefly live (registers)
       before = 0.0 if i == 0 else g_ref[pl.ds(i * BLOCK - 1, 1), key_cols]
@@ -1274,7 +1284,7 @@ def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do,
   `transposed`: S_n^T, G_n^T [B, H, N, Ep, Dp] and U^T, dU^T [B, H, Ep, Tp]
   as `pallas_mosaic_gpu.state_sweep` and `state_cotangents` write them.
   channel_gates: KDA's G [B, Tp, H, Dp] float32 (`_channel_tile_gradients_kernel`;
-  gates_ then empty), and dg [B, Tp, H, Dp] the cotangent of G ln 2.
+  gates_ then its runs alone, or empty), and dg [B, Tp, H, Dp] the cotangent of G ln 2.
   """
   b, tp, h, dp = q.shape
   ep = v.shape[-1]
@@ -1288,10 +1298,11 @@ def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do,
   blocks = dict(scale=scale, block_d=min(config.block_d, dp), block_e=min(config.block_d, ep), transposed=transposed,
                 exact=q.dtype == _F32)
   if channel_gates is not None:
-    if gates_.g is not None or gates_.runs is not None:
-      raise ValueError("channel_gates take no other gates or segments")
+    if gates_.g is not None:
+      raise ValueError("channel_gates take no other gates")
     kernel = functools.partial(_channel_tile_gradients_kernel, **blocks)
-    gate_operands, gate_specs, dg_shape = (channel_gates,), [keys], (b, tp, h, dp)
+    gate_operands, gate_specs = (channel_gates, gates_.runs), [keys, _gate_specs(gates_, c, dp, per_chunk=True)[1]]
+    dg_shape = (b, tp, h, dp)
   else:
     kernel = functools.partial(_tile_gradients_kernel, **blocks)
     gate_operands, gate_specs = (gates_.g, gates_.runs), list(_gate_specs(gates_, c, dp, per_chunk=True))
@@ -1375,7 +1386,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   """
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   per_channel_gate = decay is not None and decay.ndim == 4
-  if per_channel_gate and config.warp_specialized and segment_starts is None:
+  if per_channel_gate and config.warp_specialized:
     if inverses is not None or states is not None:
       raise ValueError("KDA's warp-specialised backward takes chunk_terms, not inverses or states")
     arguments = (q, k, v, beta, decay, segment_starts, initial_state, do, d_final)
@@ -1392,7 +1403,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
     raise ValueError(f"the warp-specialised backward takes backward_chunk_size={WarpSpecializedConfig.CHUNK_SIZE}, "
                      f"got {c}")
   if chunk_terms is not None:
-    raise ValueError("chunk_terms are KDA's where its forward is warp-specialised (no segments)")
+    raise ValueError("chunk_terms are KDA's where its forward is warp-specialised")
   if (inverses is not None or states is not None) and not warp_specialized:
     raise ValueError("inverses and states are the warp-specialised backward's (DeltaConfig.warp_specializes_backward)")
   dp, ep = (WarpSpecializedConfig.padded_dims(d, e) if warp_specialized
@@ -1454,8 +1465,8 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
 
 def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale,
                             config: DeltaConfig, interpret, chunk_terms, initial_cotangent_only, fallback):
-  """`backward` for KDA's per-key-channel gates where the forward is warp-specialised (`config.warp_specialized`,
-  no segments), at its 64-token chunks, where every 16-token block's decay is bounded
+  """`backward` for KDA's per-key-channel gates where the forward is warp-specialised (`config.warp_specialized`),
+  at its 64-token chunks, where every 16-token block's decay is bounded
   (`pallas_mosaic_gpu.channel_spans_bounded`; else `fallback`, `backward`'s Triton one at 16-token chunks, a
   traced choice).
 
@@ -1467,9 +1478,11 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
   carry the scale, K_C the decay to the chunk's end, the state decays by
   2^{G_C} per key channel, W = T' K_g formed on chip) gives G_n^T and dU^T;
   then `tile_gradients(channel_gates=G, transposed=True)` every chunk's
-  cotangents, and the rates' is the vjp of their chunk-local sums.
+  cotangents, and the rates' is the vjp of their chunk-local sums. Packed
+  rows: the terms of one segment's pairs and rows alone, as the forward's
+  (`pallas_mosaic_gpu.mask_channel_gated_chunks`), and the tile kernel's
+  cotangents the same.
   """
-  del segment_starts  # None here
   b, t, h, d = q.shape
   e = v.shape[-1]
   c = WarpSpecializedConfig.CHUNK_SIZE
@@ -1479,17 +1492,19 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
   transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
   qp, kp, vp = pad(q, dp), pad(k, dp), pad(v, ep)
   beta_rows = warp_specialized_forward.beta_rows(beta, tp=tp)
+  runs = warp_specialized_forward.channel_gated_runs(segment_starts, num_tokens=tp)
   kept_states = None
   if chunk_terms is None:  # formed again, as the forward formed them, with the block ends the choice below takes
-    terms = pallas_mosaic_gpu.channel_gated_chunks(qp, kp, beta_rows, pad(decay.astype(_F32), dp), scale=scale,
-                                                   with_backward_terms=True, interpret=interpret)
+    terms = pallas_mosaic_gpu.mask_channel_gated_chunks(pallas_mosaic_gpu.channel_gated_chunks(
+        qp, kp, beta_rows, pad(decay.astype(_F32), dp), scale=scale, runs=runs, with_backward_terms=True,
+        interpret=interpret), runs)
   else:  # the forward's, whose block ends it also kept where its Triton fallback ran
     terms = pallas_mosaic_gpu.ChannelGatedChunks(*chunk_terms[:-3], block_ends=chunk_terms[-1])
     kept_states = chunk_terms[-3:-1]
   block_ends = terms.block_ends
 
   def on_chunk_terms():
-    channel_decay = jnp.exp2(block_ends[:, :, :, -1:])  # 2^G_C [B, H, N, 1, Dp]
+    channel_decay = pallas_mosaic_gpu.channel_state_decay(block_ends, runs)  # 2^G_C [B, H, N, 1, Dp]
     dop = chunk_common.pad_tokens_and_features(do.astype(q.dtype), num_tokens=tp, dim=ep)
     reverse_sweep = functools.partial(
         pallas_mosaic_gpu.state_cotangents, terms.queries, terms.keys_to_end, terms.inverse, dop, (None, None),
@@ -1501,7 +1516,7 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
     states_t, values_t = kept_states or pallas_mosaic_gpu.state_sweep(
         terms.keys, vp, terms.inverse, (None, None), transpose(chunk_common.pad_state(initial_state, dp, ep)),
         channel_gates=(terms.keys_to_end, terms.pairs, channel_decay), interpret=interpret)
-    dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, Gates(None, None, None), terms.unscaled_inverse,
+    dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, Gates(None, runs, None), terms.unscaled_inverse,
                                             states_t, d_next_t, values_t, du_t, dop, scale=scale,
                                             config=dataclasses.replace(config, chunk_size=c), interpret=interpret,
                                             transposed=True, channel_gates=terms.gates)

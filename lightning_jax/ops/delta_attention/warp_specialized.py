@@ -21,7 +21,8 @@ pre-gated (its `channel_gated` mode: the state decayed per key channel). The
 backward (`pallas_triton._channel_gated_backward`, on the warp-specialised
 sweeps in the same mode) takes those chunk terms with T and G and the S_n^T
 and U^T the output warpgroup stores (`with_chunk_terms`), or forms them
-again; no packed sequences; the split's map pass is the Triton sweep's.
+again; packed rows drop the chunk terms' pairs and rows that reach past a
+segment's ends; the split's map pass is the Triton sweep's.
 """
 
 from __future__ import annotations
@@ -37,16 +38,6 @@ from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu
 from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
 
 CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
-
-
-def unsupported(*, dim_k: int, dim_v: int, dtype, per_channel_gate: bool, compute_capability,
-                interpret: bool, packed: bool = False) -> str | None:
-  """Why the warp-specialised forward cannot run a call (None if it can); dims are the unpadded D and E, packed
-  whether segments are given."""
-  if per_channel_gate and packed:
-    return "takes KDA's per-key-channel gates without packed sequences (segment_ids, cu_seqlens)"
-  return heuristics.warp_specialized_unsupported(dim_k=dim_k, dim_v=dim_v, dtype=dtype,
-                                                 compute_capability=compute_capability, interpret=interpret)
 
 
 def beta_rows(beta, *, tp):
@@ -67,10 +58,18 @@ def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
                               with_unscaled=with_unscaled, interpret=interpret)
 
 
-def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_state, interpret, fallback,
-                   with_chunk_terms):
-  """`forward` with KDA's per-key-channel rates decay [B, T, H, D] (no segments): `delta_mosaic.channel_gated_chunks`
-  forms each chunk's T', P, Q_g, K_g and K_C, and the sweep takes them. Where some 16-token block decays by more
+def channel_gated_runs(segment_starts, *, num_tokens):
+  """The segment-start counts [B, Tp] int32 `delta_mosaic.channel_gated_chunks` takes, of segment starts [B, T] bool
+  (None: None)."""
+  return None if segment_starts is None else pallas_mosaic_gpu.sweep_gates(None, segment_starts,
+                                                                            num_tokens=num_tokens)[1]
+
+
+def _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, interpret,
+                   fallback, with_chunk_terms):
+  """`forward` with KDA's per-key-channel rates decay [B, T, H, D]: `delta_mosaic.channel_gated_chunks` forms each
+  chunk's T', P, Q_g, K_g and K_C (packed rows: the pairs of one segment alone, and the rows of Q_g, K_g and K_C
+  that reach past a segment's ends dropped, `delta_mosaic.mask_channel_gated_chunks`), and the sweep takes them. Where some 16-token block decays by more
   than `delta_mosaic.max_block_span(q.dtype)` (log2 units) on a key channel (by the block ends that kernel
   returns), `fallback` (a callable of `forward`'s arguments) runs instead: the chunks' factors would leave the
   operands' range (a traced choice, `lax.cond`, after that kernel).
@@ -82,31 +81,34 @@ def _channel_gated(q, k, v, beta, decay, initial_state, *, scale, with_final_sta
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
+  runs = channel_gated_runs(segment_starts, num_tokens=tp)
   terms = delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), beta_rows(beta, tp=tp),
-                                            pad(decay, dp).astype(jnp.float32), scale=scale,
+                                            pad(decay, dp).astype(jnp.float32), scale=scale, runs=runs,
                                             with_backward_terms=with_chunk_terms, interpret=interpret)
   block_ends = terms.block_ends  # [B, H, N, 4, Dp]
 
   def on_chunk_terms():
-    channel_decay = jnp.exp2(block_ends[:, :, :, -1:])  # 2^G_C, the state's decay per key channel over each chunk
+    chunk_terms = delta_mosaic.mask_channel_gated_chunks(terms, runs)
+    channel_decay = delta_mosaic.channel_state_decay(block_ends, runs)  # the state's decay per key channel
     state = None
     if initial_state is not None:  # the kernel carries S^T [E, D], one slice
       state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
     cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True,
                                               channel_gated=True)
     result = pallas_mosaic_gpu.forward_padded(
-        terms.queries, terms.keys, pad(v, ep), None, state, chunk_gates=(None, None), delta_inverse=terms.inverse,
-        delta_channel_gates=(terms.keys_to_end, terms.pairs, channel_decay), delta_states=with_chunk_terms,
+        chunk_terms.queries, chunk_terms.keys, pad(v, ep), None, state, chunk_gates=(None, None),
+        delta_inverse=chunk_terms.inverse, delta_states=with_chunk_terms,
+        delta_channel_gates=(chunk_terms.keys_to_end, chunk_terms.pairs, channel_decay),
         scale=scale, seq_len=t, return_final_state=with_final_state, cfg=cfg, interpret=interpret)
     o, *results = result if isinstance(result, tuple) else (result,)
     final_state = jnp.swapaxes(results.pop(), -1, -2)[:, :, :d, :e] if with_final_state else None
-    return o[:, :t, :, :e], final_state, ((*terms[:-1], *results) if with_chunk_terms else ())
+    return o[:, :t, :, :e], final_state, ((*chunk_terms[:-1], *results) if with_chunk_terms else ())
 
   def on_fallback():
     kept = ()
     if with_chunk_terms:  # placeholders of the terms' shapes: the backward's own choice skips them
       kept = tuple(jnp.zeros(x.shape, x.dtype) for x in jax.eval_shape(on_chunk_terms)[2])
-    return (*fallback(q, k, v, beta, decay, None, initial_state), kept)
+    return (*fallback(q, k, v, beta, decay, segment_starts, initial_state), kept)
 
   o, final_state, kept = lax.cond(delta_mosaic.channel_spans_bounded(block_ends, q.dtype), on_chunk_terms,
                                   on_fallback)
@@ -129,16 +131,16 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   D to 64 or 128 and E to a multiple of 64. The chunk is the sweep's, 64
   tokens, whatever `DeltaConfig.chunk_size` says.
 
-  KDA's per-key-channel rates (decay [B, T, H, D], no segments; neither
-  inverses nor states are kept, but with_chunk_terms its chunk terms and
-  states, the third result) run `_channel_gated`, with `fallback` (a callable of this
+  KDA's per-key-channel rates (decay [B, T, H, D]; neither inverses nor
+  states are kept, but with_chunk_terms its chunk terms and states, the
+  third result) run `_channel_gated`, with `fallback` (a callable of this
   function's first seven arguments returning (o, final state)) where the
   chunks' gates leave its range.
   """
   if decay is not None and decay.ndim == 4:
-    if segment_starts is not None or with_inverses or with_states or inverses is not None or fallback is None:
-      raise ValueError("per-key-channel gates take no segments, kept inverses or states, and a fallback")
-    return _channel_gated(q, k, v, beta, decay, initial_state, scale=scale, with_final_state=with_final_state,
+    if with_inverses or with_states or inverses is not None or fallback is None:
+      raise ValueError("per-key-channel gates take no kept inverses or states, and a fallback")
+    return _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, scale=scale, with_final_state=with_final_state,
                           interpret=interpret, fallback=fallback, with_chunk_terms=with_chunk_terms)
   if with_chunk_terms:
     raise ValueError("with_chunk_terms is KDA's (per-key-channel gates)")
