@@ -525,10 +525,10 @@ def test_delta_channel_spans_bounded():
 # KDA on the warp-specialised forward: from and to states, E off the blocks, rates near the fast path's bound, and
 # extreme rates (1e-7 and 1e4), where the Triton forward runs instead (`warp_specialized._channel_gated`).
 # The first in 2 pieces (`sequence_split`: the pieces' forwards warp-specialised, their maps the Triton sweep's);
-# the second packed (segments starting inside chunks, on a 16-token edge, one of one token).
+# the second packed (segments starting inside chunks, on a 16-token edge, one of one token) and in 2 pieces too.
 KDA_CASES = [
     (DeltaCase(b=1, t=150, h=1, d=64, e=48, decay="channel"), (0.0, 0.6), 2),
-    (DeltaCase(b=1, t=150, h=2, d=64, e=48, decay="channel", segments=True), (0.0, 0.6), 1),
+    (DeltaCase(b=1, t=150, h=2, d=64, e=48, decay="channel", segments=True), (0.0, 0.6), 2),
     (DeltaCase(b=1, t=200, h=2, d=40, e=72, decay="channel", initial_state=False), (2.5, 3.7), 1),
     (DeltaCase(b=1, t=100, h=1, d=64, e=64, decay="channel", rates="extreme", beta="edges"), None, 1),
     (DeltaCase(b=2, t=300, h=3, d=128, e=100, decay="channel"), (0.0, 0.6), 1),
