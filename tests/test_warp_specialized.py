@@ -605,7 +605,8 @@ def test_delta_kda_backward_on_chunk_terms(case, rates, mode):
                                         compute_capability=(9, 0))
   options = dict(scale=case.d ** -0.5, interpret=mode == "interpret")
   backward = lambda warp_specialized, **kw: jax.jit(lambda: pallas_triton.backward(  # noqa: E731
-      q, k, v, beta, decay, starts, s0, do, d_final, config=dataclasses.replace(config, warp_specialized=warp_specialized),
+      q, k, v, beta, decay, starts, s0, do, d_final,
+      config=dataclasses.replace(config, warp_specialized=warp_specialized),
       **options, **kw))
   warp_specialized_backward = backward(True)  # one jitted function: traced once for its jaxpr and its run
   jaxpr = str(jax.make_jaxpr(warp_specialized_backward)())

@@ -890,11 +890,12 @@ def _store_block_ends(gates, ends_ref, *, in_registers):
 
 def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_ref, queries_ref, keys_ref,
                           keys_end_ref, *refs, chunks_per_cta, scale, runs_row, in_registers):
-  # with_backward_terms: T and G out too; last, G's blocks' last rows O_1 .. O_4 (which the factors go through). Every [C, K] tile is K / _PART column parts ([..., parts, C, _PART] in
-  # shared memory): warpgroup p forms part p's, as [C, _PART] float32 tiles in registers (at K = 128 whole tiles
-  # spilled 668 bytes a thread, ptxas); warpgroup 0, the leader, also runs the pair products over every part, the
-  # solve and the stores of T' and P. At K = 128 its one warpgroup a CTA (shared memory allows one CTA an SM) waited
-  # on its own elementwise passes: two halve them.
+  # with_backward_terms: T and G out too; last, G's blocks' last rows O_1 .. O_4 (which the factors go through).
+  # Every [C, K] tile is K / _PART column parts ([..., parts, C, _PART] in shared memory): warpgroup p forms part
+  # p's, as [C, _PART] float32 tiles in registers (at K = 128 whole tiles spilled 668 bytes a thread, ptxas);
+  # warpgroup 0, the leader, also runs the pair products over every part, the solve and the stores of T' and P. At
+  # K = 128 its one warpgroup a CTA (shared memory allows one CTA an SM) waited on its own elementwise passes: two
+  # halve them. runs_row: packed, the segment counts' row of rows_ref (the solve keeps one segment's pairs).
   unscaled_ref, gates_ref, ends_ref, buffers, barriers = refs if len(refs) == 5 else (None, None, *refs)
   (q_smem, k_smem, g_smem, rows_smem, boundary_smem, (operands, solve_smem, rate_pieces), keys_end_smem,
    (inverse_smem, pairs_smem), staging) = buffers
@@ -1131,7 +1132,8 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
   dtype = k.dtype
   smem = lightning_mosaic.swizzled_smem
   parts = dim_k // _PART
-  rows, runs_row = _inverse_rows(beta, (None, None))[0], None  # beta's row, and packed the segment counts'
+  rows = _inverse_rows(beta, (None, None))[0]  # beta's row; packed, the segment counts' after it
+  runs_row = None
   if runs is not None:
     runs_row = rows.shape[3]
     rows = jnp.concatenate([rows, jnp.broadcast_to(runs.reshape(b, 1, n, 1, c).astype(_F32), rows.shape)], axis=3)
@@ -1181,7 +1183,7 @@ def mask_channel_gated_chunks(terms: ChannelGatedChunks, runs) -> ChannelGatedCh
 
 def channel_state_decay(block_ends, runs):
   """The state's decay per key channel over each chunk, 2^G_C [B, H, N, 1, K] float32, from
-  `ChannelGatedChunks.block_ends`; 0 where a packed segment starts in the chunk (runs as `channel_gated_chunks'`, or
+  `ChannelGatedChunks.block_ends`; 0 where a packed segment starts in the chunk (runs as `channel_gated_chunks`', or
   None)."""
   decay = jnp.exp2(block_ends[:, :, :, -1:])
   if runs is None:

@@ -109,9 +109,10 @@ class DeltaConfig:
       (None: num_warps; the backward's prepare, at backward_chunk_size,
       takes num_warps).
     warp_specialized: the forward on the warp-specialised Mosaic GPU kernel
-      (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256), which takes each 64-token chunk's inverse (times
-      beta) from a Mosaic GPU kernel (`pallas_mosaic_gpu.inverse`; KDA's with
-      its gated pair products and keys, `channel_gated_chunks`) instead of W
+      (`warp_specialized`: sm90, bf16/fp16, D <= 128, E <= 256), which
+      takes each 64-token chunk's inverse (times beta) from a Mosaic GPU
+      kernel (`pallas_mosaic_gpu.inverse`; KDA's with its gated pair
+      products and keys, `channel_gated_chunks`) instead of W
       and U_v from prepare, and for a scalar decay or none, where block_e >=
       64, the backward's sweeps on warp-specialised kernels too, with no
       prepare (`pallas_mosaic_gpu`; `backward`). None:

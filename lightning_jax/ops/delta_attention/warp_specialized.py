@@ -69,10 +69,10 @@ def _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, *, scale
                    fallback, with_chunk_terms):
   """`forward` with KDA's per-key-channel rates decay [B, T, H, D]: `delta_mosaic.channel_gated_chunks` forms each
   chunk's T', P, Q_g, K_g and K_C (packed rows: the pairs of one segment alone, and the rows of Q_g, K_g and K_C
-  that reach past a segment's ends dropped, `delta_mosaic.mask_channel_gated_chunks`), and the sweep takes them. Where some 16-token block decays by more
-  than `delta_mosaic.max_block_span(q.dtype)` (log2 units) on a key channel (by the block ends that kernel
-  returns), `fallback` (a callable of `forward`'s arguments) runs instead: the chunks' factors would leave the
-  operands' range (a traced choice, `lax.cond`, after that kernel).
+  that reach past a segment's ends dropped, `delta_mosaic.mask_channel_gated_chunks`), and the sweep takes them.
+  Where some 16-token block decays by more than `delta_mosaic.max_block_span(q.dtype)` (log2 units) on a key
+  channel (by the block ends that kernel returns), `fallback` (a callable of `forward`'s arguments) runs instead:
+  the chunks' factors would leave the operands' range (a traced choice, `lax.cond`, after that kernel).
   with_chunk_terms: a third result, the chunk terms with their backward terms (`delta_mosaic.ChannelGatedChunks`
   but its block ends, as a tuple) and each chunk's S_n^T [B, H, N, Ep, Dp] and U^T [B, H, Ep, Tp]
   (`delta_states`), zeros where `fallback` runs, then the block ends (from which the backward makes the same
@@ -140,8 +140,9 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   if decay is not None and decay.ndim == 4:
     if with_inverses or with_states or inverses is not None or fallback is None:
       raise ValueError("per-key-channel gates take no kept inverses or states, and a fallback")
-    return _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, scale=scale, with_final_state=with_final_state,
-                          interpret=interpret, fallback=fallback, with_chunk_terms=with_chunk_terms)
+    return _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, scale=scale,
+                          with_final_state=with_final_state, interpret=interpret, fallback=fallback,
+                          with_chunk_terms=with_chunk_terms)
   if with_chunk_terms:
     raise ValueError("with_chunk_terms is KDA's (per-key-channel gates)")
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
