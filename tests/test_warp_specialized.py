@@ -708,9 +708,10 @@ def test_delta_kda_float16_keeps_its_range(mode):
 @needs_ws_jax
 @pytest.mark.parametrize("dim_k,dim_v", [(128, 128), (64, 192)])
 def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
-  """KDA's chunk-terms kernel (packed at K = 128), the sweep taking them (storing S_n^T and U^T for the backward, or
-  those alone), and the reverse sweep in its channel-gated mode (2 ring slots at K = 128, 3 at K = 64, within sm90's
-  shared memory) lower as the GPU compiles them, from any backend."""
+  """KDA's chunk-terms kernel, the sweep taking them (storing S_n^T and U^T for the backward, or those alone), and
+  the reverse sweep in its channel-gated mode (2 ring slots at K = 128, 3 at K = 64, within sm90's shared memory),
+  all packed at K = 128 (the sweeps then drop rows by the segment-start counts), lower as the GPU compiles them,
+  from any backend."""
   q = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
   beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
   rates = jax.ShapeDtypeStruct((2, 512, 3, dim_k), F32)
@@ -726,27 +727,30 @@ def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
   channel_decay = jax.ShapeDtypeStruct((2, 3, 8, 1, dim_k), F32)
   s0 = jax.ShapeDtypeStruct((2, 3, 1, dim_v, dim_k), F32)
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2, delta=True, channel_gated=True)
-  fn = jax.jit(lambda q, k, v, s0, inverse, keys_end, pairs, decay: pallas_mosaic_gpu.forward_padded(
-      q, k, v, None, s0, chunk_gates=(None, None), delta_inverse=inverse,
+  gates = lambda runs: (None, runs[0] if runs else None)  # noqa: E731
+  fn = jax.jit(lambda q, k, v, s0, inverse, keys_end, pairs, decay, *runs: pallas_mosaic_gpu.forward_padded(
+      q, k, v, None, s0, chunk_gates=gates(runs), delta_inverse=inverse,
       delta_channel_gates=(keys_end, pairs, decay), scale=0.1, seq_len=500, return_final_state=True, cfg=cfg))
-  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, s0, tiles, q, tiles, channel_decay)
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, s0, tiles, q, tiles, channel_decay, *runs)
   assert "delta_warp_specialized" in exported.mlir_module()
   assert [o.shape for o in exported.out_avals] == [(2, 512, 3, dim_v), (2, 3, dim_v, dim_k)]
   states = [(2, 3, 8, dim_v, dim_k), (2, 3, dim_v, 512)]
-  fn = jax.jit(lambda q, k, v, inverse, keys_end, pairs, decay: pallas_mosaic_gpu.forward_padded(
-      q, k, v, None, chunk_gates=(None, None), delta_inverse=inverse, delta_channel_gates=(keys_end, pairs, decay),
+  fn = jax.jit(lambda q, k, v, inverse, keys_end, pairs, decay, *runs: pallas_mosaic_gpu.forward_padded(
+      q, k, v, None, chunk_gates=gates(runs), delta_inverse=inverse, delta_channel_gates=(keys_end, pairs, decay),
       delta_states=True, scale=0.1, seq_len=500, cfg=cfg))
-  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, tiles, q, tiles, channel_decay)
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, tiles, q, tiles, channel_decay, *runs)
   assert [o.shape for o in exported.out_avals] == [(2, 512, 3, dim_v)] + states
-  fn = jax.jit(lambda k, v, inverse, keys_end, pairs, decay, s0: delta_mosaic.state_sweep(
-      k, v, inverse, (None, None), s0, channel_gates=(keys_end, pairs, decay)))
+  fn = jax.jit(lambda k, v, inverse, keys_end, pairs, decay, s0, *runs: delta_mosaic.state_sweep(
+      k, v, inverse, gates(runs), s0, channel_gates=(keys_end, pairs, decay)))
   state_t = jax.ShapeDtypeStruct((2, 3, dim_v, dim_k), F32)
-  exported = jax.export.export(fn, platforms=["cuda"])(q, v, tiles, q, tiles, channel_decay, state_t)
+  exported = jax.export.export(fn, platforms=["cuda"])(q, v, tiles, q, tiles, channel_decay, state_t, *runs)
   assert [o.shape for o in exported.out_avals] == states
-  assert delta_mosaic.num_stages(dim_k=dim_k, itemsize=2, channel_gated=True) == (2 if dim_k == 128 else 3)
-  fn = jax.jit(lambda q, k, inverse, do, keys, pairs, decay, d_final: delta_mosaic.state_cotangents(
-      q, k, inverse, do, (None, None), d_final, scale=1.0, channel_gates=(keys, pairs, decay)))
-  exported = jax.export.export(fn, platforms=["cuda"])(q, q, tiles, v, q, tiles, channel_decay, state_t)
+  for packed in (False, True):
+    assert delta_mosaic.num_stages(dim_k=dim_k, itemsize=2, channel_gated=True, packed=packed) == (
+        2 if dim_k == 128 else 3)
+  fn = jax.jit(lambda q, k, inverse, do, keys, pairs, decay, d_final, *runs: delta_mosaic.state_cotangents(
+      q, k, inverse, do, gates(runs), d_final, scale=1.0, channel_gates=(keys, pairs, decay)))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, tiles, v, q, tiles, channel_decay, state_t, *runs)
   assert "delta_state_cotangents_warp_specialized" in exported.mlir_module()
   assert [o.shape for o in exported.out_avals] == [states[0], (2, 3, dim_v, dim_k), states[1]]
 

@@ -68,8 +68,8 @@ def channel_gated_runs(segment_starts, *, num_tokens):
 def _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, interpret,
                    fallback, with_chunk_terms):
   """`forward` with KDA's per-key-channel rates decay [B, T, H, D]: `delta_mosaic.channel_gated_chunks` forms each
-  chunk's T', P, Q_g, K_g and K_C (packed rows: the pairs of one segment alone, and the rows of Q_g, K_g and K_C
-  that reach past a segment's ends dropped, `delta_mosaic.mask_channel_gated_chunks`), and the sweep takes them.
+  chunk's T', P, Q_g, K_g and K_C (packed rows: the pairs of one segment alone), and the sweep takes them (packed,
+  with the segment-start counts: it drops the rows of Q_g, K_g and K_C that reach past a segment's ends).
   Where some 16-token block decays by more than `delta_mosaic.max_block_span(q.dtype)` (log2 units) on a key
   channel (by the block ends that kernel returns), `fallback` (a callable of `forward`'s arguments) runs instead:
   the chunks' factors would leave the operands' range (a traced choice, `lax.cond`, after that kernel).
@@ -88,21 +88,20 @@ def _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, *, scale
   block_ends = terms.block_ends  # [B, H, N, 4, Dp]
 
   def on_chunk_terms():
-    chunk_terms = delta_mosaic.mask_channel_gated_chunks(terms, runs)
-    channel_decay = delta_mosaic.channel_state_decay(block_ends, runs)  # the state's decay per key channel
+    channel_decay = delta_mosaic.channel_state_decay(block_ends)  # the state's decay per key channel
     state = None
     if initial_state is not None:  # the kernel carries S^T [E, D], one slice
       state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
     cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True,
                                               channel_gated=True)
     result = pallas_mosaic_gpu.forward_padded(
-        chunk_terms.queries, chunk_terms.keys, pad(v, ep), None, state, chunk_gates=(None, None),
-        delta_inverse=chunk_terms.inverse, delta_states=with_chunk_terms,
-        delta_channel_gates=(chunk_terms.keys_to_end, chunk_terms.pairs, channel_decay),
+        terms.queries, terms.keys, pad(v, ep), None, state, chunk_gates=(None, runs),
+        delta_inverse=terms.inverse, delta_states=with_chunk_terms,
+        delta_channel_gates=(terms.keys_to_end, terms.pairs, channel_decay),
         scale=scale, seq_len=t, return_final_state=with_final_state, cfg=cfg, interpret=interpret)
     o, *results = result if isinstance(result, tuple) else (result,)
     final_state = jnp.swapaxes(results.pop(), -1, -2)[:, :, :d, :e] if with_final_state else None
-    return o[:, :t, :, :e], final_state, ((*chunk_terms[:-1], *results) if with_chunk_terms else ())
+    return o[:, :t, :, :e], final_state, ((*terms[:-1], *results) if with_chunk_terms else ())
 
   def on_fallback():
     kept = ()

@@ -204,6 +204,19 @@ def update_exponents(rows, *, cum_end, runs_end, has_segments):
   return key_exponent, state_exponent
 
 
+def sees_prior_state(runs):
+  """Packed rows: 1 for a chunk's rows before its first segment start (they see the state before the chunk), else
+  0, float32, from the chunk's segment-start counts runs [C] (non-decreasing along the chunk); of the last count, 1
+  where the state carries over the chunk. Arithmetic masks: the warpgroup lowering broadcasts no scalar."""
+  return 1.0 - jnp.minimum(runs, 1.0)
+
+
+def reaches_chunk_end(runs, runs_end):
+  """Packed rows: 1 for a chunk's rows in its last segment (their keys reach its end), else 0, float32, from its
+  segment-start counts runs [C] and the last of them (`sees_prior_state`'s)."""
+  return 1.0 - jnp.minimum(runs_end - runs, 1.0)
+
+
 def row_exponents(rows, *, has_segments):
   """A chunk's query-row factors (log2 units) from its factor rows: -c_i, driven to -inf past a segment start."""
   row_exponent = -rows[CUM]
@@ -290,10 +303,15 @@ def delta_update(state_t, values_t, keys, key_exponent, state_exponent, *, stagi
   """The chain step's second half: S^T <- 2^state_exponent S^T + (2^key_exponent * U^T) k, float32 [BLOCK_E, K].
   values_t: `delta_pseudo_values`'; the exponents `update_exponents`'; keys, staging as there; during as
   `update`'s. channel_decay: None, or (KDA) the state's decay per key channel [K] float32, the keys K_C coming
-  gated and the exponents None: S^T <- S^T Diag(channel_decay) + U^T K_C."""
+  gated: S^T <- S^T Diag(channel_decay 2^state_exponent) + (2^key_exponent * U^T) K_C, the exponents packed rows'
+  segment masks (`update_exponents` of zero rates), or None."""
   dtype = keys.dtype
   if channel_decay is not None:
-    scaled, decayed = values_t.astype(dtype), state_t * lax.broadcast_in_dim(channel_decay, state_t.shape, (1,))
+    scaled = values_t
+    if key_exponent is not None:
+      scaled = values_t * lax.broadcast_in_dim(jnp.exp2(key_exponent), values_t.shape, (1,))
+      channel_decay = channel_decay * jnp.exp2(state_exponent)
+    scaled, decayed = scaled.astype(dtype), state_t * lax.broadcast_in_dim(channel_decay, state_t.shape, (1,))
   else:
     scaled = (values_t * lax.broadcast_in_dim(jnp.exp2(key_exponent), values_t.shape, (1,))).astype(dtype)
     decayed = state_t * jnp.exp2(state_exponent)
@@ -457,8 +475,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
             # (counts, non-decreasing along the chunk: arithmetic masks, as warpgroup lowering broadcasts no scalar)
             runs = chunk_factor_rows(n)[0]
             runs_end = runs_smem[slot, 0, c - 1]
-            key = key * (1.0 - jnp.minimum(runs_end - runs, 1.0))
-            state_decay = state_decay * (1.0 - jnp.minimum(runs_end, 1.0))
+            key = key * reaches_chunk_end(runs, runs_end)
+            state_decay = state_decay * sees_prior_state(runs_end)
           state_decay = state_decay[:, None]
         if register_state:  # in registers
           values = (values[...].astype(_F32) * lax.broadcast_in_dim(key, (be, c), (1,))).astype(v_smem.dtype)
@@ -485,8 +503,10 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       buf = claim(n)
       state_in = state_t.astype(state_smem.dtype)
       state_smem[buf] = state_in
+      # KDA's K_g comes gated: packed, the rows still lose the state past a segment start (the factor rows' counts).
       values_t = delta_pseudo_values(state_in, k_smem.at[slot], inverse_smem.at[slot], v_smem.at[slot],
-                                     None if channel_gated else rows, has_segments=has_segments, staging=staging)
+                                     None if channel_gated and not has_segments else rows, has_segments=has_segments,
+                                     staging=staging)
 
       def publish_values():
         values_smem[buf] = values_t.astype(values_smem.dtype)
@@ -495,8 +515,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       if not overlap_publish:
         publish_values()
       during = publish_values if overlap_publish else None
-      if channel_gated:
-        state_t = delta_update(state_t, values_t, keys_end_smem.at[slot], None, None, staging=staging, during=during,
+      if channel_gated:  # packed, the exponents are the segments' alone (the factor rows' rates are zeros)
+        exponents = decay_exponents(slot, rows) if has_segments else (None, None)
+        state_t = delta_update(state_t, values_t, keys_end_smem.at[slot], *exponents, staging=staging, during=during,
                                channel_decay=channel_decay_smem[slot, 0])
       else:
         state_t = delta_update(state_t, values_t, k_smem.at[slot], *decay_exponents(slot, rows), staging=staging,
@@ -571,8 +592,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       slot, buf, pub = slot_of(n), lax.rem(n, 2), lax.rem(n, published)
       plgpu.barrier_wait(loaded.at[slot])
       chunk_row = row
-      if channel_gated:  # Q_g and P come gated and scaled
-        chunk_row = None
+      if channel_gated:  # Q_g and P come gated and scaled; packed, Q_g's rows past a segment start see no S_n
+        chunk_row = jnp.exp2(row_exponents(chunk_factor_rows(n), has_segments=True)) if has_segments else None
       elif per_chunk:
         # row_i = scale 2^-c_i before the chunk's first segment start, intra_ij =
         # scale 2^(c_j - c_i) on j <= i within a segment. Each row is read along
@@ -596,7 +617,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
           return lax.cond(runs_smem[slot, 0, c - 1] > 0, within_segments, lambda: intra)
 
-        chunk_row = row * (1.0 - jnp.minimum(runs, 1.0))
+        chunk_row = row * sees_prior_state(runs)
       elif not per_chunk:
         weights = lambda: intra  # noqa: E731
       else:
@@ -722,9 +743,13 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       publishes them in (the delta backward's).
     delta_channel_gates: None, or with delta_inverse KDA's per-key-channel
       gates, q and k given as Q_g = scale q 2^G and K_g = k 2^G and
-      chunk_gates (None, None): (K_C [B, Tp, H, K] in the input dtype, P
+      chunk_gates (None, runs): (K_C [B, Tp, H, K] in the input dtype, P
       [B, H, Tp, C] in the input dtype, the state's decay 2^G_C [B, H, N, 1,
       K] float32), `delta_attention.pallas_mosaic_gpu.channel_gated_chunks`'.
+      Packed rows (runs given): those terms as if unpacked (G runs on across a
+      segment start), the kernel dropping the rows of Q_g and K_g past a
+      segment start in the chunk, those of K_C before its last one, and the
+      state's decay in a chunk where one starts.
     with_outputs: form o (False: with delta_states, the delta backward's
       state sweep, which stores S_n^T and U^T alone; q is not read and may be
       None).
@@ -764,8 +789,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     raise ValueError("give decay (per head) and chunk_runs, or chunk_gates (per token), not both")
   is_delta = delta_inverse is not None
   channel_gated = delta_channel_gates is not None
-  if channel_gated and (not is_delta or chunk_gates is None or any(g is not None for g in chunk_gates)):
-    raise ValueError("delta_channel_gates takes delta_inverse and chunk_gates (None, None)")
+  if channel_gated and (not is_delta or chunk_gates is None or chunk_gates[0] is not None):
+    raise ValueError("delta_channel_gates takes delta_inverse and chunk_gates (None, runs or None)")
   if is_delta and (chunk_gates is None or num_slices != 1 or delta_inverse.shape != (b, h, tp, c)):
     raise ValueError(f"the delta rule takes chunk_gates, one slice and delta_inverse [B, H, Tp, C] = {(b, h, tp, c)}; "
                      f"got {chunk_gates is not None}, {num_slices}, {delta_inverse.shape}")
