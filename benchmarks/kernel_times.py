@@ -100,6 +100,7 @@ def parse_args(argv=None):
   p.add_argument("--modes", default="fwd,fwdbwd", help="fwd and/or fwdbwd")
   p.add_argument("--decay", default="on", help="the lightning op's decay settings, as benchmarks.run's")
   p.add_argument("--dtype", default="bf16")
+  p.add_argument("--segments", default="1", help="sequences packed in each row, as benchmarks.run's")
   p.add_argument("--calls", type=int, default=3, help="calls traced per case")
   p.add_argument("--top", type=int, default=12, help="kernels listed per case")
   args = p.parse_args(argv)
@@ -114,11 +115,13 @@ def main(argv=None):
   ops = cases.parse_ops(args.ops)
   decays = [cases.DECAYS[d] for d in cases.parse_choices(args.decay, cases.DECAYS, "--decay")]
   decays = (decays if "lightning" in ops else []) + [op for op in ops if op != "lightning"]
-  jobs = cases.make_jobs(cases.parse_impls(args.impls), cases.parse_shapes(args.shapes), decays, modes, args.dtype)
+  segments = cases.parse_segments(args.segments)
+  jobs = cases.make_jobs(cases.parse_impls(args.impls), cases.parse_shapes(args.shapes), decays, modes, args.dtype,
+                         segments=segments)
   for job in jobs:
     b, t, h, d, e = cases.job_shape(job)
     for mode in modes:
-      label = f"{job['impl']} B{b} T{t} H{h} D{d} E{e} {cases.setting_label(job['decay'], 1)} {mode}"
+      label = f"{job['impl']} B{b} T{t} H{h} D{d} E{e} {cases.setting_label(job['decay'], job['segments'])} {mode}"
       reason = unavailable(job)
       if reason is not None:
         print(f"== {label}: skipped ({reason})", flush=True)
