@@ -708,10 +708,10 @@ def test_delta_kda_float16_keeps_its_range(mode):
 @needs_ws_jax
 @pytest.mark.parametrize("dim_k,dim_v", [(128, 128), (64, 192)])
 def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
-  """KDA's chunk-terms kernel, the sweep taking them (storing S_n^T and U^T for the backward, or those alone), and
-  the reverse sweep in its channel-gated mode (2 ring slots at K = 128, 3 at K = 64, within sm90's shared memory),
-  all packed at K = 128 (the sweeps then drop rows by the segment-start counts), lower as the GPU compiles them,
-  from any backend."""
+  """KDA's chunk-terms kernel and the sweep taking them (storing S_n^T and U^T for the backward, or those alone),
+  both packed at K = 128 (the sweep then drops rows by the segment-start counts), and the reverse sweep in its
+  channel-gated mode (2 ring slots at K = 128, 3 at K = 64, within sm90's shared memory) lower as the GPU compiles
+  them, from any backend."""
   q = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
   beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
   rates = jax.ShapeDtypeStruct((2, 512, 3, dim_k), F32)
@@ -745,12 +745,10 @@ def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
   state_t = jax.ShapeDtypeStruct((2, 3, dim_v, dim_k), F32)
   exported = jax.export.export(fn, platforms=["cuda"])(q, v, tiles, q, tiles, channel_decay, state_t, *runs)
   assert [o.shape for o in exported.out_avals] == states
-  for packed in (False, True):
-    assert delta_mosaic.num_stages(dim_k=dim_k, itemsize=2, channel_gated=True, packed=packed) == (
-        2 if dim_k == 128 else 3)
-  fn = jax.jit(lambda q, k, inverse, do, keys, pairs, decay, d_final, *runs: delta_mosaic.state_cotangents(
-      q, k, inverse, do, gates(runs), d_final, scale=1.0, channel_gates=(keys, pairs, decay)))
-  exported = jax.export.export(fn, platforms=["cuda"])(q, q, tiles, v, q, tiles, channel_decay, state_t, *runs)
+  assert delta_mosaic.num_stages(dim_k=dim_k, itemsize=2, channel_gated=True) == (2 if dim_k == 128 else 3)
+  fn = jax.jit(lambda q, k, inverse, do, keys, pairs, decay, d_final: delta_mosaic.state_cotangents(
+      q, k, inverse, do, (None, None), d_final, scale=1.0, channel_gates=(keys, pairs, decay)))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, tiles, v, q, tiles, channel_decay, state_t)
   assert "delta_state_cotangents_warp_specialized" in exported.mlir_module()
   assert [o.shape for o in exported.out_avals] == [states[0], (2, 3, dim_v, dim_k), states[1]]
 

@@ -95,21 +95,20 @@ _F32 = jnp.float32
 # Chunks whose pair products and W the pairs warpgroup may publish ahead of the state chain.
 _PUBLISHED_PAIRS = 2
 # Shared memory beside the buffers (barriers, alignment): 1,216 bytes in one variant of this kernel (233,664
-# compiled, over sm90's 232,448, where its buffers summed to 232,448); 1,536 lets packed KDA's counts (512 bytes at
-# 2 slots, after the swizzled tiles) keep 2 slots at K = 128.
-_RESERVED = 1536
+# compiled, over sm90's 232,448, where its buffers summed to 232,448).
+_RESERVED = 2048
 
 
 def shared_memory_bytes(*, num_stages: int, dim_k: int, itemsize: int, factor_rows: int = 2,
-                        channel_gated: bool = False, packed: bool = False) -> int:
+                        channel_gated: bool = False) -> int:
   """The kernel's shared memory: the ring (q, k [C, K], T' [C, C] and dO [C, 64] per slot, the factor rows twice),
   the scaled causal mask, the published pair products and W, G^T and dU^T double-buffered for their stores (the
   float32 [64, K] initial and final cotangent share G^T's bytes), and `_RESERVED`. channel_gated (KDA): K_g [C, K],
-  P [C, C] and the state's decay [K] float32 in each ring slot instead of the factor rows (`packed`: and the
-  segment-start counts [C] float32), W alone published and no causal mask."""
+  P [C, C] and the state's decay [K] float32 in each ring slot instead of the factor rows, W alone published and
+  no causal mask."""
   c, be = CHUNK_SIZE, BLOCK_E
   slot = c * (2 * dim_k + c + be) * itemsize + (
-      c * (dim_k + c) * itemsize + dim_k * 4 + packed * c * 4 if channel_gated else 2 * factor_rows * c * 4)
+      c * (dim_k + c) * itemsize + dim_k * 4 if channel_gated else 2 * factor_rows * c * 4)
   published = _PUBLISHED_PAIRS * c * (dim_k + (0 if channel_gated else c)) * itemsize
   stores = 2 * be * (dim_k + c) * itemsize
   mask = 0 if channel_gated else c * c * 4
@@ -125,32 +124,28 @@ def _deepest_ring(bytes_at, max_stages: int) -> int:
   raise AssertionError("unreachable: one stage fits sm90 at every K <= 128")
 
 
-def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3, channel_gated: bool = False,
-               packed: bool = False) -> int:
+def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3, channel_gated: bool = False) -> int:
   """The deepest ring of at most `max_stages` that fits sm90 (2 at K = 128 in 16 bits, 3 at K = 64; the same
-  channel_gated, packed or not)."""
+  channel_gated)."""
   return _deepest_ring(lambda stages: shared_memory_bytes(num_stages=stages, dim_k=dim_k, itemsize=itemsize,
-                                                          channel_gated=channel_gated, packed=packed), max_stages)
+                                                          channel_gated=channel_gated), max_stages)
 
 
 def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, has_segments, has_final, scale,
             in_registers, per_chunk, channel_gated):
   refs = list(refs)
   # The gates: the scaled causal mask and each chunk's factor rows (`chunk_factors`); or KDA's (`channel_gated`: q
-  # and k come as Q_g, scaled, and K_C) K_g [B, Tp, H, K], P [B, H, Tp, C] and the state's decay [B, H, N, 1, K],
-  # then, packed, each chunk's segment-start counts [B, N, 1, C].
+  # and k come as Q_g, scaled, and K_C) K_g [B, Tp, H, K], P [B, H, Tp, C] and the state's decay [B, H, N, 1, K].
   intra_ref, vectors_ref = (None, None) if channel_gated else (refs.pop(0), refs.pop(0))
   keys_ref, given_pairs_ref, channel_decay_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if channel_gated else (
       None, None, None)
-  runs_ref = refs.pop(0) if channel_gated and has_segments else None
   d_final_ref = refs.pop(0) if has_final else None
   # Without `per_chunk`, dL/dS_0^T alone: G_n^T and dU^T are formed in shared memory but not stored.
   d_next_ref, du_ref = (refs.pop(0), refs.pop(0)) if per_chunk else (None, None)
   d_initial_ref, buffers, barriers = refs
   q_smem, k_smem, inverse_smem, do_smem, *buffers = buffers
-  if channel_gated:  # ring slots of K_g, P and the state's decay (packed, and of the counts, last); W alone published
+  if channel_gated:  # ring slots of K_g, P and the state's decay; P read there, W alone published
     keys_smem, given_pairs_smem, channel_decay_smem, w_smem, (g_smem, g_f32_smem), du_smem, *staged = buffers
-    runs_smem = staged.pop(0) if has_segments else None
     rows_smem = columns_smem = intra_smem = pairs_smem = None
   else:
     (rows_smem, columns_smem, intra_smem, pairs_smem, w_smem, (g_smem, g_f32_smem), du_smem,
@@ -158,7 +153,7 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
   # Interpreted: the left operands dO^T Diag(row) (the chain's) and T' Diag(2^-c) (the pairs') staged, as Diag(row) dO
   # [C, 64] and [C, C] (G^T and dU^T are read where they are published).
   queries_smem = staged[0] if staged else None
-  inverse_scaled_smem = staged[1] if len(staged) > 1 else None  # (unpacked, KDA's W needs no scaled T')
+  inverse_scaled_smem = staged[1] if len(staged) > 1 else None  # (KDA's W needs no scaled T')
   # `loaded`: one barrier a slot, for every tile of the chunk (each copy arrives on it).
   loaded, intra_loaded, released, pairs_ready, w_ready, pairs_read, *barriers = barriers
   c, be = CHUNK_SIZE, BLOCK_E
@@ -192,8 +187,6 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
         plgpu.copy_gmem_to_smem(given_pairs_ref.at[batch, head, rows], given_pairs_smem.at[slot], loaded.at[slot])
         plgpu.copy_gmem_to_smem(channel_decay_ref.at[batch, head, chunk_of(i)], channel_decay_smem.at[slot],
                                 loaded.at[slot])
-        if runs_ref is not None:
-          plgpu.copy_gmem_to_smem(runs_ref.at[batch, chunk_of(i)], runs_smem.at[slot], loaded.at[slot])
       else:
         for factors_smem in (rows_smem, columns_smem):
           plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, chunk_of(i)], factors_smem.at[slot], loaded.at[slot])
@@ -217,13 +210,7 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
       plgpu.barrier_wait(loaded.at[slot])
       if channel_gated:  # Q_g (scaled) and K_C carry the gates, the state decays per key channel
         row = key_factor = None
-        channel_decay = channel_decay_smem[slot, 0]
-        if has_segments:  # packed: Q_g's rows past a segment start, K_C's before the last one, the decay across one
-          runs, runs_end = runs_smem[slot, 0], runs_smem[slot, 0, c - 1]
-          row = lightning_mosaic.sees_prior_state(runs)
-          key_factor = by_column(lightning_mosaic.reaches_chunk_end(runs, runs_end))
-          channel_decay = channel_decay * lightning_mosaic.sees_prior_state(runs_end)
-        decay = lax.broadcast_in_dim(channel_decay, grad_t.shape, (1,))
+        decay = lax.broadcast_in_dim(channel_decay_smem[slot, 0], grad_t.shape, (1,))
       else:
         rows = rows_smem.at[slot]
         cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
@@ -305,22 +292,8 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
         def _():
           plgpu.barrier_wait(pairs_read.at[pub])
 
-      by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
-
-      def scaled_inverse(key_rows):
-        """T' Diag(key_rows), the columns of T' scaled as K_g's rows by key_rows [C]."""
-        scaled = (inverse_smem[slot].astype(_F32) * by_column(key_rows)).astype(inverse_smem.dtype)
-        if in_registers:
-          return scaled
-        inverse_scaled_smem[...] = scaled
-        plgpu.commit_smem()
-        return inverse_scaled_smem
-
-      if channel_gated:  # W = T' K_g (P comes in the ring; packed, K_g's rows past a segment start dropped)
-        inverse_scaled = inverse_smem.at[slot]
-        if has_segments:
-          inverse_scaled = scaled_inverse(lightning_mosaic.sees_prior_state(runs_smem[slot, 0]))
-        keys = keys_smem.at[slot]
+      if channel_gated:  # W = T' K_g (P comes in the ring)
+        inverse_scaled, keys = inverse_smem.at[slot], keys_smem.at[slot]
       else:
         rows = rows_smem.at[slot]
         cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
@@ -337,9 +310,15 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
         pairs_smem[pub] = pairs
         plgpu.commit_smem()
         plgpu.barrier_arrive(pairs_ready.at[pub])
-        # W = T' K_g = (T' Diag(2^-c_s)) K (zero past a segment start).
+        # W = T' K_g = (T' Diag(2^-c_s)) K, the columns of T' scaled as K_g's rows (zero past a segment start).
+        by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
         key_rows = jnp.exp2(lightning_mosaic.row_exponents(columns_smem.at[slot], has_segments=has_segments))
-        inverse_scaled, keys = scaled_inverse(key_rows), k_smem.at[slot]
+        inverse_scaled = (inverse_smem[slot].astype(_F32) * by_column(key_rows)).astype(inverse_smem.dtype)
+        if not in_registers:
+          inverse_scaled_smem[...] = inverse_scaled
+          plgpu.commit_smem()
+          inverse_scaled = inverse_scaled_smem
+        keys = k_smem.at[slot]
 
       def wy_keys(acc):
         plgpu.wgmma(acc, inverse_scaled, keys)
@@ -387,7 +366,7 @@ def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = 
   each chunk's T' = T Diag(beta) [B, H, Tp, 64] (`inverse`, as
   the forward's); chunk_gates: as for `state_cotangents`; initial_state: None or
   S_0^T [B, H, Ep, K] float32. channel_gates: None, or KDA's (K_C, P, the
-  state's decay), k then K_g and chunk_gates (None, runs or None), as
+  state's decay), k then K_g and chunk_gates (None, None), as
   `lightning_mosaic.forward_padded`'s `delta_channel_gates`.
   """
   b, tp, h, dim_k = k.shape
@@ -414,10 +393,7 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
   channel_gates: None, or KDA's per-key-channel gates (`channel_gated_chunks`'
   terms): (K_g [B, Tp, H, K], P [B, H, Tp, 64], the state's decay 2^G_C [B,
   H, N, 1, K] float32), with q and k given as Q_g (scaled) and K_C,
-  chunk_gates (None, runs or None) and scale 1: P is read as given, W = T' K_g.
-  Packed (runs), the terms are the rows' as if unpacked but P's: the kernel
-  drops the rows of Q_g and K_g past a segment start in the chunk, those of
-  K_C before its last one, and the state's decay where one starts.
+  chunk_gates (None, None) and scale 1: P is read as given, W = T' K_g.
   """
   b, tp, h, dim_k = q.shape
   dim_v = do.shape[-1]
@@ -425,43 +401,34 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
   channel_gated = channel_gates is not None
   if channel_gated:
     keys, pairs, channel_decay = channel_gates
-    if (chunk_gates[0] is not None or scale != 1.0 or keys.shape != q.shape or k.shape != q.shape
+    if (any(g is not None for g in chunk_gates) or scale != 1.0 or keys.shape != q.shape or k.shape != q.shape
         or pairs.shape != (b, h, tp, c) or channel_decay.shape != (b, h, tp // c, 1, dim_k)):
-      raise ValueError(f"channel_gates take chunk_gates (None, runs or None), scale 1, and K_g [B, Tp, H, K] = "
-                       f"{q.shape}, P [B, H, Tp, {c}], the state's decay [B, H, N, 1, K]; got {chunk_gates}, {scale}, "
+      raise ValueError(f"channel_gates take chunk_gates (None, None), scale 1, and K_g [B, Tp, H, K] = {q.shape}, P "
+                       f"[B, H, Tp, {c}], the state's decay [B, H, N, 1, K]; got {chunk_gates}, {scale}, "
                        f"{keys.shape}, {pairs.shape}, {channel_decay.shape}")
     _check_padded(q, dim_v, inverse)
     gate_inputs = (keys, pairs, channel_decay.astype(_F32))
-    if chunk_gates[1] is not None:
-      gate_inputs += (chunk_gates[1].reshape(b, tp // c, 1, c).astype(_F32),)
   else:
     vectors = _checked_factors(q, dim_v, inverse, chunk_gates)
     gate_inputs = (scale * chunk_common.causal_mask(c, reverse=False).astype(_F32), vectors)
   dtype = q.dtype
-  stages = num_stages(dim_k=dim_k, itemsize=dtype.itemsize, channel_gated=channel_gated,
-                      packed=channel_gated and chunk_gates[1] is not None)
+  stages = num_stages(dim_k=dim_k, itemsize=dtype.itemsize, channel_gated=channel_gated)
   in_registers = not interpret  # the interpreter's wgmma reads shared memory alone
   smem = lightning_mosaic.swizzled_smem
   ring = lambda width: smem((stages, c, width), dtype)  # noqa: E731
-  has_segments = chunk_gates[1] is not None
-  # KDA's packed rows: each chunk's segment-start counts in the ring too (one copy, read by column alone), after the
-  # swizzled tiles (whose 1024-byte alignment would pad them).
-  runs_smem = (plgpu.SMEM((stages, 1, c), _F32),) if channel_gated and has_segments else ()
   if channel_gated:  # K_g, P and the state's decay in the ring; W published
     gate_smem = (ring(dim_k), ring(c), plgpu.SMEM((stages, 1, dim_k), _F32))
   else:  # the factor rows twice in the ring, the scaled causal mask; P and W published
     factor_rows = vectors.shape[-2]
     gate_smem = (plgpu.SMEM((stages, factor_rows, c), _F32), plgpu.SMEM((stages, factor_rows, c), _F32),
                  plgpu.SMEM((c, c), _F32), smem((_PUBLISHED_PAIRS, c, c), dtype))
-  scaled_inverse = not channel_gated or has_segments
-  staged = () if in_registers else (smem((c, be), dtype),) + ((smem((c, c), dtype),) if scaled_inverse else ())
+  staged = () if in_registers else (smem((c, be), dtype),) + (() if channel_gated else (smem((c, c), dtype),))
   scratch = (
       (ring(dim_k), ring(dim_k), ring(c), ring(be), *gate_smem, smem((_PUBLISHED_PAIRS, c, dim_k), dtype),
        plgpu.RefUnion(smem((2, be, dim_k), dtype), plgpu.SMEM((be, dim_k), _F32)), smem((2, be, c), dtype))
-      + runs_smem + staged,
-      # q, k, T', dO and the factor rows twice (KDA: K_g, P and the decay, and packed the counts), one arrival each.
-      (plgpu.Barrier(num_arrivals=(7 + has_segments) if channel_gated else 6, num_barriers=stages),
-       plgpu.Barrier(num_barriers=1),
+      + staged,
+      # q, k, T', dO and the factor rows twice (KDA: K_g, P and the decay), one arrival each.
+      (plgpu.Barrier(num_arrivals=7 if channel_gated else 6, num_barriers=stages), plgpu.Barrier(num_barriers=1),
        plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS),
        plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS))
       + ((plgpu.Barrier(num_barriers=1),) if d_final is not None else ()),
@@ -472,7 +439,7 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
               manual_axes.struct((b, h, dim_v, tp), dtype, *inputs))
   out_type = (() if initial_only else out_type) + (manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs),)
   kernel = functools.partial(_kernel, num_chunks=n, num_stages=stages,
-                             has_segments=has_segments,
+                             has_segments=not channel_gated and chunk_gates[1] is not None,
                              has_final=d_final is not None, scale=scale, in_registers=in_registers,
                              per_chunk=not initial_only, channel_gated=channel_gated)
   *per_chunk, d_initial_t = lightning_mosaic.warpgroup_kernel(
@@ -1149,9 +1116,10 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
       (`pallas_mosaic_gpu.sweep_gates`' runs), or None: A, T' and P then
       keep the pairs of one segment alone. G runs on across a segment start
       (a kept pair's factor spans one segment's rates), so Q_g, K_g, K_C and
-      the state decay 2^G_C are the rows' as if unpacked: the sweeps that take
-      them with the same runs drop their rows that see no state, or reach no
-      chunk end (`lightning_mosaic.forward_padded`, `state_cotangents`).
+      the state decay 2^G_C are the rows' as if unpacked: their rows that see
+      no state, or no chunk end, are for the forward's sweep to drop (given
+      the same runs, `lightning_mosaic.forward_padded`), and for the backward's
+      `mask_channel_gated_chunks`.
     with_backward_terms: also T and G (`ChannelGatedChunks`).
   """
   b, tp, h, dim_k = k.shape
@@ -1200,10 +1168,33 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
   return ChannelGatedChunks(*terms, block_ends=block_ends.reshape(b, h, n, num_blocks, dim_k))
 
 
-def channel_state_decay(block_ends):
+def mask_channel_gated_chunks(terms: ChannelGatedChunks, runs) -> ChannelGatedChunks:
+  """`channel_gated_chunks`' terms of packed rows: Q_g's and K_g's rows dropped where a segment starts at or before
+  the row in its chunk (the row sees no state from before the chunk), K_C's where one starts after it (the row's
+  segment ends in the chunk). runs: as `channel_gated_chunks`'; None: the terms as they are. The backward's: the
+  forward's sweep drops those rows itself, but in the reverse sweep's state chain the same masks (its scalar gates'
+  factor rows) took 1.8 ms against 1.1 unpacked (H200, B1 H32 T32K D128, 8 sequences), these passes about 0.35."""
+  if runs is None:
+    return terms
+  b, tp = runs.shape
+  chunks = runs.reshape(b, tp // CHUNK_SIZE, CHUNK_SIZE)
+  sees_state = (chunks == 0).reshape(b, tp, 1, 1)
+  reaches_end = (chunks == chunks[..., -1:]).reshape(b, tp, 1, 1)
+  drop = lambda x, keep: jnp.where(keep, x, jnp.zeros((), x.dtype))  # noqa: E731
+  return terms._replace(queries=drop(terms.queries, sees_state), keys=drop(terms.keys, sees_state),
+                        keys_to_end=drop(terms.keys_to_end, reaches_end))
+
+
+def channel_state_decay(block_ends, runs):
   """The state's decay per key channel over each chunk, 2^G_C [B, H, N, 1, K] float32, from
-  `ChannelGatedChunks.block_ends` (as if unpacked: the sweeps drop it where a segment starts in the chunk)."""
-  return jnp.exp2(block_ends[:, :, :, -1:])
+  `ChannelGatedChunks.block_ends`; 0 where a packed segment starts in the chunk (runs as `channel_gated_chunks`', or
+  None)."""
+  decay = jnp.exp2(block_ends[:, :, :, -1:])
+  if runs is None:
+    return decay
+  b, tp = runs.shape
+  no_start = runs.reshape(b, 1, tp // CHUNK_SIZE, 1, CHUNK_SIZE)[..., -1:] == 0  # [B, 1, N, 1, 1]
+  return jnp.where(no_start, decay, 0.0)
 
 
 def channel_spans_bounded(block_ends, dtype):

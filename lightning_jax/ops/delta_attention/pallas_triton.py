@@ -971,8 +971,8 @@ def _channel_tile_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_re
   g_ref: [C, Dp] float32 G, the chunk-local cumulative log2 decays
   (`pallas_mosaic_gpu.channel_gated_chunks`' gates); runs_ref: [C] int32
   segment-start counts (packed rows; or None), whose pairs and rows the
-  forward dropped (the pair kernel and the sweeps, `pallas_mosaic_gpu`), and
-  so their cotangents here; dg_ref: [C, Dp]
+  forward dropped (the pair kernel and the sweep), and so their cotangents
+  here; dg_ref: [C, Dp]
   float32, the cotangent of the natural-log gates G ln 2, every share. The
   rest as `_tile_gradients_kernel`'s. Q_g, K_g and K_C are q and k times
   [C, block_d] tiles of factors, and the state decay a_n = 2^{G_C} one per
@@ -1480,9 +1480,9 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
   2^{G_C} per key channel, W = T' K_g formed on chip) gives G_n^T and dU^T;
   then `tile_gradients(channel_gates=G, transposed=True)` every chunk's
   cotangents, and the rates' is the vjp of their chunk-local sums. Packed
-  rows: the pair terms of one segment alone, the sweeps given the segment-start
-  counts drop the rows that reach past a segment's ends, as the forward's, and
-  the tile kernel's cotangents the same.
+  rows: the pair terms of one segment alone, and the rows that reach past a
+  segment's ends dropped (`pallas_mosaic_gpu.mask_channel_gated_chunks`; the
+  forward's sweep drops them itself), and the tile kernel's cotangents the same.
   """
   b, t, h, d = q.shape
   e = v.shape[-1]
@@ -1504,22 +1504,25 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
   block_ends = terms.block_ends
 
   def on_chunk_terms():
-    channel_decay = pallas_mosaic_gpu.channel_state_decay(block_ends)  # 2^G_C [B, H, N, 1, Dp]
+    # Packed, the forward's sweep dropped the rows of Q_g, K_g and K_C that reach past a segment's ends itself; here
+    # XLA does.
+    masked = pallas_mosaic_gpu.mask_channel_gated_chunks(terms, runs)
+    channel_decay = pallas_mosaic_gpu.channel_state_decay(block_ends, runs)  # 2^G_C [B, H, N, 1, Dp]
     dop = chunk_common.pad_tokens_and_features(do.astype(q.dtype), num_tokens=tp, dim=ep)
     reverse_sweep = functools.partial(
-        pallas_mosaic_gpu.state_cotangents, terms.queries, terms.keys_to_end, terms.inverse, dop, (None, runs),
+        pallas_mosaic_gpu.state_cotangents, masked.queries, masked.keys_to_end, masked.inverse, dop, (None, None),
         transpose(chunk_common.pad_state(d_final, dp, ep)), scale=1.0, interpret=interpret,
-        channel_gates=(terms.keys, terms.pairs, channel_decay))
+        channel_gates=(masked.keys, masked.pairs, channel_decay))
     if initial_cotangent_only:
       return transpose(reverse_sweep(initial_only=True))[:, :, :d, :e]
     d_next_t, d_initial_t, du_t = reverse_sweep()
     states_t, values_t = kept_states or pallas_mosaic_gpu.state_sweep(
-        terms.keys, vp, terms.inverse, (None, runs), transpose(chunk_common.pad_state(initial_state, dp, ep)),
-        channel_gates=(terms.keys_to_end, terms.pairs, channel_decay), interpret=interpret)
-    dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, Gates(None, runs, None), terms.unscaled_inverse,
+        masked.keys, vp, masked.inverse, (None, None), transpose(chunk_common.pad_state(initial_state, dp, ep)),
+        channel_gates=(masked.keys_to_end, masked.pairs, channel_decay), interpret=interpret)
+    dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, Gates(None, runs, None), masked.unscaled_inverse,
                                             states_t, d_next_t, values_t, du_t, dop, scale=scale,
                                             config=dataclasses.replace(config, chunk_size=c), interpret=interpret,
-                                            transposed=True, channel_gates=terms.gates)
+                                            transposed=True, channel_gates=masked.gates)
     # The vjp of the rates' chunk-local sums g = -cumsum(min(rates, MAX_RATE)): every rate here is below
     # chunk.MAX_RATE (a 16-token block decays by at most the span bound), so the clamp passes each gradient whole.
     d_rates = chunk.chunk_sums_to_end(dg, chunk_size=c, sign=-1.0)

@@ -88,7 +88,7 @@ def _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, *, scale
   block_ends = terms.block_ends  # [B, H, N, 4, Dp]
 
   def on_chunk_terms():
-    channel_decay = delta_mosaic.channel_state_decay(block_ends)  # the state's decay per key channel
+    channel_decay = delta_mosaic.channel_state_decay(block_ends, None)  # per key channel (packed: the sweep drops it)
     state = None
     if initial_state is not None:  # the kernel carries S^T [E, D], one slice
       state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
