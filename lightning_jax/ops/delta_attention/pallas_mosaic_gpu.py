@@ -827,6 +827,195 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   return (tri[0], tri_beta) if with_unscaled else tri_beta
 
 
+def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, states_ref, d_next_ref, u_ref, du_ref,
+                           *refs, scale, gate_row, runs_row, in_registers):
+  # One chunk a CTA, one warpgroup: the value side (loaded first) while q, S_n^T and G_n^T load, then the key side.
+  dq_ref, dk_ref, dv_ref, d_beta_ref, *refs = refs
+  dg_ref = refs.pop(0) if gate_row is not None else None
+  buffers, (values_loaded, keys_loaded) = refs
+  ((q_smem, k_smem, (v_smem, dk_smem), (do_smem, dq_smem), tri_smem, states_smem, d_next_smem, u_smem, du_smem,
+    rows_smem, (z_smem, dw_smem), query_pairs_smem, key_pairs_smem, dv_smem, vectors_smem)) = buffers
+  c = CHUNK_SIZE
+  dp, ep = q_smem.shape[-1], v_smem.shape[-1]
+  head, batch, n = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("chunks")
+  rows_in = pl.ds(pl.multiple_of(n * c, c), c)
+  for src, dst in ((k_ref.at[batch, rows_in, head], k_smem), (v_ref.at[batch, rows_in, head], v_smem),
+                   (do_ref.at[batch, rows_in, head], do_smem), (tri_ref.at[batch, head, rows_in], tri_smem),
+                   (u_ref.at[batch, head, :, rows_in], u_smem), (du_ref.at[batch, head, :, rows_in], du_smem),
+                   (rows_ref.at[batch, head, n], rows_smem.at[0]), (rows_ref.at[batch, head, n], rows_smem.at[1])):
+    plgpu.copy_gmem_to_smem(src, dst, values_loaded.at[0])
+  for src, dst in ((q_ref.at[batch, rows_in, head], q_smem), (states_ref.at[batch, head, n], states_smem),
+                   (d_next_ref.at[batch, head, n], d_next_smem)):
+    plgpu.copy_gmem_to_smem(src, dst, keys_loaded.at[0])
+
+  def product(shape, *operands):
+    """sum of a @ b over the (a, b) operands (shared memory), float32 [shape]."""
+    def accumulate(acc):
+      for a, b in operands:
+        plgpu.wgmma(acc, a, b)
+      return acc[...]
+    return pl.run_scoped(accumulate, plgpu.ACC(shape, _F32))
+
+  def stage(tile, value):
+    tile[...] = value.astype(tile.dtype)
+    plgpu.commit_smem()
+
+  # Layouts given, not inferred (the inference's search does not end on this kernel unguided): tiles in wgmma's,
+  # [C] vectors in its rows' or columns'.
+  wgmma = plgpu.Layout.WGMMA
+  as_tile = lambda x: plgpu.layout_cast(x, wgmma)  # noqa: E731
+  tile = lambda ref: as_tile(ref[...].astype(_F32))  # noqa: E731
+  t = as_tile(lax.broadcasted_iota(jnp.int32, (c, c), 0))
+  s = as_tile(lax.broadcasted_iota(jnp.int32, (c, c), 1))
+  by_row = lambda x, width: as_tile(lax.broadcast_in_dim(plgpu.layout_cast(x, wgmma.reduce(1)), (c, width),  # noqa: E731
+                                                         (0,)))
+  by_column = lambda x: as_tile(lax.broadcast_in_dim(plgpu.layout_cast(x, wgmma.reduce(0)), (c, c), (1,)))  # noqa: E731
+  row_sum = lambda x: jnp.sum(x, axis=1)  # noqa: E731
+  plgpu.barrier_wait(values_loaded.at[0])
+  rows, columns = rows_smem.at[0], rows_smem.at[1]
+  beta = rows[_BETA_ROW]
+  # The pair factors e^{g_t - g_s} (s < t, or s <= t, in one segment; else 0), and the rows' own: e^{g_t} where the
+  # row sees the state before the chunk, e^{g_C - g_t} where its key reaches the chunk's end.
+  allowed_pairs, allowed_queries = t > s, t >= s
+  row_decay = to_end = None
+  if runs_row is not None:
+    same_segment = by_row(rows[runs_row], c) == by_column(columns[runs_row])
+    allowed_pairs, allowed_queries = allowed_pairs & same_segment, allowed_queries & same_segment
+    runs_end = rows_smem[0, runs_row, c - 1]
+    row_decay, to_end = lightning_mosaic.sees_prior_state(rows[runs_row]), lightning_mosaic.reaches_chunk_end(
+        rows[runs_row], runs_end)
+  if gate_row is None:
+    pair_factors, query_factors = (jnp.where(allowed, 1.0, 0.0) for allowed in (allowed_pairs, allowed_queries))
+  else:
+    gap = by_row(rows[gate_row], c) - by_column(columns[gate_row])  # <= 0 where allowed
+    pair_factors, query_factors = (jnp.where(allowed, jnp.exp(jnp.where(allowed, gap, 0.0)), 0.0)
+                                   for allowed in (allowed_pairs, allowed_queries))
+    g_end = rows_smem[0, gate_row, c - 1]
+    decays = jnp.exp(rows[gate_row]), jnp.exp(g_end - rows[gate_row])
+    row_decay, to_end = decays if row_decay is None else (row_decay * decays[0], to_end * decays[1])
+
+  # The value side. Z = T^T dU; dv = beta Z; dP = dO U^T; dA = -Z U^T (U = U_v - W S_n).
+  z = product((c, ep), (tri_smem.transpose((1, 0)), du_smem.transpose((1, 0))))
+  stage(dv_smem, by_row(beta, ep) * z)
+  plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[batch, rows_in, head])
+  d_beta = row_sum(tile(v_smem) * z)
+  stage(z_smem, z)
+  d_pairs = product((c, c), (do_smem, u_smem))
+  d_key_products = -product((c, c), (z_smem, u_smem))
+  key_products = product((c, c), (k_smem, k_smem.transpose((1, 0))))
+  # A_ts = beta_t (k_t . k_s) f_ts: dA's allowed part counts; P_ts = scale (q_t . k_s) f'_ts.
+  d_beta = d_beta + row_sum(d_key_products * key_products * pair_factors)
+  stage(key_pairs_smem, by_row(beta, c) * d_key_products * pair_factors)
+  stage(query_pairs_smem, scale * d_pairs * query_factors)
+
+  # The key side: dQ_g = dO S_n^T, dW = -dU S_n^T, dK_C = U G_n^T (S_n^T, G_n^T [Ep, Dp]).
+  plgpu.barrier_wait(keys_loaded.at[0])
+  keys, queries = tile(k_smem), tile(q_smem)
+  row_scale = scale if row_decay is None else by_row(scale * row_decay, dp)
+  dq = lightning_mosaic.update(row_scale * product((c, dp), (do_smem, states_smem)), (query_pairs_smem, k_smem),
+                               in_registers=in_registers)
+  dg = row_sum(queries * dq) if dg_ref is not None else None
+  stage(dq_smem, dq)
+  plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[batch, rows_in, head])
+  stage(dw_smem, -product((c, dp), (du_smem.transpose((1, 0)), states_smem)))
+  d_keys_gated = product((c, dp), (tri_smem.transpose((1, 0)), dw_smem))  # T^T dW: the cotangent of beta K_g
+  if row_decay is not None:
+    d_keys_gated = d_keys_gated * by_row(row_decay, dp)
+  d_beta = d_beta + row_sum(keys * d_keys_gated)
+  # k's uses by the sign of g in their factors: beta K_g's and A's rows (rising), K_C's, P's columns and A's
+  # columns (falling); dk = rising + falling, dg's share k (rising - falling) = k (2 rising - dk).
+  rising = lightning_mosaic.update(by_row(beta, dp) * d_keys_gated, (key_pairs_smem, k_smem),
+                                   in_registers=in_registers)
+  through_end = product((c, dp), (u_smem.transpose((1, 0)), d_next_smem))
+  if to_end is not None:
+    through_end = through_end * by_row(to_end, dp)
+  dk = lightning_mosaic.update(rising + through_end, (query_pairs_smem.transpose((1, 0)), q_smem),
+                               (key_pairs_smem.transpose((1, 0)), k_smem), in_registers=in_registers)
+  stage(dk_smem, dk)
+  plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[batch, rows_in, head])
+  d_beta_smem, dg_smem = vectors_smem.at[0], vectors_smem.at[1]
+  d_beta_smem[...] = d_beta
+  if dg_ref is not None:
+    # g_C's share (through K_C and the state decay e^{g_C}, 0 where a segment starts in the chunk) to the last row.
+    dg = dg + row_sum(keys * (2.0 * rising - dk))
+    state_share = jnp.sum(row_sum(tile(states_smem) * tile(d_next_smem)))
+    state_decay = jnp.exp(g_end) if runs_row is None else jnp.exp(g_end) * lightning_mosaic.sees_prior_state(runs_end)
+    last = jnp.sum(row_sum(keys * through_end)) + state_decay * state_share
+    last_row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (c,), 0), wgmma.reduce(1)) == c - 1
+    dg_smem[...] = dg + jnp.where(last_row, last, 0.0)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(d_beta_smem, d_beta_ref.at[batch, head, rows_in])
+  if dg_ref is not None:
+    plgpu.copy_smem_to_gmem(dg_smem, dg_ref.at[batch, head, rows_in])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def tile_gradients(q, k, v, beta, gates, tri, states, d_next, u, du, do, *, scale: float, interpret: bool = False):
+  """`pallas_triton.tile_gradients(..., transposed=True)` for a scalar gate or none on sm90: (dq, dk [B, Tp, H, K],
+  dv [B, Tp, H, Ep] in the input dtype, dbeta [B, H, Tp] float32, dg [B, H, Tp] float32 or None).
+
+  One 64-token chunk a CTA, one warpgroup: T, U^T, dU^T, dO, v and k load
+  first (TMA), and the value side (Z = T^T dU, dv = beta Z, dP = dO U^T, dA =
+  -Z U^T, k k^T and the pair factors) runs while q, S_n^T and G_n^T load; then
+  the key side (dQ_g = dO S_n^T, dW = -dU S_n^T, T^T dW, dK_C = U G_n^T and the
+  pair cotangents' products with q and k), every product on the tensor cores
+  from shared memory (so the interpreter runs the same code). `vjp` has the
+  algebra; `pallas_triton._tile_gradients_kernel` is the Triton form.
+
+  Args:
+    q, k: [B, Tp, H, K]; v, do: [B, Tp, H, Ep]; bf16 or fp16, Tp a multiple
+      of 64, K and Ep 64 or 128.
+    beta: [B, H, Tp] float32; gates: `pallas_triton.Gates` (g [B, H, Tp]
+      float32 natural-log chunk-local cumulative decays, or None; runs [B, Tp]
+      int32, or None).
+    tri: T = (I + A)^{-1} [B, H, Tp, 64] (`inverse(..., with_unscaled=True)`).
+    states, d_next: S_n^T and G_n^T [B, H, N, Ep, K] (`state_sweep`,
+      `state_cotangents`); u, du: U^T and dU^T [B, H, Ep, Tp].
+  """
+  b, tp, h, dim_k = q.shape
+  dim_v = v.shape[-1]
+  c = CHUNK_SIZE
+  n = tp // c
+  if (tp % c or dim_k not in (64, 128) or dim_v not in (64, 128) or k.shape != q.shape
+      or do.shape != v.shape or tri.shape != (b, h, tp, c) or states.shape != (b, h, n, dim_v, dim_k)
+      or d_next.shape != states.shape or u.shape != (b, h, dim_v, tp) or du.shape != u.shape):
+    raise ValueError(f"padded operands: q, k [B, Tp, H, K], v, do [B, Tp, H, Ep] with Tp a multiple of {c} and K, Ep "
+                     f"64 or 128, T [B, H, Tp, {c}], S_n^T, G_n^T [B, H, N, Ep, K], U^T, dU^T [B, H, Ep, Tp]; got q "
+                     f"{q.shape}, v {v.shape}, T {tri.shape}, S {states.shape}, U {u.shape}")
+  rows = [beta.astype(_F32).reshape(b, h, n, 1, c)]
+  gate_row = runs_row = None
+  if gates.g is not None:
+    gate_row = len(rows)
+    rows.append(gates.g.astype(_F32).reshape(b, h, n, 1, c))
+  if gates.runs is not None:
+    runs_row = len(rows)
+    rows.append(jnp.broadcast_to(gates.runs.reshape(b, 1, n, 1, c).astype(_F32), (b, h, n, 1, c)))
+  rows = jnp.concatenate(rows, axis=3)
+  dtype = q.dtype
+  smem = lightning_mosaic.swizzled_smem
+  keys_tile, values_tile = smem((c, dim_k), dtype), smem((c, dim_v), dtype)
+  scratch = (
+      (keys_tile, keys_tile, plgpu.RefUnion(values_tile, keys_tile), plgpu.RefUnion(values_tile, keys_tile),
+       smem((c, c), dtype), smem((dim_v, dim_k), dtype), smem((dim_v, dim_k), dtype), smem((dim_v, c), dtype),
+       smem((dim_v, c), dtype), plgpu.SMEM((2,) + rows.shape[-2:], _F32),
+       plgpu.RefUnion(values_tile, keys_tile), smem((c, c), dtype), smem((c, c), dtype), values_tile,
+       plgpu.SMEM((2, c), _F32)),
+      # The value side's k, v, dO, T, U^T, dU^T and factor rows twice; the key side's q, S_n^T and G_n^T.
+      (plgpu.Barrier(num_arrivals=8, num_barriers=1), plgpu.Barrier(num_arrivals=3, num_barriers=1)),
+  )
+  inputs = (q, k, v, do, rows, tri, states, d_next, u, du)
+  out_type = (manual_axes.struct((b, tp, h, dim_k), dtype, *inputs), manual_axes.struct((b, tp, h, dim_k), dtype, *inputs),
+              manual_axes.struct((b, tp, h, dim_v), dtype, *inputs), manual_axes.struct((b, h, tp), _F32, *inputs))
+  if gate_row is not None:
+    out_type += (manual_axes.struct((b, h, tp), _F32, *inputs),)
+  kernel = functools.partial(_tile_gradients_kernel, scale=scale, gate_row=gate_row, runs_row=runs_row,
+                             in_registers=not interpret)
+  dq, dk, dv, d_beta, *dg = lightning_mosaic.warpgroup_kernel(
+      kernel, out_type=out_type, scratch_types=scratch, grid=(h, b, n), grid_names=("heads", "batch", "chunks"),
+      interpret=interpret, kernel_name="delta_tile_gradients_mosaic", num_warpgroups=1)(*inputs)
+  return dq, dk, dv, d_beta, dg[0] if dg else None
+
+
 class ChannelGatedChunks(NamedTuple):
   """`channel_gated_chunks`' results, each chunk's terms of KDA's per-key-channel gates (G the chunk-local
   cumulative log2 decay [C, K], every factor at most 1), in the input dtype.

@@ -1445,7 +1445,10 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
                                                    **kernels)
     _, _, states, values = sweep(qp, kp, w, u, p, gates_, initial_state, with_outputs=False, with_final_state=False,
                                  with_states=True, with_values=split, **kernels)
-  if split:
+  if warp_specialized and ep <= 128:  # the Mosaic GPU form of `tile_gradients` (K and Ep 64 or 128)
+    dq, dk, dv, d_beta, dg = pallas_mosaic_gpu.tile_gradients(qp, kp, vp, beta_rows, gates_, tri, states, d_next,
+                                                              values, d_values, dop, scale=scale, interpret=interpret)
+  elif split:
     dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, gates_, tri, states, d_next, values, d_values,
                                             dop, transposed=warp_specialized, **kernels)
   else:
