@@ -24,6 +24,7 @@ from test_packed import EXTREME_RATES, Packing, check_packed
 
 import lightning_jax as lj
 from lightning_jax.ops.delta_attention import pallas_mosaic_gpu as delta_mosaic
+from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu
@@ -591,7 +592,6 @@ def test_delta_kda_backward_on_chunk_terms(case, rates, mode):
   tile gradient kernel) against the oracle's gradients; that path runs (its kernels in the jaxpr); where a block's
   span passes the bound, the Triton backward bit for bit; dL/dS_0 alone (the sequence split's) as in the full
   backward."""
-  from lightning_jax.ops.delta_attention import pallas_triton
 
   q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=zlib.crc32(f"{case}kda-bwd".encode()))
   starts = None if ids is None else chunk_common.segment_starts(ids)
@@ -640,7 +640,6 @@ def test_delta_kda_backward_takes_the_forward_chunk_terms(mode):
   again (the same kernels on the same operands: the pair kernel, the state sweep for S_n^T and U^T, the blocks' log
   decays), and (compiled) through the op's VJP in 2 pieces as with forward_states=False; where a block's span passes
   the bound, the zeros kept in their place are not read."""
-  from lightning_jax.ops.delta_attention import pallas_triton
   from lightning_jax.ops.delta_attention import warp_specialized
 
   # One head, 2 chunks (the last partial): the comparisons are bit for bit, the oracle's are the tests above.
@@ -758,7 +757,6 @@ def test_delta_backward_takes_what_the_forward_kept(mode):
   """The warp-specialised backward on the forward's T and T' and its S_n^T and U^T (the op's residuals) and on
   those it forms itself without them: the same gradients, so the forward padded and gated them as the backward
   does (T off the chunk, packed, per-token rates, from and to states); the states bit for bit (the same chain)."""
-  from lightning_jax.ops.delta_attention import pallas_triton
   from lightning_jax.ops.delta_attention import warp_specialized
 
   # DELTA_CASES[0] with B = 1 and 2 chunks, the last partial (its rows against the oracle:
@@ -810,7 +808,6 @@ def test_delta_backward_takes_what_the_forward_kept(mode):
 def test_delta_state_sweep_matches_the_triton_sweep(gated, segments, with_initial, mode):
   """The backward's warp-specialised state sweep (the forward's kernel storing S_n^T and U^T) against the Triton
   sweep's S_n and U, bf16, over 3 chunks, K = 64 (the interpreter), E over two value blocks."""
-  from lightning_jax.ops.delta_attention import pallas_triton
   from lightning_jax.ops.lightning_attention import chunk_common
 
   b, t, h, d, e = 1, 192, 2, 64, 128
@@ -866,6 +863,51 @@ def test_delta_backward_sweeps_lower_for_cuda(dim_k, dim_v, gated, segments, wit
   fn = jax.jit(lambda k, v, inverse, gates, s0: delta_mosaic.state_sweep(k, v, inverse, gates, s0))
   exported = jax.export.export(fn, platforms=["cuda"])(q, do, inverse, gates, d_final)
   assert [o.shape for o in exported.out_avals] == [(2, 3, 3, dim_v, dim_k), (2, 3, dim_v, 192)]
+  # The gradient kernel after both (K and Ep 64 or 128: wider values take the Triton one).
+  beta = jax.ShapeDtypeStruct((2, 3, 192), F32)
+  states = jax.ShapeDtypeStruct((2, 3, 3, dim_v, dim_k), BF16)
+  values_t = jax.ShapeDtypeStruct((2, 3, dim_v, 192), BF16)
+  fn = jax.jit(lambda *args: delta_mosaic.tile_gradients(*args, scale=0.125))
+  args = (q, q, do, beta, pallas_triton.Gates(*gates, None), inverse, states, states, values_t, values_t, do)
+  if dim_v > 128:
+    with pytest.raises(ValueError, match="K, Ep 64 or 128"):
+      jax.eval_shape(fn, *args)
+    return
+  exported = jax.export.export(fn, platforms=["cuda"])(*args)
+  assert "delta_tile_gradients_mosaic" in exported.mlir_module()
+  assert [o.shape for o in exported.out_avals] == ([(2, 192, 3, dim_k)] * 2 + [(2, 192, 3, dim_v), (2, 3, 192)]
+                                                  + [(2, 3, 192)] * gated)
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
+def test_delta_mosaic_tile_gradients_match_the_triton_kernel(mode):
+  """The Mosaic GPU gradient kernel against the Triton one on the same chunk operands (random T, states and
+  cotangents: the kernels' algebra alone), per-token rates and packed rows, K and Ep apart."""
+  b, h, n, dim_k, dim_v, c = 1, 2, 3, 64, 128, 64
+  tp = n * c
+  keys = jax.random.split(jax.random.PRNGKey(7), 11)
+  rnd = lambda i, shape, scale=1.0: (scale * jax.random.normal(keys[i], shape)).astype(BF16)  # noqa: E731
+  q, k = rnd(0, (b, tp, h, dim_k), 0.3), rnd(1, (b, tp, h, dim_k), 0.3)
+  v, do = rnd(2, (b, tp, h, dim_v)), rnd(3, (b, tp, h, dim_v))
+  beta = jax.random.uniform(keys[4], (b, h, tp), maxval=2.0)
+  tri = (jnp.tril(0.2 * jax.random.normal(keys[5], (b, h, n, c, c)), -1) + jnp.eye(c)).reshape(b, h, tp, c)
+  states, d_next = rnd(6, (b, h, n, dim_v, dim_k), 0.5), rnd(7, (b, h, n, dim_v, dim_k), 0.5)
+  values_t, d_values_t = rnd(8, (b, h, dim_v, tp)), rnd(9, (b, h, dim_v, tp))
+  g = -jnp.cumsum(jax.random.uniform(keys[10], (b, h, n, c), maxval=0.3), axis=-1).reshape(b, h, tp)
+  starts = np.zeros((b, tp), bool)
+  starts[:, [5, 70, 71, 191]] = True  # inside chunks, twice in a row, a chunk's last row
+  runs = jnp.asarray(np.cumsum(starts.reshape(b, n, c), axis=-1).reshape(b, tp).astype(np.int32))
+  args = (q, k, v, beta, pallas_triton.Gates(g, runs, None), tri.astype(BF16), states, d_next, values_t, d_values_t,
+          do)
+  interpret = mode == "interpret"
+  mosaic = jax.jit(lambda *a: delta_mosaic.tile_gradients(*a, scale=0.3, interpret=interpret))(*args)
+  config = dataclasses.replace(pallas_triton.default_config(per_channel_gate=False, dtype=BF16, dim_k=dim_k,
+                                                            dim_v=dim_v), chunk_size=c)
+  triton = jax.jit(lambda *a: pallas_triton.tile_gradients(*a, scale=0.3, config=config, interpret=interpret,
+                                                           transposed=True))(*args)
+  for name, x, y in zip(("dq", "dk", "dv", "dbeta", "dg"), mosaic, triton):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert rel_err(x, y) < 2e-3, (name, rel_err(x, y))
 
 
 @needs_ws_jax

@@ -1,5 +1,5 @@
-"""The delta rule's chunk inverses, backward sweeps and the sequence split's map pass in Pallas Mosaic GPU (Hopper,
-sm90), the sweeps and the map pass warp-specialised.
+"""The delta rule's chunk inverses, backward sweeps, gradient kernel and the sequence split's map pass in Pallas
+Mosaic GPU (Hopper, sm90), the sweeps and the map pass warp-specialised.
 
 `state_sweep` is `pallas_triton.sweep`'s job in the backward (S_n and U, no
 output): the forward's warp-specialised kernel with `delta_states` and no
@@ -41,6 +41,11 @@ KDA's mode (`channel_gates`) takes the terms `channel_gated_chunks` formed:
 q and k as Q_g (scaled) and K_C, and in three more ring slots K_g, P and the
 state's decay per key channel; the pairs warpgroup forms W = T' K_g alone (P
 is read where it is loaded), and the chain decays G^T per key channel.
+
+`tile_gradients` is `pallas_triton.tile_gradients`' job after those sweeps
+for a scalar gate or none: every chunk's dq, dk, dv, dbeta and dg from its T,
+S_n^T, G_n^T, U^T and dU^T, one chunk a CTA (H200, B2 H32 T8K D128: 0.562 ms
+against Triton's 0.706 for DeltaNet, 0.734 against 0.817 for Gated DeltaNet).
 
 `inverse` forms each chunk's T' = (I + A)^{-1} Diag(beta), which all of them
 and the forward's sweep take: one warpgroup, the 16 x 16 diagonal blocks of T

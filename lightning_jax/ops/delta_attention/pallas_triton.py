@@ -1370,7 +1370,8 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   against 9.56 with the Triton sweeps at 32 columns), both sweeps are
   warp-specialised (`pallas_mosaic_gpu`) and no prepare runs: the state sweep
   forms U from T' as the forward does, the reverse sweep forms W from T', and
-  the gradient kernel reads T. inverses: then (T, T') [B, H, Tp, 64], padded
+  the gradient kernel reads T (`pallas_mosaic_gpu.tile_gradients` where Ep <=
+  128, else `tile_gradients`). inverses: then (T, T') [B, H, Tp, 64], padded
   as the forward's (`warp_specialized.forward(..., with_inverses=True)`, its
   residuals); None: `pallas_mosaic_gpu.inverse` forms them here. states:
   then (S_n^T [B, H, N, Ep, Dp], U^T [B, H, Ep, Tp]) as the forward kept them
