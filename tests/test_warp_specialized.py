@@ -759,9 +759,9 @@ def test_delta_backward_takes_what_the_forward_kept(mode):
   does (T off the chunk, packed, per-token rates, from and to states); the states bit for bit (the same chain)."""
   from lightning_jax.ops.delta_attention import warp_specialized
 
-  # DELTA_CASES[0] with B = 1 and 2 chunks, the last partial (its rows against the oracle:
-  # test_delta_warp_specialized_gradients_match_oracle).
-  case = dataclasses.replace(DELTA_CASES[0], b=1, t=100)
+  # DELTA_CASES[0] with B = 1, one head and 2 chunks, the last partial (its rows and heads against the oracle,
+  # through the kept states: test_delta_warp_specialized_gradients_match_oracle).
+  case = dataclasses.replace(DELTA_CASES[0], b=1, t=100, h=1)
   q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=11)
   q, k, v = (x.astype(BF16) for x in (q, k, v))
   starts = jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
