@@ -529,7 +529,7 @@ def test_delta_channel_spans_bounded():
 # the second packed (segments starting inside chunks, on a 16-token edge, one of one token) and in 2 pieces too.
 KDA_CASES = [
     (DeltaCase(b=1, t=150, h=1, d=64, e=48, decay="channel"), (0.0, 0.6), 2),
-    (DeltaCase(b=1, t=150, h=2, d=64, e=48, decay="channel", segments=True), (0.0, 0.6), 2),
+    (DeltaCase(b=1, t=150, h=1, d=64, e=48, decay="channel", segments=True), (0.0, 0.6), 2),
     (DeltaCase(b=1, t=200, h=2, d=40, e=72, decay="channel", initial_state=False), (2.5, 3.7), 1),
     (DeltaCase(b=1, t=100, h=1, d=64, e=64, decay="channel", rates="extreme", beta="edges"), None, 1),
     (DeltaCase(b=2, t=300, h=3, d=128, e=100, decay="channel"), (0.0, 0.6), 1),
@@ -576,7 +576,7 @@ def test_delta_kda_warp_specialized_matches_oracle(case, rates, pieces, mode):
 # KDA's warp-specialised backward: T, E and D off the blocks and from and to states, packed; rates near the bound of
 # the 16-token blocks' spans; extreme rates, where the Triton backward runs instead; D = 128 on the GPU alone.
 KDA_BACKWARD_CASES = [
-    (DeltaCase(b=1, t=130, h=2, d=40, e=72, decay="channel", segments=True), (0.0, 0.6)),
+    (DeltaCase(b=1, t=130, h=1, d=40, e=72, decay="channel", segments=True), (0.0, 0.6)),
     (DeltaCase(b=1, t=200, h=2, d=64, e=48, decay="channel"), (2.5, 3.7)),
     (DeltaCase(b=1, t=100, h=1, d=64, e=64, decay="channel", rates="extreme", beta="edges"), None),
     (DeltaCase(b=2, t=300, h=3, d=128, e=100, decay="channel"), (0.0, 0.6)),
@@ -883,7 +883,7 @@ def test_delta_backward_sweeps_lower_for_cuda(dim_k, dim_v, gated, segments, wit
 def test_delta_mosaic_tile_gradients_match_the_triton_kernel(mode):
   """The Mosaic GPU gradient kernel against the Triton one on the same chunk operands (random T, states and
   cotangents: the kernels' algebra alone), per-token rates and packed rows, K and Ep apart."""
-  b, h, n, dim_k, dim_v, c = 1, 2, 3, 64, 128, 64
+  b, h, n, dim_k, dim_v, c = 1, 1, 3, 64, 128, 64
   tp = n * c
   keys = jax.random.split(jax.random.PRNGKey(7), 11)
   rnd = lambda i, shape, scale=1.0: (scale * jax.random.normal(keys[i], shape)).astype(BF16)  # noqa: E731
