@@ -588,7 +588,7 @@ _SOLVE_PAD = 8
 # The CTAs per SM below which a CTA of `inverse` walks fewer chunks (at most 8, the next one's keys loading during
 # this one's chain): one chunk's chain is latency-bound, so CTAs sharing an SM fill its waits.
 _INVERSE_CTAS_PER_SM = 2
-# The inverse kernel's factor row of beta (`_inverse_rows`).
+# The factor row of beta (`_factor_rows`).
 _BETA_ROW = 0
 
 
@@ -745,18 +745,18 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
   plgpu.wait_smem_to_gmem(0)
 
 
-def _inverse_rows(beta, chunk_gates):
-  """The inverse kernel's factor rows [B, H, N, R, C] float32 from beta [B, H, Tp] and `sweep_gates`' (cumdecay,
-  runs): beta (`_BETA_ROW`), then where gates are given `lightning_mosaic.chunk_factors`' rows; and the indices of
-  the cumulative rates' and the segment counts' rows (None where not given)."""
+def _factor_rows(beta, *extra):
+  """The factor rows [B, H, N, R, C] float32 a kernel of this file loads with each chunk: beta's (`_BETA_ROW`) of
+  beta [B, H, Tp], then those of each of extra given ([B, H, Tp] per head, or [B, Tp] per row, as the segment-start
+  counts, the same for every head); and the indices of extra's rows (None for one not given)."""
   b, h, tp = beta.shape
-  rows = beta.astype(_F32).reshape(b, h, tp // CHUNK_SIZE, 1, CHUNK_SIZE)
-  cumdecay, runs = chunk_gates
-  if cumdecay is None and runs is None:
-    return rows, None, None
-  factors = lightning_mosaic.chunk_factors(jnp.zeros((b, h, tp), _F32) if cumdecay is None else cumdecay, runs)
-  return (jnp.concatenate([rows, factors], axis=3), None if cumdecay is None else 1 + lightning_mosaic.CUM,
-          None if runs is None else 1 + lightning_mosaic.RUNS)
+  n = tp // CHUNK_SIZE
+  rows, indices = [beta.astype(_F32).reshape(b, h, n, 1, CHUNK_SIZE)], []
+  for x in extra:
+    indices.append(None if x is None else len(rows))
+    if x is not None:
+      rows.append(jnp.broadcast_to(x.astype(_F32).reshape(b, -1, n, 1, CHUNK_SIZE), rows[0].shape))
+  return (jnp.concatenate(rows, axis=3), *indices)
 
 
 def default_chunks_per_cta(*, batch_heads: int, num_chunks: int, num_sms: int) -> int:
@@ -808,7 +808,7 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   if tp % c or dim_k not in (64, 128) or beta.shape != (b, h, tp):
     raise ValueError(f"padded operands: k [B, Tp, H, K] with Tp a multiple of {c} and K 64 or 128, beta [B, H, Tp]; "
                      f"got k {k.shape}, beta {beta.shape}")
-  rows, cum_row, runs_row = _inverse_rows(beta, chunk_gates)
+  rows, cum_row, runs_row = _factor_rows(beta, *chunk_gates)
   n = tp // c
   per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
   in_registers = not interpret
@@ -987,15 +987,7 @@ def tile_gradients(q, k, v, beta, gates, tri, states, d_next, u, du, do, *, scal
     raise ValueError(f"padded operands: q, k [B, Tp, H, K], v, do [B, Tp, H, Ep] with Tp a multiple of {c} and K, Ep "
                      f"64 or 128, T [B, H, Tp, {c}], S_n^T, G_n^T [B, H, N, Ep, K], U^T, dU^T [B, H, Ep, Tp]; got q "
                      f"{q.shape}, v {v.shape}, T {tri.shape}, S {states.shape}, U {u.shape}")
-  rows = [beta.astype(_F32).reshape(b, h, n, 1, c)]
-  gate_row = runs_row = None
-  if gates.g is not None:
-    gate_row = len(rows)
-    rows.append(gates.g.astype(_F32).reshape(b, h, n, 1, c))
-  if gates.runs is not None:
-    runs_row = len(rows)
-    rows.append(jnp.broadcast_to(gates.runs.reshape(b, 1, n, 1, c).astype(_F32), (b, h, n, 1, c)))
-  rows = jnp.concatenate(rows, axis=3)
+  rows, gate_row, runs_row = _factor_rows(beta, gates.g, gates.runs)
   dtype = q.dtype
   smem = lightning_mosaic.swizzled_smem
   keys_tile, values_tile = smem((c, dim_k), dtype), smem((c, dim_v), dtype)
@@ -1306,8 +1298,8 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
     beta: [B, H, Tp] float32, zero on padding.
     rates: [B, Tp, H, K] float32 >= 0, zero on padding (clamped at
       `chunk.MAX_RATE`, as `chunk.chunk_log_decays` does).
-    runs: packed rows' segment-start counts within each chunk [B, Tp] int32
-      (`pallas_mosaic_gpu.sweep_gates`' runs), or None: A, T' and P then
+    runs: None, or packed rows' segment-start counts within each chunk [B,
+      Tp] int32 (`pallas_mosaic_gpu.sweep_gates`' runs): A, T' and P then
       keep the pairs of one segment alone. G runs on across a segment start
       (a kept pair's factor spans one segment's rates), so Q_g, K_g, K_C and
       the state decay 2^G_C are the rows' as if unpacked: their rows that see
@@ -1328,11 +1320,7 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
   dtype = k.dtype
   smem = lightning_mosaic.swizzled_smem
   parts = dim_k // _PART
-  rows = _inverse_rows(beta, (None, None))[0]  # beta's row; packed, the segment counts' after it
-  runs_row = None
-  if runs is not None:
-    runs_row = rows.shape[3]
-    rows = jnp.concatenate([rows, jnp.broadcast_to(runs.reshape(b, 1, n, 1, c).astype(_F32), rows.shape)], axis=3)
+  rows, runs_row = _factor_rows(beta, runs)  # beta's row; packed, the segment counts' after it
   solve_tile = plgpu.SMEM((c, c + _SOLVE_PAD), _F32)
   pieces = tuple(smem((parts, c, _PART), jnp.float16) for _ in range(2))
   scratch = (
