@@ -296,15 +296,18 @@ def test_delta_warp_specialized_matches_oracle(case, mode):
 # (D <= 64; each runs the whole backward in the interpreters). Not the one-token case: there the rate's gradient is a
 # sum of terms that cancel within the rounding of the state, stored in bf16 for the gradient kernel (0.2 relative
 # error on the Triton sweeps too).
+# float16 compiled on a gated and an ungated case (the gradient kernel's other operand type).
 DELTA_GRADIENT_PARAMS = [
-    pytest.param(case, *mode.values, marks=mode.marks, id=f"{case}-{mode.id}")
-    for i, case in enumerate(DELTA_CASES[:-1]) for mode in (WS_MODES if i in (0, 2) else WS_MODES[1:])]
+    *(pytest.param(case, BF16, *mode.values, marks=mode.marks, id=f"{case}-{mode.id}")
+      for i, case in enumerate(DELTA_CASES[:-1]) for mode in (WS_MODES if i in (0, 2) else WS_MODES[1:])),
+    *(pytest.param(DELTA_CASES[i], F16, *WS_MODES[1].values, marks=WS_MODES[1].marks, id=f"{DELTA_CASES[i]}-f16-gpu")
+      for i in (1, 3))]
 
 
-@pytest.mark.parametrize("case,mode", DELTA_GRADIENT_PARAMS)
-def test_delta_warp_specialized_gradients_match_oracle(case, mode):
+@pytest.mark.parametrize("case,dtype,mode", DELTA_GRADIENT_PARAMS)
+def test_delta_warp_specialized_gradients_match_oracle(case, dtype, mode):
   q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=zlib.crc32(f"{case}ws-grad".encode()))
-  q, k, v = (x.astype(BF16) for x in (q, k, v))
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
   cot = jax.random.split(jax.random.key(zlib.crc32(str(case).encode())), 2)
   args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape),
           jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
@@ -389,6 +392,33 @@ def test_delta_inverse_matches_float64(case, dtype, mode):
 
 
 @pytest.mark.parametrize("mode", WS_MODES)
+def test_delta_inverse_sums_the_rates_itself(mode):
+  """Given per-token rates (the forward's path), the inverse kernel returns their chunk-local sums (log2 units,
+  each rate clamped, zero rates on padding), against numpy's float64 sums, and T, T' against float64 inverses of A's
+  definition; rates from 1e-7 to 1e4, a packed row, T off the chunk, CTAs walking 2 chunks (the sums' stores
+  double-buffered). Rates beside cumulative rates are refused."""
+  from lightning_jax.ops.delta_attention import warp_specialized
+
+  case = DeltaCase(b=2, t=200, h=2, d=64, decay="token", rates="extreme", segments=True)
+  k, beta, decay, starts = inverse_inputs(case, BF16, aligned_keys=True)
+  tp = 256
+  runs = warp_specialized.segment_runs(starts, num_tokens=tp)
+  rows = lambda x: warp_specialized.beta_rows(x, tp=tp)  # noqa: E731
+  kp = jnp.pad(k, ((0, 0), (0, tp - case.t), (0, 0), (0, 0)))
+  (tri, tri_beta), cum = jax.jit(lambda: delta_mosaic.inverse(kp, rows(beta), (None, runs), with_unscaled=True,
+                                                              rates=rows(decay), chunks_per_cta=2,
+                                                              interpret=mode == "interpret"))()
+  scaled = np.minimum(np.asarray(rows(decay), np.float64) * np.log2(np.e), 150.0)
+  want = np.cumsum(scaled.reshape(case.b, case.h, tp // 64, 64), axis=-1).reshape(case.b, case.h, tp)
+  assert cum.dtype == F32
+  np.testing.assert_allclose(np.asarray(cum), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  assert inverse_error(tri, k, beta, decay, starts, scaled=False) < 1e-2
+  assert inverse_error(tri_beta, k, beta, decay, starts, scaled=True) < 1e-2
+  with pytest.raises(ValueError, match="rates .B, H, Tp. .2, 2, 256. take the place of chunk_gates' cumulative"):
+    delta_mosaic.inverse(kp, rows(beta), (jnp.asarray(want, F32), runs), rates=rows(decay))
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
 def test_delta_inverse_walks_any_chunks_per_cta(mode):
   """A CTA walking 2 or 4 chunks (the next one's loads in flight) writes what one chunk a CTA does, bit for bit;
   a count that does not divide the chunks is refused."""
@@ -414,19 +444,22 @@ def test_delta_inverse_walks_any_chunks_per_cta(mode):
 
 
 @needs_ws_jax
-@pytest.mark.parametrize("dim_k,gated,segments,with_unscaled", [(128, True, True, True), (64, False, False, False)])
-def test_delta_inverse_lowers_for_cuda(dim_k, gated, segments, with_unscaled):
+@pytest.mark.parametrize("dim_k,gates,segments,with_unscaled", [(128, "cumulative", True, True), (64, None, False, False),
+                                                                 (64, "rates", True, False)])
+def test_delta_inverse_lowers_for_cuda(dim_k, gates, segments, with_unscaled):
   """The inverse kernel (its inline Mosaic GPU substitution included) lowers as the GPU compiles it, from any
-  backend."""
+  backend; gates "rates": it sums per-token rates itself and returns their sums."""
   k = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
-  beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
-  gates = (jax.ShapeDtypeStruct((2, 3, 512), F32) if gated else None,
-           jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None)
-  fn = jax.jit(lambda k, beta, gates: delta_mosaic.inverse(k, beta, gates, with_unscaled=with_unscaled,
-                                                           chunks_per_cta=4))
-  exported = jax.export.export(fn, platforms=["cuda"])(k, beta, gates)
+  rows = jax.ShapeDtypeStruct((2, 3, 512), F32)
+  chunk_gates = (rows if gates == "cumulative" else None,
+                 jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None)
+  rates = rows if gates == "rates" else None
+  fn = jax.jit(lambda k, beta, chunk_gates, rates: delta_mosaic.inverse(k, beta, chunk_gates, rates=rates,
+                                                                        with_unscaled=with_unscaled, chunks_per_cta=4))
+  exported = jax.export.export(fn, platforms=["cuda"])(k, rows, chunk_gates, rates)
   assert "delta_inverse_mosaic" in exported.mlir_module()
-  assert [o.shape for o in exported.out_avals] == [(2, 3, 512, 64)] * (2 if with_unscaled else 1)
+  assert [o.shape for o in exported.out_avals] == ([(2, 3, 512, 64)] * (2 if with_unscaled else 1)
+                                                  + [(2, 3, 512)] * (gates == "rates"))
 
 
 def _channel_gated_inputs(b, t, h, d, rates, seed):

@@ -686,9 +686,11 @@ def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers):
   return x
 
 
-def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, with_unscaled, in_registers):
+def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, with_unscaled, sums_rates,
+                    in_registers):
   *outputs, buffers, loaded = refs
-  k_smem, rows_smem, out_smem, solve_smem, staging = buffers
+  k_smem, rows_smem, out_smem, solve_smem, staging, cum_smem = buffers
+  cum_ref = outputs.pop() if sums_rates else None
   c, block = CHUNK_SIZE, _SOLVE_BLOCK
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   first_chunk = lax.axis_index("chunk_blocks") * chunks_per_cta
@@ -718,6 +720,22 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
 
     keys = k_smem.at[slot]
     rows, columns = rows_smem.at[slot, 0], rows_smem.at[slot, 1]
+    rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
+    # Chunk n - 2's stores have read this slot (one group per store, each chunk's in order).
+    plgpu.wait_smem_to_gmem(len(outputs) + sums_rates, wait_read_only=True)
+    if sums_rates:  # the loaded rates' row becomes their chunk-local sums (log2 units), for this kernel and the sweep
+      wgmma = plgpu.Layout.WGMMA
+      scaled = jnp.minimum(plgpu.layout_cast(columns[cum_row], wgmma.reduce(0)) * chunk_common.LOG2_E,
+                           chunk_common.MAX_LOG2_RATE)
+      upto = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (c, c), 1) <= lax.broadcasted_iota(
+          jnp.int32, (c, c), 0), wgmma)
+      cum = jnp.sum(jnp.where(upto, plgpu.layout_cast(lax.broadcast_in_dim(scaled, (c, c), (1,)), wgmma), 0.0),
+                    axis=1)
+      rows[cum_row] = cum
+      columns[cum_row] = cum
+      cum_smem.at[slot][...] = cum
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(cum_smem.at[slot], cum_ref.at[batch, head, rows_out])
 
     def key_products(acc):
       plgpu.wgmma(acc, keys, keys.transpose((1, 0)))
@@ -735,8 +753,6 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
     neg_upper = jnp.where((s > t) & same_block(block), pairs * by_column(-columns[_BETA_ROW]), 0.0)
     x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers)
     results = ((x * by_column(columns[_BETA_ROW]),) + ((x,) if with_unscaled else ()))
-    plgpu.wait_smem_to_gmem(len(results), wait_read_only=True)  # chunk n - 2's stores have read this slot
-    rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
     for result, tile, out_ref in zip(results, out_smem, outputs):
       tile.at[slot][...] = result.astype(tile.dtype)
       plgpu.commit_smem()
@@ -782,9 +798,10 @@ def _checked_chunks_per_cta(chunks_per_cta, *, batch_heads: int, num_chunks: int
   return chunks_per_cta
 
 
-def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta: int | None = None,
+def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, rates=None, chunks_per_cta: int | None = None,
             interpret: bool = False):
-  """Each 64-token chunk's T' = T Diag(beta), T = (I + A)^{-1}, [B, H, Tp, 64] in k's dtype; with_unscaled, (T, T').
+  """Each 64-token chunk's T' = T Diag(beta), T = (I + A)^{-1}, [B, H, Tp, 64] in k's dtype; with_unscaled, (T, T');
+  given rates, those and the chunk-local cumulative rates [B, H, Tp] float32 it formed from them.
 
   A_ts = beta_t (k_t . k_s) 2^(c_s - c_t) for s < t in one segment (c the
   cumulative rates, log2 units), as the Triton kernels form it, for the
@@ -802,13 +819,22 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
     beta: [B, H, Tp] float32, zero on padding.
     chunk_gates: (cumdecay [B, H, Tp] float32 or None, runs [B, Tp] int32 or
       None), `lightning_mosaic.sweep_gates`' for these tokens.
+    rates: None, or per-token rates [B, H, Tp] float32 >= 0 (zero on padding)
+      with chunk_gates' cumdecay None: the kernel forms cumdecay from them as
+      `sweep_gates` does (log2 units, clamped, summed within each chunk) and
+      returns it last, for the sweep: one kernel for what took XLA four (the
+      scaling, the cumulative sums in two passes, their transpose).
   """
   b, tp, h, dim_k = k.shape
   c = CHUNK_SIZE
   if tp % c or dim_k not in (64, 128) or beta.shape != (b, h, tp):
     raise ValueError(f"padded operands: k [B, Tp, H, K] with Tp a multiple of {c} and K 64 or 128, beta [B, H, Tp]; "
                      f"got k {k.shape}, beta {beta.shape}")
-  rows, cum_row, runs_row = _factor_rows(beta, *chunk_gates)
+  if rates is not None and (chunk_gates[0] is not None or rates.shape != (b, h, tp)):
+    raise ValueError(f"rates [B, H, Tp] {(b, h, tp)} take the place of chunk_gates' cumulative rates; got rates "
+                     f"{rates.shape} and cumulative rates {None if chunk_gates[0] is None else chunk_gates[0].shape}")
+  sums_rates = rates is not None
+  rows, cum_row, runs_row = _factor_rows(beta, rates if sums_rates else chunk_gates[0], chunk_gates[1])
   n = tp // c
   per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
   in_registers = not interpret
@@ -819,17 +845,20 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   scratch = (
       (smem((2, c, dim_k), dtype), plgpu.SMEM((2, 2) + rows.shape[-2:], _F32),
        tuple(smem((2, c, c), dtype) for _ in range(num_outputs)), (solve_tile, solve_tile),
-       tuple(smem((c, c), jnp.float16) for _ in range(1 if in_registers else 2))),
+       tuple(smem((c, c), jnp.float16) for _ in range(1 if in_registers else 2)), plgpu.SMEM((2, c), _F32)),
       plgpu.Barrier(num_arrivals=3, num_barriers=2),  # the keys and the factor rows twice
   )
   out_type = tuple(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(num_outputs))
+  out_type += (manual_axes.struct((b, h, tp), _F32, k, beta),) if sums_rates else ()
   kernel = functools.partial(_inverse_kernel, chunks_per_cta=per_cta, cum_row=cum_row, runs_row=runs_row,
-                             with_unscaled=with_unscaled, in_registers=in_registers)
-  tri_beta, *tri = lightning_mosaic.warpgroup_kernel(
+                             with_unscaled=with_unscaled, sums_rates=sums_rates, in_registers=in_registers)
+  tri_beta, *rest = lightning_mosaic.warpgroup_kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(h, b, n // per_cta),
       grid_names=("heads", "batch", "chunk_blocks"), interpret=interpret, kernel_name="delta_inverse_mosaic",
       num_warpgroups=1)(rows, k)
-  return (tri[0], tri_beta) if with_unscaled else tri_beta
+  cumdecay = (rest.pop(),) if sums_rates else ()
+  result = (rest[0], tri_beta) if with_unscaled else tri_beta
+  return (result, *cumdecay) if sums_rates else result
 
 
 def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, states_ref, d_next_ref, u_ref, du_ref,
@@ -893,8 +922,8 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, state
     pair_factors, query_factors = (jnp.where(allowed, 1.0, 0.0) for allowed in (allowed_pairs, allowed_queries))
   else:
     gap = by_row(rows[gate_row], c) - by_column(columns[gate_row])  # <= 0 where allowed
-    pair_factors, query_factors = (jnp.where(allowed, jnp.exp(jnp.where(allowed, gap, 0.0)), 0.0)
-                                   for allowed in (allowed_pairs, allowed_queries))
+    factors = jnp.exp(jnp.where(allowed_queries, gap, 0.0))  # one exp for both: the pairs are the queries' but t = s
+    pair_factors, query_factors = (jnp.where(allowed, factors, 0.0) for allowed in (allowed_pairs, allowed_queries))
     g_end = rows_smem[0, gate_row, c - 1]
     decays = jnp.exp(rows[gate_row]), jnp.exp(g_end - rows[gate_row])
     row_decay, to_end = decays if row_decay is None else (row_decay * decays[0], to_end * decays[1])
@@ -914,19 +943,20 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, state
   stage(query_pairs_smem, scale * d_pairs * query_factors)
 
   # The key side: dQ_g = dO S_n^T, dW = -dU S_n^T, dK_C = U G_n^T (S_n^T, G_n^T [Ep, Dp]).
+  # k and q are read from shared memory at each use: [C, K] float32 tiles held across the products would take
+  # registers the accumulators need.
   plgpu.barrier_wait(keys_loaded.at[0])
-  keys, queries = tile(k_smem), tile(q_smem)
   row_scale = scale if row_decay is None else by_row(scale * row_decay, dp)
   dq = lightning_mosaic.update(row_scale * product((c, dp), (do_smem, states_smem)), (query_pairs_smem, k_smem),
                                in_registers=in_registers)
-  dg = row_sum(queries * dq) if dg_ref is not None else None
+  dg = row_sum(tile(q_smem) * dq) if dg_ref is not None else None
   stage(dq_smem, dq)
   plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[batch, rows_in, head])
   stage(dw_smem, -product((c, dp), (du_smem.transpose((1, 0)), states_smem)))
   d_keys_gated = product((c, dp), (tri_smem.transpose((1, 0)), dw_smem))  # T^T dW: the cotangent of beta K_g
   if row_decay is not None:
     d_keys_gated = d_keys_gated * by_row(row_decay, dp)
-  d_beta = d_beta + row_sum(keys * d_keys_gated)
+  d_beta = d_beta + row_sum(tile(k_smem) * d_keys_gated)
   # k's uses by the sign of g in their factors: beta K_g's and A's rows (rising), K_C's, P's columns and A's
   # columns (falling); dk = rising + falling, dg's share k (rising - falling) = k (2 rising - dk).
   rising = lightning_mosaic.update(by_row(beta, dp) * d_keys_gated, (key_pairs_smem, k_smem),
@@ -934,6 +964,9 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, state
   through_end = product((c, dp), (u_smem.transpose((1, 0)), d_next_smem))
   if to_end is not None:
     through_end = through_end * by_row(to_end, dp)
+  if dg_ref is not None:  # the shares of rising and K_C's through_end, taken before dk's products consume them
+    dg = dg + 2.0 * row_sum(tile(k_smem) * rising)
+    last = jnp.sum(row_sum(tile(k_smem) * through_end))
   dk = lightning_mosaic.update(rising + through_end, (query_pairs_smem.transpose((1, 0)), q_smem),
                                (key_pairs_smem.transpose((1, 0)), k_smem), in_registers=in_registers)
   stage(dk_smem, dk)
@@ -941,11 +974,13 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, state
   d_beta_smem, dg_smem = vectors_smem.at[0], vectors_smem.at[1]
   d_beta_smem[...] = d_beta
   if dg_ref is not None:
-    # g_C's share (through K_C and the state decay e^{g_C}, 0 where a segment starts in the chunk) to the last row.
-    dg = dg + row_sum(keys * (2.0 * rising - dk))
-    state_share = jnp.sum(row_sum(tile(states_smem) * tile(d_next_smem)))
+    dg = dg - row_sum(tile(k_smem) * dk)
+    # g_C's share (through K_C and the state decay e^{g_C}, 0 where a segment starts in the chunk) to the last row;
+    # sum(S_n^T G_n^T) by 64-row halves, as whole [Ep, K] tiles would take two accumulators' registers.
+    state_share = sum(jnp.sum(row_sum(tile(states_smem.at[pl.ds(i, c)]) * tile(d_next_smem.at[pl.ds(i, c)])))
+                      for i in range(0, ep, c))
     state_decay = jnp.exp(g_end) if runs_row is None else jnp.exp(g_end) * lightning_mosaic.sees_prior_state(runs_end)
-    last = jnp.sum(row_sum(keys * through_end)) + state_decay * state_share
+    last = last + state_decay * state_share
     last_row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (c,), 0), wgmma.reduce(1)) == c - 1
     dg_smem[...] = dg + jnp.where(last_row, last, 0.0)
   plgpu.commit_smem()

@@ -1497,7 +1497,7 @@ def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state,
   transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
   qp, kp, vp = pad(q, dp), pad(k, dp), pad(v, ep)
   beta_rows = warp_specialized_forward.beta_rows(beta, tp=tp)
-  runs = warp_specialized_forward.channel_gated_runs(segment_starts, num_tokens=tp)
+  runs = warp_specialized_forward.segment_runs(segment_starts, num_tokens=tp)
   kept_states = None
   if chunk_terms is None:  # formed again, as the forward formed them, with the block ends the choice below takes
     terms = pallas_mosaic_gpu.channel_gated_chunks(qp, kp, beta_rows, pad(decay.astype(_F32), dp), scale=scale,

@@ -56,7 +56,9 @@ def prefix_states(maps, continues, initial_state, dim_k):
     before = jnp.where(continues_p[:, None, None, None], state, 0.0)
     return jnp.einsum("bhij,bhje->bhie", m_p, before, precision=_HI) + local_p, before
 
-  final, before = jax.lax.scan(step, state, (m, local, continues.T))
+  # Unrolled: P is small and static, and XLA's while loop copied the carried [P, B, H, D, E] buffers (an H200, B2 H8
+  # T32K D64 in 8 pieces: 42 us of copies in a 0.94 ms fwd+bwd).
+  final, before = jax.lax.scan(step, state, (m, local, continues.T), unroll=True)
   return before, final
 
 
@@ -76,7 +78,7 @@ def end_cotangents(transitions, start_cotangents, continues, d_final):
     d_start = jnp.einsum("bhij,bhie->bhje", m_p, d_end, precision=_HI) + own_p
     return jnp.where(continues_p[:, None, None, None], d_start, 0.0), d_end
 
-  _, ends = jax.lax.scan(step, d_end, (transitions, start_cotangents, continues.T), reverse=True)
+  _, ends = jax.lax.scan(step, d_end, (transitions, start_cotangents, continues.T), reverse=True, unroll=True)  # as above
   return ends
 
 

@@ -41,8 +41,8 @@ CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
 
 
 def beta_rows(beta, *, tp):
-  """beta [B, T, H] as the inverse kernel's rows [B, H, Tp], zero past T (the padding changes no state). The rates
-  and segment starts need no padding here: `pallas_mosaic_gpu.sweep_gates` pads them."""
+  """beta (or per-token rates) [B, T, H] as the inverse kernel's rows [B, H, Tp], zero past T (the padding changes
+  no state)."""
   return jnp.pad(jnp.moveaxis(beta, 2, 1), ((0, 0), (0, 0), (0, tp - beta.shape[1])))
 
 
@@ -58,8 +58,8 @@ def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
                               with_unscaled=with_unscaled, interpret=interpret)
 
 
-def channel_gated_runs(segment_starts, *, num_tokens):
-  """The segment-start counts [B, Tp] int32 `delta_mosaic.channel_gated_chunks` takes, of segment starts [B, T] bool
+def segment_runs(segment_starts, *, num_tokens):
+  """The segment-start counts [B, Tp] int32 the kernels take (`sweep_gates`' runs), of segment starts [B, T] bool
   (None: None)."""
   return None if segment_starts is None else pallas_mosaic_gpu.sweep_gates(None, segment_starts,
                                                                             num_tokens=num_tokens)[1]
@@ -81,7 +81,7 @@ def _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, *, scale
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
-  runs = channel_gated_runs(segment_starts, num_tokens=tp)
+  runs = segment_runs(segment_starts, num_tokens=tp)
   terms = delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), beta_rows(beta, tp=tp),
                                             pad(decay, dp).astype(jnp.float32), scale=scale, runs=runs,
                                             with_backward_terms=with_chunk_terms, interpret=interpret)
@@ -149,11 +149,16 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
   kp = pad(k, dp)
-  # The gates in the per-chunk factors' form, of the inverse kernel and the sweep alike.
-  chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp)
   if inverses is None:  # as `chunk_inverses` forms them, on the operands padded once here
-    inverses = delta_mosaic.inverse(kp, beta_rows(beta, tp=tp), chunk_gates, with_unscaled=with_inverses,
-                                    interpret=interpret)
+    # The inverse kernel sums the rates within each chunk itself and hands the sums to the sweep.
+    runs = segment_runs(segment_starts, num_tokens=tp)
+    formed = delta_mosaic.inverse(kp, beta_rows(beta, tp=tp), (None, runs), with_unscaled=with_inverses,
+                                  rates=None if decay is None else beta_rows(decay.astype(jnp.float32), tp=tp),
+                                  interpret=interpret)
+    inverses, cumdecay = formed if decay is not None else (formed, None)
+    chunk_gates = (cumdecay, runs)
+  else:  # the gates in the per-chunk factors' form, as the inverse kernel formed them
+    chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp)
   inverse = inverses[1] if with_inverses else inverses
   if initial_state is not None:  # the kernel carries S^T [E, D], one slice
     initial_state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
