@@ -392,33 +392,6 @@ def test_delta_inverse_matches_float64(case, dtype, mode):
 
 
 @pytest.mark.parametrize("mode", WS_MODES)
-def test_delta_inverse_sums_the_rates_itself(mode):
-  """Given per-token rates (the forward's path), the inverse kernel returns their chunk-local sums (log2 units,
-  each rate clamped, zero rates on padding), against numpy's float64 sums, and T, T' against float64 inverses of A's
-  definition; rates from 1e-7 to 1e4, a packed row, T off the chunk, CTAs walking 2 chunks (the sums' stores
-  double-buffered). Rates beside cumulative rates are refused."""
-  from lightning_jax.ops.delta_attention import warp_specialized
-
-  case = DeltaCase(b=2, t=200, h=2, d=64, decay="token", rates="extreme", segments=True)
-  k, beta, decay, starts = inverse_inputs(case, BF16, aligned_keys=True)
-  tp = 256
-  runs = warp_specialized.segment_runs(starts, num_tokens=tp)
-  rows = lambda x: warp_specialized.beta_rows(x, tp=tp)  # noqa: E731
-  kp = jnp.pad(k, ((0, 0), (0, tp - case.t), (0, 0), (0, 0)))
-  (tri, tri_beta), cum = jax.jit(lambda: delta_mosaic.inverse(kp, rows(beta), (None, runs), with_unscaled=True,
-                                                              rates=rows(decay), chunks_per_cta=2,
-                                                              interpret=mode == "interpret"))()
-  scaled = np.minimum(np.asarray(rows(decay), np.float64) * np.log2(np.e), 150.0)
-  want = np.cumsum(scaled.reshape(case.b, case.h, tp // 64, 64), axis=-1).reshape(case.b, case.h, tp)
-  assert cum.dtype == F32
-  np.testing.assert_allclose(np.asarray(cum), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-  assert inverse_error(tri, k, beta, decay, starts, scaled=False) < 1e-2
-  assert inverse_error(tri_beta, k, beta, decay, starts, scaled=True) < 1e-2
-  with pytest.raises(ValueError, match="rates .B, H, Tp. .2, 2, 256. take the place of chunk_gates' cumulative"):
-    delta_mosaic.inverse(kp, rows(beta), (jnp.asarray(want, F32), runs), rates=rows(decay))
-
-
-@pytest.mark.parametrize("mode", WS_MODES)
 def test_delta_inverse_walks_any_chunks_per_cta(mode):
   """A CTA walking 2 or 4 chunks (the next one's loads in flight) writes what one chunk a CTA does, bit for bit;
   a count that does not divide the chunks is refused."""
@@ -444,22 +417,19 @@ def test_delta_inverse_walks_any_chunks_per_cta(mode):
 
 
 @needs_ws_jax
-@pytest.mark.parametrize("dim_k,gates,segments,with_unscaled", [(128, "cumulative", True, True), (64, None, False, False),
-                                                                 (64, "rates", True, False)])
-def test_delta_inverse_lowers_for_cuda(dim_k, gates, segments, with_unscaled):
+@pytest.mark.parametrize("dim_k,gated,segments,with_unscaled", [(128, True, True, True), (64, False, False, False)])
+def test_delta_inverse_lowers_for_cuda(dim_k, gated, segments, with_unscaled):
   """The inverse kernel (its inline Mosaic GPU substitution included) lowers as the GPU compiles it, from any
-  backend; gates "rates": it sums per-token rates itself and returns their sums."""
+  backend."""
   k = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
-  rows = jax.ShapeDtypeStruct((2, 3, 512), F32)
-  chunk_gates = (rows if gates == "cumulative" else None,
-                 jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None)
-  rates = rows if gates == "rates" else None
-  fn = jax.jit(lambda k, beta, chunk_gates, rates: delta_mosaic.inverse(k, beta, chunk_gates, rates=rates,
-                                                                        with_unscaled=with_unscaled, chunks_per_cta=4))
-  exported = jax.export.export(fn, platforms=["cuda"])(k, rows, chunk_gates, rates)
+  beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
+  gates = (jax.ShapeDtypeStruct((2, 3, 512), F32) if gated else None,
+           jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None)
+  fn = jax.jit(lambda k, beta, gates: delta_mosaic.inverse(k, beta, gates, with_unscaled=with_unscaled,
+                                                           chunks_per_cta=4))
+  exported = jax.export.export(fn, platforms=["cuda"])(k, beta, gates)
   assert "delta_inverse_mosaic" in exported.mlir_module()
-  assert [o.shape for o in exported.out_avals] == ([(2, 3, 512, 64)] * (2 if with_unscaled else 1)
-                                                  + [(2, 3, 512)] * (gates == "rates"))
+  assert [o.shape for o in exported.out_avals] == [(2, 3, 512, 64)] * (2 if with_unscaled else 1)
 
 
 def _channel_gated_inputs(b, t, h, d, rates, seed):

@@ -686,11 +686,9 @@ def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers):
   return x
 
 
-def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, with_unscaled, sums_rates,
-                    in_registers):
+def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, with_unscaled, in_registers):
   *outputs, buffers, loaded = refs
-  k_smem, rows_smem, out_smem, solve_smem, staging, cum_smem = buffers
-  cum_ref = outputs.pop() if sums_rates else None
+  k_smem, rows_smem, out_smem, solve_smem, staging = buffers
   c, block = CHUNK_SIZE, _SOLVE_BLOCK
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   first_chunk = lax.axis_index("chunk_blocks") * chunks_per_cta
@@ -720,22 +718,6 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
 
     keys = k_smem.at[slot]
     rows, columns = rows_smem.at[slot, 0], rows_smem.at[slot, 1]
-    rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
-    # Chunk n - 2's stores have read this slot (one group per store, each chunk's in order).
-    plgpu.wait_smem_to_gmem(len(outputs) + sums_rates, wait_read_only=True)
-    if sums_rates:  # the loaded rates' row becomes their chunk-local sums (log2 units), for this kernel and the sweep
-      wgmma = plgpu.Layout.WGMMA
-      scaled = jnp.minimum(plgpu.layout_cast(columns[cum_row], wgmma.reduce(0)) * chunk_common.LOG2_E,
-                           chunk_common.MAX_LOG2_RATE)
-      upto = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (c, c), 1) <= lax.broadcasted_iota(
-          jnp.int32, (c, c), 0), wgmma)
-      cum = jnp.sum(jnp.where(upto, plgpu.layout_cast(lax.broadcast_in_dim(scaled, (c, c), (1,)), wgmma), 0.0),
-                    axis=1)
-      rows[cum_row] = cum
-      columns[cum_row] = cum
-      cum_smem.at[slot][...] = cum
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(cum_smem.at[slot], cum_ref.at[batch, head, rows_out])
 
     def key_products(acc):
       plgpu.wgmma(acc, keys, keys.transpose((1, 0)))
@@ -753,6 +735,8 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
     neg_upper = jnp.where((s > t) & same_block(block), pairs * by_column(-columns[_BETA_ROW]), 0.0)
     x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers)
     results = ((x * by_column(columns[_BETA_ROW]),) + ((x,) if with_unscaled else ()))
+    plgpu.wait_smem_to_gmem(len(results), wait_read_only=True)  # chunk n - 2's stores have read this slot
+    rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
     for result, tile, out_ref in zip(results, out_smem, outputs):
       tile.at[slot][...] = result.astype(tile.dtype)
       plgpu.commit_smem()
@@ -798,10 +782,9 @@ def _checked_chunks_per_cta(chunks_per_cta, *, batch_heads: int, num_chunks: int
   return chunks_per_cta
 
 
-def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, rates=None, chunks_per_cta: int | None = None,
+def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta: int | None = None,
             interpret: bool = False):
-  """Each 64-token chunk's T' = T Diag(beta), T = (I + A)^{-1}, [B, H, Tp, 64] in k's dtype; with_unscaled, (T, T');
-  given rates, those and the chunk-local cumulative rates [B, H, Tp] float32 it formed from them.
+  """Each 64-token chunk's T' = T Diag(beta), T = (I + A)^{-1}, [B, H, Tp, 64] in k's dtype; with_unscaled, (T, T').
 
   A_ts = beta_t (k_t . k_s) 2^(c_s - c_t) for s < t in one segment (c the
   cumulative rates, log2 units), as the Triton kernels form it, for the
@@ -819,22 +802,13 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, rates=None, ch
     beta: [B, H, Tp] float32, zero on padding.
     chunk_gates: (cumdecay [B, H, Tp] float32 or None, runs [B, Tp] int32 or
       None), `lightning_mosaic.sweep_gates`' for these tokens.
-    rates: None, or per-token rates [B, H, Tp] float32 >= 0 (zero on padding)
-      with chunk_gates' cumdecay None: the kernel forms cumdecay from them as
-      `sweep_gates` does (log2 units, clamped, summed within each chunk) and
-      returns it last, for the sweep: one kernel for what took XLA four (the
-      scaling, the cumulative sums in two passes, their transpose).
   """
   b, tp, h, dim_k = k.shape
   c = CHUNK_SIZE
   if tp % c or dim_k not in (64, 128) or beta.shape != (b, h, tp):
     raise ValueError(f"padded operands: k [B, Tp, H, K] with Tp a multiple of {c} and K 64 or 128, beta [B, H, Tp]; "
                      f"got k {k.shape}, beta {beta.shape}")
-  if rates is not None and (chunk_gates[0] is not None or rates.shape != (b, h, tp)):
-    raise ValueError(f"rates [B, H, Tp] {(b, h, tp)} take the place of chunk_gates' cumulative rates; got rates "
-                     f"{rates.shape} and cumulative rates {None if chunk_gates[0] is None else chunk_gates[0].shape}")
-  sums_rates = rates is not None
-  rows, cum_row, runs_row = _factor_rows(beta, rates if sums_rates else chunk_gates[0], chunk_gates[1])
+  rows, cum_row, runs_row = _factor_rows(beta, *chunk_gates)
   n = tp // c
   per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
   in_registers = not interpret
@@ -845,20 +819,17 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, rates=None, ch
   scratch = (
       (smem((2, c, dim_k), dtype), plgpu.SMEM((2, 2) + rows.shape[-2:], _F32),
        tuple(smem((2, c, c), dtype) for _ in range(num_outputs)), (solve_tile, solve_tile),
-       tuple(smem((c, c), jnp.float16) for _ in range(1 if in_registers else 2)), plgpu.SMEM((2, c), _F32)),
+       tuple(smem((c, c), jnp.float16) for _ in range(1 if in_registers else 2))),
       plgpu.Barrier(num_arrivals=3, num_barriers=2),  # the keys and the factor rows twice
   )
   out_type = tuple(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(num_outputs))
-  out_type += (manual_axes.struct((b, h, tp), _F32, k, beta),) if sums_rates else ()
   kernel = functools.partial(_inverse_kernel, chunks_per_cta=per_cta, cum_row=cum_row, runs_row=runs_row,
-                             with_unscaled=with_unscaled, sums_rates=sums_rates, in_registers=in_registers)
-  tri_beta, *rest = lightning_mosaic.warpgroup_kernel(
+                             with_unscaled=with_unscaled, in_registers=in_registers)
+  tri_beta, *tri = lightning_mosaic.warpgroup_kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(h, b, n // per_cta),
       grid_names=("heads", "batch", "chunk_blocks"), interpret=interpret, kernel_name="delta_inverse_mosaic",
       num_warpgroups=1)(rows, k)
-  cumdecay = (rest.pop(),) if sums_rates else ()
-  result = (rest[0], tri_beta) if with_unscaled else tri_beta
-  return (result, *cumdecay) if sums_rates else result
+  return (tri[0], tri_beta) if with_unscaled else tri_beta
 
 
 def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, states_ref, d_next_ref, u_ref, du_ref,

@@ -41,8 +41,8 @@ CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
 
 
 def beta_rows(beta, *, tp):
-  """beta (or per-token rates) [B, T, H] as the inverse kernel's rows [B, H, Tp], zero past T (the padding changes
-  no state)."""
+  """beta [B, T, H] as the inverse kernel's rows [B, H, Tp], zero past T (the padding changes no state). The rates
+  and segment starts need no padding here: `pallas_mosaic_gpu.sweep_gates` pads them."""
   return jnp.pad(jnp.moveaxis(beta, 2, 1), ((0, 0), (0, 0), (0, tp - beta.shape[1])))
 
 
@@ -149,16 +149,11 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
   kp = pad(k, dp)
+  # The gates in the per-chunk factors' form, of the inverse kernel and the sweep alike.
+  chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp)
   if inverses is None:  # as `chunk_inverses` forms them, on the operands padded once here
-    # The inverse kernel sums the rates within each chunk itself and hands the sums to the sweep.
-    runs = segment_runs(segment_starts, num_tokens=tp)
-    formed = delta_mosaic.inverse(kp, beta_rows(beta, tp=tp), (None, runs), with_unscaled=with_inverses,
-                                  rates=None if decay is None else beta_rows(decay.astype(jnp.float32), tp=tp),
-                                  interpret=interpret)
-    inverses, cumdecay = formed if decay is not None else (formed, None)
-    chunk_gates = (cumdecay, runs)
-  else:  # the gates in the per-chunk factors' form, as the inverse kernel formed them
-    chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp)
+    inverses = delta_mosaic.inverse(kp, beta_rows(beta, tp=tp), chunk_gates, with_unscaled=with_inverses,
+                                    interpret=interpret)
   inverse = inverses[1] if with_inverses else inverses
   if initial_state is not None:  # the kernel carries S^T [E, D], one slice
     initial_state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
