@@ -180,17 +180,72 @@ COMPAT = [
 ]
 
 
+# --- the quick GPU tier (`-m gpu_quick`) ------------------------------------------------
+#
+# On a lent GPU, whose device time comes in minutes: one compiled test of each
+# kernel path, forward and backward, so that a kernel change is checked on the
+# GPU in one short call (the whole compiled suite, `-k gpu`, about 280 tests,
+# outlasts a 10-minute call on an H200; its delta tests alone ran 330 s without
+# finishing). Full node ids of the gpu cases (their interpreted twins share
+# every prefix shorter than the id). The rest of `-k gpu` still runs before a
+# kernel's work is called done.
+GPU_QUICK = [
+    # lightning_attention's Triton kernels: chunk_loop and parallel, gradients (decay's too), packed per-token rows
+    # (cu_seqlens and segment ids, through the sequence split), the split
+    "tests/test_ops.py::test_pallas_matches_oracle[gpu-B2T65H3D128E16-bfloat16-decay_random-s0_1-scale_0.3-final_1-chunk_loop]",
+    "tests/test_ops.py::test_pallas_matches_oracle[gpu-B2T65H3D128E16-bfloat16-decay_random-s0_1-scale_0.3-final_1-parallel]",
+    "tests/test_ops.py::test_gradient_subsets[gpu-q+k+v-chunk_loop]",
+    "tests/test_ops.py::test_gradient_subsets[gpu-decay-parallel]",
+    "tests/test_packed.py::test_pallas_packed_matches_sequences_alone[gpu-seg[[64, 1, 50, 35], [20, 44, 86]]H2D24E40-"
+    "float32-decay_token-s0_1-split]",
+    "tests/test_packed.py::test_pallas_packed_matches_sequences_alone[gpu-cu[[1, 0, 63, 64, 0, 17, 1]]H2D16E24-float32-"
+    "decay_token-s0_1-chunk_loop]",
+    "tests/test_sequence_split.py::test_split_chunk_loop_matches_oracle[gpu-B1T130H2D128E128-bfloat16-decay_random-s0_1-"
+    "scale_None-final_1-64]",
+    # the warp-specialised forward (sm90): per-head rates, packed per-token rows, the split on it
+    "tests/test_warp_specialized.py::test_warp_specialized_matches_oracle[B2T300H3D128E96-bfloat16-decay_random-s0_1-"
+    "scale_None-final_1-gpu]",
+    "tests/test_warp_specialized.py::test_warp_specialized_packed_matches_sequences_alone[seg[[64, 1, 50, 35], "
+    "[20, 44, 86]]H2D64E48-bfloat16-decay_token-s0_1-gpu]",
+    "tests/test_sequence_split.py::test_split_warp_specialized_matches_oracle[B1T300H2D64E64-bfloat16-decay_random-s0_1-"
+    "scale_None-final_1-128-gpu]",
+    # delta_attention's Triton kernels: KDA packed forward and gradients, Gated DeltaNet's gradients
+    "tests/test_delta_ops.py::test_pallas_matches_oracle[gpu-B2T130H2D16E24-decay_channel-moderate-beta_uniform-seg1-s0_1]",
+    "tests/test_delta_ops.py::test_pallas_gradients[gpu-B2T40H2D8E16-decay_channel-moderate-beta_uniform-seg1-s0_1]",
+    "tests/test_delta_ops.py::test_pallas_gradients[gpu-B2T75H2D20E9-decay_token-moderate-beta_uniform-seg0-s0_0]",
+    # and on sm90: the inverse, the forward, the backward (Gated DeltaNet packed; DeltaNet in float16), KDA's forward
+    # (packed, 2 pieces) and backward, the split
+    "tests/test_warp_specialized.py::test_delta_inverse_matches_float64[B2T100H2D64E7-decay_token-extreme-beta_edges-seg0-"
+    "s0_1-bfloat16-gpu]",
+    "tests/test_warp_specialized.py::test_delta_warp_specialized_matches_oracle[B2T300H3D128E100-decay_token-moderate-"
+    "beta_uniform-seg1-s0_1-gpu]",
+    "tests/test_warp_specialized.py::test_delta_warp_specialized_gradients_match_oracle[B2T150H2D64E48-decay_token-"
+    "moderate-beta_uniform-seg1-s0_1-gpu]",
+    "tests/test_warp_specialized.py::test_delta_warp_specialized_gradients_match_oracle[B1T130H2D40E64-decay_None-"
+    "moderate-beta_uniform-seg0-s0_0-f16-gpu]",
+    "tests/test_warp_specialized.py::test_delta_kda_warp_specialized_matches_oracle[B1T150H1D64E48-decay_channel-"
+    "moderate-beta_uniform-seg1-s0_1-(0.0, 0.6)-2-gpu]",
+    "tests/test_warp_specialized.py::test_delta_kda_backward_on_chunk_terms[B2T300H3D128E100-decay_channel-moderate-"
+    "beta_uniform-seg0-s0_1-(0.0, 0.6)-gpu]",
+    "tests/test_warp_specialized.py::test_delta_sequence_split_matches_oracle[gpu]",
+]
+
+TIERS = {"compat": COMPAT, "gpu_quick": GPU_QUICK}
+
+
 def pytest_collection_modifyitems(config, items):
-  """Marks the COMPAT tests `compat`; an entry that matches none of its file's collected tests is an error."""
+  """Marks the COMPAT tests `compat` and the GPU_QUICK ones `gpu_quick`; an entry that matches none of its file's
+  collected tests is an error."""
   files = {item.nodeid.split("::")[0] for item in items}
   matched = set()
   for item in items:
-    for prefix in COMPAT:
-      if item.nodeid.startswith(prefix):
-        item.add_marker(pytest.mark.compat)
-        matched.add(prefix)
+    for marker, prefixes in TIERS.items():
+      for prefix in prefixes:
+        if item.nodeid.startswith(prefix):
+          item.add_marker(getattr(pytest.mark, marker))
+          matched.add(prefix)
   # Only where the whole file was collected (a -k or a node id narrows it).
   if not config.option.keyword and not any("::" in str(arg) for arg in config.args):
-    stale = [p for p in COMPAT if p.split("::")[0] in files and p not in matched]
+    stale = [p for prefixes in TIERS.values() for p in prefixes if p.split("::")[0] in files and p not in matched]
     if stale:
-      raise pytest.UsageError(f"tests/conftest.py COMPAT entries that match no test: {stale}")
+      raise pytest.UsageError(f"tests/conftest.py COMPAT or GPU_QUICK entries that match no test: {stale}")
