@@ -184,9 +184,8 @@ COMPAT = [
 #
 # On a lent GPU, whose device time comes in minutes: one compiled test of each
 # kernel path, forward and backward, so that a kernel change is checked on the
-# GPU in one short call (the whole compiled suite, `-k gpu`, about 280 tests,
-# outlasts a 10-minute call on an H200; its delta tests alone ran 330 s without
-# finishing). Full node ids of the gpu cases (their interpreted twins share
+# GPU in one short call (the whole compiled suite, `-k gpu`, is about 280 tests;
+# its 95 delta tests alone ran 330 s on an H200 without finishing). Full node ids of the gpu cases (their interpreted twins share
 # every prefix shorter than the id). The rest of `-k gpu` still runs before a
 # kernel's work is called done.
 GPU_QUICK = [
