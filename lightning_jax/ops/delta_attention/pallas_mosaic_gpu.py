@@ -853,12 +853,15 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, state
                    (d_next_ref.at[batch, head, n], d_next_smem)):
     plgpu.copy_gmem_to_smem(src, dst, keys_loaded.at[0])
 
-  def product(shape, *operands):
-    """sum of a @ b over the (a, b) operands (shared memory), float32 [shape]."""
+  def product(shape, *operands, during=None):
+    """sum of a @ b over the (a, b) operands (shared memory), float32 [shape]; with during, (that sum, during()),
+    during called once the products are issued (one warpgroup a CTA: its elementwise work runs while the tensor
+    cores do, where it would otherwise wait on them)."""
     def accumulate(acc):
       for a, b in operands:
         plgpu.wgmma(acc, a, b)
-      return acc[...]
+      extra = None if during is None else during()
+      return acc[...] if during is None else (acc[...], extra)
     return pl.run_scoped(accumulate, plgpu.ACC(shape, _F32))
 
   def stage(tile, value):
@@ -879,28 +882,31 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, state
   plgpu.barrier_wait(values_loaded.at[0])
   rows, columns = rows_smem.at[0], rows_smem.at[1]
   beta = rows[_BETA_ROW]
-  # The pair factors e^{g_t - g_s} (s < t, or s <= t, in one segment; else 0), and the rows' own: e^{g_t} where the
-  # row sees the state before the chunk, e^{g_C - g_t} where its key reaches the chunk's end.
-  allowed_pairs, allowed_queries = t > s, t >= s
-  row_decay = to_end = None
-  if runs_row is not None:
-    same_segment = by_row(rows[runs_row], c) == by_column(columns[runs_row])
-    allowed_pairs, allowed_queries = allowed_pairs & same_segment, allowed_queries & same_segment
-    runs_end = rows_smem[0, runs_row, c - 1]
-    row_decay, to_end = lightning_mosaic.sees_prior_state(rows[runs_row]), lightning_mosaic.reaches_chunk_end(
-        rows[runs_row], runs_end)
-  if gate_row is None:
-    pair_factors, query_factors = (jnp.where(allowed, 1.0, 0.0) for allowed in (allowed_pairs, allowed_queries))
-  else:
+  runs_end = None if runs_row is None else rows_smem[0, runs_row, c - 1]
+  g_end = None if gate_row is None else rows_smem[0, gate_row, c - 1]
+
+  def pair_and_row_factors():
+    """The pair factors e^{g_t - g_s} (s < t, or s <= t, in one segment; else 0), and the rows' own: e^{g_t} where
+    the row sees the state before the chunk, e^{g_C - g_t} where its key reaches the chunk's end (None: 1)."""
+    allowed_pairs, allowed_queries = t > s, t >= s
+    row_decay = to_end = None
+    if runs_row is not None:
+      same_segment = by_row(rows[runs_row], c) == by_column(columns[runs_row])
+      allowed_pairs, allowed_queries = allowed_pairs & same_segment, allowed_queries & same_segment
+      row_decay, to_end = lightning_mosaic.sees_prior_state(rows[runs_row]), lightning_mosaic.reaches_chunk_end(
+          rows[runs_row], runs_end)
+    if gate_row is None:
+      return (*(jnp.where(allowed, 1.0, 0.0) for allowed in (allowed_pairs, allowed_queries)), row_decay, to_end)
     gap = by_row(rows[gate_row], c) - by_column(columns[gate_row])  # <= 0 where allowed
     factors = jnp.exp(jnp.where(allowed_queries, gap, 0.0))  # one exp for both: the pairs are the queries' but t = s
-    pair_factors, query_factors = (jnp.where(allowed, factors, 0.0) for allowed in (allowed_pairs, allowed_queries))
-    g_end = rows_smem[0, gate_row, c - 1]
     decays = jnp.exp(rows[gate_row]), jnp.exp(g_end - rows[gate_row])
     row_decay, to_end = decays if row_decay is None else (row_decay * decays[0], to_end * decays[1])
+    return (*(jnp.where(allowed, factors, 0.0) for allowed in (allowed_pairs, allowed_queries)), row_decay, to_end)
 
-  # The value side. Z = T^T dU; dv = beta Z; dP = dO U^T; dA = -Z U^T (U = U_v - W S_n).
-  z = product((c, ep), (tri_smem.transpose((1, 0)), du_smem.transpose((1, 0))))
+  # The value side. Z = T^T dU; dv = beta Z; dP = dO U^T; dA = -Z U^T (U = U_v - W S_n). The factors form while the
+  # tensor cores form Z.
+  z, (pair_factors, query_factors, row_decay, to_end) = product(
+      (c, ep), (tri_smem.transpose((1, 0)), du_smem.transpose((1, 0))), during=pair_and_row_factors)
   stage(dv_smem, by_row(beta, ep) * z)
   plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[batch, rows_in, head])
   d_beta = row_sum(tile(v_smem) * z)
@@ -932,11 +938,15 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, state
   # columns (falling); dk = rising + falling, dg's share k (rising - falling) = k (2 rising - dk).
   rising = lightning_mosaic.update(by_row(beta, dp) * d_keys_gated, (key_pairs_smem, k_smem),
                                    in_registers=in_registers)
-  through_end = product((c, dp), (u_smem.transpose((1, 0)), d_next_smem))
+  # dg's share of rising while the tensor cores form through_end; K_C's, before dk's products consume it.
+  rising_share = None if dg_ref is None else (lambda: 2.0 * row_sum(tile(k_smem) * rising))
+  through_end = product((c, dp), (u_smem.transpose((1, 0)), d_next_smem), during=rising_share)
+  if dg_ref is not None:
+    through_end, share = through_end
+    dg = dg + share
   if to_end is not None:
     through_end = through_end * by_row(to_end, dp)
-  if dg_ref is not None:  # the shares of rising and K_C's through_end, taken before dk's products consume them
-    dg = dg + 2.0 * row_sum(tile(k_smem) * rising)
+  if dg_ref is not None:
     last = jnp.sum(row_sum(tile(k_smem) * through_end))
   dk = lightning_mosaic.update(rising + through_end, (query_pairs_smem.transpose((1, 0)), q_smem),
                                (key_pairs_smem.transpose((1, 0)), k_smem), in_registers=in_registers)
