@@ -415,7 +415,7 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
     gate_inputs = (keys, pairs, channel_decay.astype(_F32))
   else:
     vectors = _checked_factors(q, dim_v, inverse, chunk_gates)
-    gate_inputs = (scale * chunk_common.causal_mask(c, reverse=False).astype(_F32), vectors)
+    gate_inputs = (lightning_mosaic.scaled_causal_mask(scale), vectors)
   dtype = q.dtype
   stages = num_stages(dim_k=dim_k, itemsize=dtype.itemsize, channel_gated=channel_gated)
   in_registers = not interpret  # the interpreter's wgmma reads shared memory alone

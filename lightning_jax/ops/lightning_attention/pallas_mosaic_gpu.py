@@ -67,6 +67,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -130,6 +131,12 @@ def chunk_factors(cumdecay, runs):
     return cum
   run_counts = jnp.broadcast_to(runs.reshape(b, 1, tp // CHUNK_SIZE, 1, CHUNK_SIZE).astype(_F32), cum.shape)
   return jnp.concatenate([cum, run_counts], axis=3)
+
+
+def scaled_causal_mask(scale: float) -> np.ndarray:
+  """scale on the causal mask j <= i, [C, C] float32: the per-chunk factors' intra operand. A constant of the
+  program: XLA does not fold one built from iotas, so each call would launch a kernel to form it."""
+  return np.tril(np.full((CHUNK_SIZE, CHUNK_SIZE), scale, np.float32))
 
 
 def sweep_gates(decay, segment_starts, *, num_tokens: int):
@@ -802,7 +809,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     cumdecay, runs = chunk_gates
     if cumdecay is None:
       cumdecay = jnp.zeros((b, h, tp), _F32)
-    intra = scale * chunk_common.causal_mask(c, reverse=False).astype(_F32)
+    intra = scaled_causal_mask(scale)
     vectors = chunk_factors(cumdecay, runs)
     factor_smem = (plgpu.SMEM((num_stages,) + vectors.shape[-2:], _F32),) * 2
   else:
