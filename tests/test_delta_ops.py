@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rel_err
+from helpers import BF16, F32, TOL, rel_err
 
 import lightning_jax as lj
 from lightning_jax.ops.delta_attention import reference
@@ -208,36 +208,89 @@ def test_cu_seqlens_equals_sequences_alone():
       np.testing.assert_array_equal(finals[n], s0[n])
 
 
-@pytest.mark.parametrize("decay", [None, "token", "channel"])
-def test_cu_seqlens_states_chunked_matches_oracle(decay):
-  """xla's chunk-aligned sequences: boundaries inside 64-token chunks and on their edges, empty and length-1
-  sequences, one longer than a chunk; outputs, per-sequence final states and every gradient."""
+def check_sequence_states(decay, dtype, states, **kw):
+  """Per-sequence states with cu_seqlens against the oracle (states: "both", "initial" or "final" given):
+  boundaries inside 64-token chunks and on their edges, empty and length-1 sequences, one longer than a chunk, D and
+  E off the blocks; outputs, per-sequence final states and every gradient. kw: delta_attention's impl and the
+  rest."""
   lengths = (5, 0, 70, 1, 53, 18, 0)
   cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
   case = Case(b=1, t=sum(lengths), decay=decay, initial_state=False)
   q, k, v, beta, rates, _, _ = make_inputs(case, seed=7)
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
   keys = jax.random.split(jax.random.key(8), 3)
-  s0 = jax.random.normal(keys[0], (len(lengths), case.h, case.d, case.e))
+  s0 = None if states == "final" else jax.random.normal(keys[0], (len(lengths), case.h, case.d, case.e))
   do = jax.random.normal(keys[1], v.shape)
-  dfinal = jax.random.normal(keys[2], s0.shape)
+  dfinal = jax.random.normal(keys[2], (len(lengths), case.h, case.d, case.e))
+  with_final = states != "initial"
 
-  def value_and_grads(impl):
+  def value_and_grads(**options):
     def loss(q, k, v, beta, rates, s0, cu):
-      o, finals = lj.delta_attention(q, k, v, beta, rates, initial_state=s0, cu_seqlens=cu, return_final_state=True,
-                                     impl=impl)
-      return jnp.sum(o * do) + jnp.sum(finals * dfinal), (o, finals)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
+      out = lj.delta_attention(q, k, v, beta, rates, initial_state=s0, cu_seqlens=cu, return_final_state=with_final,
+                               **options)
+      o, finals = out if with_final else (out, None)
+      return jnp.sum(o * do) + (jnp.sum(finals * dfinal) if with_final else 0.0), (o, finals)
+    argnums = (0, 1, 2, 3, 4) + ((5,) if s0 is not None else ())
+    return jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
 
-  (_, (o, finals)), grads = value_and_grads("auto")(q, k, v, beta, rates, s0, cu)
-  (_, (o_ref, finals_ref)), grads_ref = value_and_grads("reference")(q, k, v, beta, rates, s0, cu)
-  assert rel_err(o, o_ref) < 1e-4 and rel_err(finals, finals_ref) < 1e-4
-  np.testing.assert_array_equal(finals[1], s0[1])  # empty: its initial state
+  (_, (o, finals)), grads = value_and_grads(**kw)(q, k, v, beta, rates, s0, cu)
+  (_, (o_ref, finals_ref)), grads_ref = value_and_grads(impl="reference")(q, k, v, beta, rates, s0, cu)
+  tol = TOL[dtype] if dtype == BF16 else 1e-4
+  assert o.dtype == dtype and rel_err(o, o_ref) < tol
+  if with_final:
+    assert finals.dtype == F32 and rel_err(finals, finals_ref) < tol
+    np.testing.assert_array_equal(finals[1], 0.0 if s0 is None else s0[1])  # empty: its initial state
   for name, g, g_ref in zip(ARG_NAMES, grads, grads_ref):
     if g_ref is not None:
-      assert rel_err(g, g_ref) < 1e-3, (name, rel_err(g, g_ref))
+      assert rel_err(g, g_ref) < (3e-2 if dtype == BF16 else 1e-3), (name, rel_err(g, g_ref))
 
 
-def test_cu_seqlens_states_trace_once_and_refuse_pallas():
+@pytest.mark.parametrize("decay", [None, "token", "channel"])
+def test_cu_seqlens_states_chunked_matches_oracle(decay):
+  """xla's chunk-aligned sequences (what auto picks for them), in float32."""
+  check_sequence_states(decay, F32, "both", impl="auto")
+
+
+@pytest.mark.parametrize("decay,dtype,states", [(None, "float32", "both"), ("token", "float32", "both"),
+                                                ("channel", "float32", "both"), ("token", "bfloat16", "both"),
+                                                ("channel", "float32", "initial"), (None, "float32", "final")])
+def test_cu_seqlens_states_pallas_matches_oracle(decay, dtype, states, kernel_mode):
+  """Pallas' (the Triton sweeps, each sequence's state set at its first chunk): float32 for each decay form,
+  bfloat16, and with initial or final states alone."""
+  dtype = {"float32": F32, "bfloat16": BF16}[dtype]
+  check_sequence_states(decay, dtype, states, impl="pallas", interpret=kernel_mode)
+
+
+def test_cu_seqlens_states_pallas_lowers_for_cuda():
+  """The Triton sweeps with per-sequence states (each chunk's sequence marks loaded as scalars, a sequence's tile
+  read or written at a traced row) lower for CUDA from any backend, forward and backward (interpret mode checks
+  their arithmetic, not their Triton lowering)."""
+  from lightning_jax.ops.delta_attention import pallas_triton
+  from lightning_jax.ops.delta_attention import vjp
+  from lightning_jax.ops.lightning_attention import heuristics
+
+  if heuristics.jax_version() >= (0, 11) and jax.devices()[0].platform != "gpu":
+    pytest.skip("jax >= 0.11 lowers Pallas Triton for CUDA only beside a GPU (the README's tier, jax 0.10, runs it)")
+  t, h, d, e, s = 256, 2, 64, 48, 3
+  config = dataclasses.replace(pallas_triton.default_config(per_channel_gate=False, dtype=BF16, dim_k=d, dim_v=e,
+                                                            compute_capability=(9, 0), batch_heads=h, num_sms=132),
+                               warp_specialized=False, sequence_pieces=1)
+  opts = vjp.PallasOptions(scale=0.125, with_final_state=True, config=config, interpret=False)
+
+  def loss(q, k, v, beta, rates, first, end, s0):
+    o, finals = vjp.delta_attention_sequences_pallas(q, k, v, beta, rates, first, end, s0, opts)
+    return jnp.sum(o.astype(F32)) + jnp.sum(finals)
+
+  spec = jax.ShapeDtypeStruct
+  args = (spec((1, t, h, d), BF16), spec((1, t, h, d), BF16), spec((1, t, h, e), BF16), spec((1, t, h), F32),
+          spec((1, t, h), F32), spec((s,), jnp.int32), spec((s,), jnp.int32), spec((s, h, d, e), F32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 7))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("delta_attention_sweep") >= 2 and "delta_attention_state_cotangents" in text
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_cu_seqlens_states_trace_once(impl):
   case = Case(b=1, t=40, decay="token", initial_state=False)
   q, k, v, beta, rates, _, _ = make_inputs(case, seed=9)
   s0 = jnp.ones((3, case.h, case.d, case.e))
@@ -247,7 +300,7 @@ def test_cu_seqlens_states_trace_once_and_refuse_pallas():
   def run(cu):
     traces.append(cu)
     return lj.delta_attention(q, k, v, beta, rates, initial_state=s0, cu_seqlens=cu, return_final_state=True,
-                              impl="xla")
+                              impl=impl)
 
   for lengths in ((10, 20, 10), (0, 39, 1)):
     cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
@@ -256,8 +309,10 @@ def test_cu_seqlens_states_trace_once_and_refuse_pallas():
                                            return_final_state=True, impl="reference")
     assert rel_err(o, o_ref) < 1e-4 and rel_err(finals, finals_ref) < 1e-4
   assert len(traces) == 1
-  with pytest.raises(ValueError, match="per-sequence initial and final states with cu_seqlens run on impl='xla'"):
-    lj.delta_attention(q, k, v, beta, rates, cu_seqlens=cu, return_final_state=True, impl="pallas")
+  if impl == "pallas":
+    with pytest.raises(ValueError, match=r"per-sequence states with cu_seqlens run on the Triton sweeps"):
+      lj.delta_attention(q, k, v, beta, rates, cu_seqlens=cu, return_final_state=True, impl="pallas",
+                         config=lj.DeltaConfig(warp_specialized=True))
 
 
 def test_normalize_qk_is_the_models_l2_norm():

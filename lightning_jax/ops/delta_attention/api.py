@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lightning_jax.ops.delta_attention import chunk
 from lightning_jax.ops.delta_attention import pallas_triton
 from lightning_jax.ops.delta_attention import reference
 from lightning_jax.ops.delta_attention import sequence_parallel
@@ -106,9 +107,11 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       run of equal ids in a row; the state restarts from zeros at each).
     cu_seqlens: None or int [N + 1]: N sequences packed in a batch of one
       (flash-linear-attention's convention; empty ones allowed). Not with
-      segment_ids. With per-sequence initial or final states it runs on
-      "xla" (sequences chunk-aligned: O(T + N C) rows) or "reference";
-      "pallas" raises (its kernels take one state per row).
+      segment_ids. With per-sequence initial or final states the sequences
+      are laid out chunk-aligned (O(T + N C) rows), and "pallas" runs the
+      Triton sweeps (not the warp-specialised ones, nor the sequence split),
+      each sequence's state set where its first chunk begins; "auto" picks
+      "xla" for them.
     sequence_axis: None, or the name of a mesh axis over which T is sharded,
       when called inside `jax.shard_map` (sequence parallelism): q, k, v,
       beta, decay and segment_ids are this device's slice of T (devices in
@@ -125,7 +128,8 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       on a key channel, and then its backward too; interpret mode without
       a supported GPU), "xla" (chunked jnp, O(T)), "reference"
       (token-serial scan, the oracle) or "auto" (pallas on NVIDIA GPUs with
-      compute capability >= 8.0, else xla; xla for cu_seqlens with states).
+      compute capability >= 8.0, else xla; xla for cu_seqlens with states,
+      where pallas is opt-in).
     config: a `DeltaConfig` (the Pallas kernels' blocks; on sm90 whether the
       differentiated forward keeps each chunk's states for the backward,
       `forward_states`) or None (`pallas_triton.default_config`; with few
@@ -170,10 +174,6 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
   sequence_states = cu_seqlens is not None and (initial_state is not None or return_final_state)
   if impl == "auto":
     impl = "pallas" if heuristics.supported_gpu(cc) and not sequence_states else "xla"
-  if impl == "pallas" and sequence_states:
-    raise ValueError("per-sequence initial and final states with cu_seqlens run on impl='xla' (what impl='auto' "
-                     "picks for them) or 'reference': the Pallas kernels take one state per row (for that, give "
-                     "segment_ids with one sequence per row)")
   beta = beta.astype(jnp.float32)
   decay = None if decay is None else decay.astype(jnp.float32)
   initial_state = None if initial_state is None else initial_state.astype(jnp.float32)
@@ -181,9 +181,13 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     o, final_state = reference.delta_attention_recurrent(q, k, v, beta, decay, scale=scale,
                                                          initial_state=initial_state, segment_ids=segment_ids,
                                                          cu_seqlens=cu_seqlens)
-  elif sequence_states:
+  elif sequence_states and impl == "xla":
     o, final_state = xla.chunked_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, scale=scale,
                                            chunk_size=XLA_CHUNK_SIZE, with_final_state=return_final_state)
+  elif sequence_states:
+    o, final_state = _pallas_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, scale=scale,
+                                       with_final_state=return_final_state, config=config, interpret=interpret,
+                                       device=device)
   else:
     if cu_seqlens is not None:
       segment_ids = packing.segment_ids_from_cu_seqlens(cu_seqlens, q.shape[1])
@@ -221,6 +225,26 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     # device of the axis, as with several (a sum over one device).
     final_state = jax.lax.psum(final_state, sequence_axis)
   return (o, final_state) if return_final_state else o
+
+
+def _pallas_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale, with_final_state, config, interpret,
+                      device):
+  """`delta_attention`'s Pallas path for cu_seqlens with per-sequence states: the sequences chunk-aligned
+  (`chunk.aligned_sequences`), on the Triton sweeps (`vjp.delta_attention_sequences_pallas`)."""
+  cc = heuristics.compute_capability(device)
+  if config is not None and config.warp_specialized:
+    raise ValueError("per-sequence states with cu_seqlens run on the Triton sweeps: DeltaConfig(warp_specialized=True) "
+                     "does not apply; pass None or False")
+  config = config or pallas_triton.default_config(
+      per_channel_gate=decay is not None and decay.ndim == 4, dtype=q.dtype, dim_k=q.shape[-1], dim_v=v.shape[-1],
+      compute_capability=cc, batch_heads=q.shape[2], num_sms=heuristics.num_sms(device))
+  opts = vjp.PallasOptions(scale=scale, with_final_state=with_final_state,
+                           config=dataclasses.replace(config, warp_specialized=False, sequence_pieces=1),
+                           interpret=lightning_api.pallas_interpret(interpret, cc, q))
+  layout = chunk.aligned_sequences(cu_seqlens, q.shape[1], chunk.SEQUENCE_CHUNK)
+  aligned = (None if x is None else layout.to_layout(x) for x in (q, k, v, beta, decay))
+  o, final_state = vjp.delta_attention_sequences_pallas(*aligned, layout.first, layout.end, initial_state, opts)
+  return o[:, layout.rows], final_state
 
 
 def sharded_delta_attention(q, k, v, beta, decay=None, *, mesh, batch_axes=None, head_axis=None, sequence_axis=None,

@@ -196,3 +196,55 @@ def next_state(terms_n, state):
   """S_next from one chunk's terms ([B, H, ...] slices of `ChunkTerms`) and its state before it [B, H, D, E]."""
   u = terms_n.u - jnp.einsum("...cd,...de->...ce", terms_n.w, state, precision=_HI)
   return terms_n.state_decay[..., None] * state + jnp.einsum("...cd,...ce->...de", terms_n.k_end, u, precision=_HI)
+
+
+# Tokens a chunk of `aligned_sequences`' layout for the kernels: a multiple of every sweep's chunk (the Triton
+# forward's 16 or 32, the backward's 64).
+SEQUENCE_CHUNK = 64
+
+
+class AlignedSequences(NamedTuple):
+  """`cu_seqlens`' N sequences laid out chunk-aligned in one row: sequence n takes the whole chunks
+  [first[n], end[n]) of `chunk_size` tokens, its last one zero-padded (a zero row leaves the state as it is: k = v =
+  beta = 0 and rate 0), so no chunk holds two sequences and each sequence's state can be set where its first chunk
+  begins. With N sequences in T tokens that is at most ceil(T / C) + N - 1 chunks, a static bound (the boundaries
+  stay traced).
+
+  rows: [T] int32, each token's row in the layout.
+  first, end: [N] int32, each sequence's first chunk and one past its last (first == end: empty).
+  """
+  rows: jax.Array
+  first: jax.Array
+  end: jax.Array
+  num_chunks: int
+  chunk_size: int
+
+  def to_layout(self, x):
+    """[1, T, ...] -> [1, num_chunks chunk_size, ...] in x's dtype, zeros between the sequences."""
+    return jnp.zeros((1, self.num_chunks * self.chunk_size, *x.shape[2:]), x.dtype).at[:, self.rows].set(x)
+
+
+
+def sequence_marks(first, end, *, num_chunks: int, per_chunk: int):
+  """(entry, exit) [1, num_chunks] int32 over chunks of an `AlignedSequences` layout cut `per_chunk` times finer
+  (first, end: its [N] chunk bounds): the sequence whose first chunk each chunk is (entry), or whose last (exit),
+  else -1; an empty sequence marks none."""
+  ids = jnp.arange(first.shape[0], dtype=jnp.int32)
+  nonempty = end > first
+  mark = lambda chunks: jnp.full((num_chunks,), -1, jnp.int32).at[  # noqa: E731
+      jnp.where(nonempty, chunks, num_chunks)].set(ids, mode="drop")[None]
+  return mark(first * per_chunk), mark(end * per_chunk - 1)
+
+
+def aligned_sequences(cu_seqlens, seq_len: int, chunk_size: int) -> AlignedSequences:
+  """The chunk-aligned layout of the sequences of cu_seqlens (int [N + 1], validated: 0 = cu[0] <= ... <= cu[N] =
+  seq_len), in chunks of chunk_size."""
+  cu = cu_seqlens.astype(jnp.int32)
+  n = cu.shape[0] - 1
+  c = chunk_size
+  end = jnp.cumsum(-(-(cu[1:] - cu[:-1]) // c)).astype(jnp.int32)
+  first = end - (-(-(cu[1:] - cu[:-1]) // c)).astype(jnp.int32)
+  pos = jnp.arange(seq_len, dtype=jnp.int32)
+  seq = jnp.searchsorted(cu[1:], pos, side="right").astype(jnp.int32)
+  return AlignedSequences(rows=first[seq] * c + pos - cu[seq], first=first, end=end,
+                          num_chunks=-(-seq_len // c) + n - 1, chunk_size=c)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -670,16 +670,42 @@ def _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, row_decay, *,
   return q_gated, p * _pair_factors(g_ref, runs_ref, start=start, size=c, inclusive=True)
 
 
-def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref, s0_ref, o_ref, final_ref, states_ref,
-                  values_ref, *, scale, chunk_size, num_chunks, exact):
+def _sequence_rows(index, dim_k):
+  """The rows of sequence `index` (clamped at 0) in a [N Dp, be] block of per-sequence states."""
+  return pl.ds(pl.multiple_of(jnp.maximum(index, 0) * dim_k, dim_k), dim_k)
+
+
+def _replace_at_mark(carry, mark, values_ref, dim_k):
+  """carry, or where mark >= 0 sequence mark's tile of values_ref (zeros where values_ref is None)."""
+  new = jnp.zeros_like(carry) if values_ref is None else values_ref[_sequence_rows(mark, dim_k), :]
+  return jnp.where(mark >= 0, new, carry)
+
+
+def _store_at_mark(value, mark, out_ref, dim_k):
+  """value into sequence mark's tile of out_ref where mark >= 0."""
+  @pl.when(mark >= 0)
+  def _():
+    out_ref[_sequence_rows(mark, dim_k), :] = value
+
+
+def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref, s0_ref, entry_ref, exit_ref, o_ref,
+                  final_ref, states_ref, values_ref, *, scale, chunk_size, num_chunks, exact):
   """The chunks in order: writes O (o_ref), the final state, the state before every chunk (states_ref) and/or
-  U = U_v - W S_n (values_ref), each where given."""
+  U = U_v - W S_n (values_ref), each where given.
+
+  With entry_ref and exit_ref ([N_c] int32: the sequence each chunk starts or ends, else -1; the sequences of
+  `chunk.aligned_sequences`, each in whole chunks): the state is set to that sequence's (s0_ref [N Dp, be], zeros
+  where None) before a chunk that starts one and stored (final_ref [N Dp, be]) after a chunk that ends one.
+  """
   c = chunk_size
   dtype = k_ref.dtype
   dim_k = k_ref.shape[-1]
-  state = jnp.zeros((dim_k, u_ref.shape[-1]), _F32) if s0_ref is None else s0_ref[...]
+  sequences = entry_ref is not None
+  state = jnp.zeros((dim_k, u_ref.shape[-1]), _F32) if s0_ref is None or sequences else s0_ref[...]
 
   def body(n, state):
+    if sequences:
+      state = _replace_at_mark(state, entry_ref[n], s0_ref, dim_k)
     start = pl.multiple_of(n * c, c)
     rows = _rows(start, c)
     state_rows = _rows(pl.multiple_of(n * dim_k, dim_k), dim_k)
@@ -698,23 +724,34 @@ def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref,
       o_ref[rows, :] = out.astype(o_ref.dtype)
     k_end = (k_ref[rows, :].astype(_F32) * to_end).astype(dtype)
     new_state = triton_lowering.dot(k_end, u_in, trans_a=True, exact=exact)
-    return new_state + (state if decay_ref is None else decay_ref[state_rows, :] * state)
+    new_state = new_state + (state if decay_ref is None else decay_ref[state_rows, :] * state)
+    if sequences and final_ref is not None:
+      _store_at_mark(new_state, exit_ref[n], final_ref, dim_k)
+    return new_state
 
   state = jax.lax.fori_loop(0, num_chunks, body, state)
-  if final_ref is not None:
+  if final_ref is not None and not sequences:
     final_ref[...] = state
 
 
-def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_ref, do_ref, d_final_ref, d_next_ref,
-                             d_initial_ref, du_ref, *, scale, chunk_size, num_chunks, exact):
+def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_ref, do_ref, d_final_ref, entry_ref,
+                             exit_ref, d_next_ref, d_initial_ref, du_ref, *, scale, chunk_size, num_chunks, exact):
   """Walking back: G_n = dL/dS_{n+1} (written for every chunk n where d_next_ref is given), dU = P^T dO + K_C G_n
-  (written where du_ref is given), dL/dS_n = Diag(e^{g_C}) G_n + Q_g^T dO - W^T dU."""
+  (written where du_ref is given), dL/dS_n = Diag(e^{g_C}) G_n + Q_g^T dO - W^T dU.
+
+  With entry_ref and exit_ref (`_sweep_kernel`'s sequences): G_n is set to the sequence's final-state cotangent
+  (d_final_ref [N Dp, be], zeros where None) at a chunk that ends one, and dL/dS_n stored (d_initial_ref [N Dp, be])
+  at a chunk that starts one, the carried cotangent then zero.
+  """
   c = chunk_size
   dtype = k_ref.dtype
   dim_k = k_ref.shape[-1]
-  grad = jnp.zeros((dim_k, do_ref.shape[-1]), _F32) if d_final_ref is None else d_final_ref[...]
+  sequences = entry_ref is not None
+  grad = jnp.zeros((dim_k, do_ref.shape[-1]), _F32) if d_final_ref is None or sequences else d_final_ref[...]
 
   def body(step, grad):
+    if sequences:
+      grad = _replace_at_mark(grad, exit_ref[num_chunks - 1 - step], d_final_ref, dim_k)
     start = pl.multiple_of((num_chunks - 1 - step) * c, c)
     rows = _rows(start, c)
     state_rows = _rows(pl.multiple_of((num_chunks - 1 - step) * dim_k, dim_k), dim_k)
@@ -732,9 +769,16 @@ def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_
       du_ref[rows, :] = du.astype(du_ref.dtype)
     grad_before = (triton_lowering.dot(q_gated.astype(dtype), do, trans_a=True, exact=exact)
                    - triton_lowering.dot(w_ref[rows, :], du.astype(dtype), trans_a=True, exact=exact))
-    return grad_before + (grad if decay_ref is None else decay_ref[state_rows, :] * grad)
+    grad_before = grad_before + (grad if decay_ref is None else decay_ref[state_rows, :] * grad)
+    if sequences:  # the chunk before a sequence's first is another sequence's
+      entry = entry_ref[num_chunks - 1 - step]
+      _store_at_mark(grad_before, entry, d_initial_ref, dim_k)
+      grad_before = jnp.where(entry >= 0, 0.0, grad_before)
+    return grad_before
 
-  d_initial_ref[...] = jax.lax.fori_loop(0, num_chunks, body, grad)
+  grad = jax.lax.fori_loop(0, num_chunks, body, grad)
+  if not sequences:
+    d_initial_ref[...] = grad
 
 
 def _chunk_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, states_ref, d_next_ref, do_ref,
@@ -1182,11 +1226,40 @@ def _state_specs(b, h, n, dp, be):
           pl.BlockSpec((None, None, n * dp, be), lambda bi, hi, ei: (bi, hi, 0, ei)))
 
 
+class _StateOperands(NamedTuple):
+  """How a sweep takes and gives its boundary states: one per row [B, H, Dp, Ep], or with `sweep`'s sequences one
+  per sequence [S, H, Dp, Ep] (as [H, S Dp, Ep] blocks), with each chunk's marks."""
+  spec: pl.BlockSpec  # a boundary state's block
+  marks: tuple  # (entry, exit) [1, N] int32 and their BlockSpec, or Nones
+  to_kernel: Callable  # [B or S, H, Dp, Ep] (or None) -> the kernel's operand
+  from_kernel: Callable
+  shape: tuple  # the kernel's boundary-state array
+
+
+def _state_operands(sequences, num_sequences, *, b, h, n, dp, ep, be) -> _StateOperands:
+  """`_StateOperands` of a sweep over (B, H, E blocks); num_sequences: S, the boundary states' leading dim."""
+  if sequences is None:
+    return _StateOperands(_state_specs(b, h, n, dp, be)[0], (None, None, None), lambda x: x, lambda x: x,
+                          (b, h, dp, ep))
+  if b != 1:
+    raise ValueError(f"per-sequence states take one row, got B = {b}")
+  s = num_sequences
+  mark_spec = pl.BlockSpec((None, n), lambda bi, hi, ei: (bi, 0))
+  return _StateOperands(
+      pl.BlockSpec((None, s * dp, be), lambda bi, hi, ei: (hi, 0, ei)), (*sequences, mark_spec),
+      lambda x: None if x is None else jnp.moveaxis(x, 0, 1).reshape(h, s * dp, ep),
+      lambda x: jnp.moveaxis(x.reshape(h, s, dp, ep), 1, 0), (h, s * dp, ep))
+
+
 def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_outputs=True, with_final_state,
-          with_states=False, with_values=False, config: DeltaConfig, interpret):
+          with_states=False, with_values=False, sequences=None, num_sequences=None, config: DeltaConfig, interpret):
   """The sweep kernel on padded inputs: (O [B, Tp, H, Ep] or None, final state [B, H, Dp, Ep] float32 or None,
   the state before every chunk [B, H, N Dp, Ep] in the input dtype (the kernels' operand) or None,
-  U = U_v - W S_n [B, Tp, H, Ep] in the input dtype or None)."""
+  U = U_v - W S_n [B, Tp, H, Ep] in the input dtype or None).
+
+  sequences: None, or each chunk's (entry, exit) marks [1, N] int32 (`chunk.sequence_marks`) of num_sequences
+  chunk-aligned sequences: then the initial and final states are per sequence, [S, H, Dp, Ep] (`_sweep_kernel`).
+  """
   b, tp, h, dp = q.shape
   ep = u.shape[-1]
   c = config.chunk_size
@@ -1194,9 +1267,11 @@ def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_outputs=Tr
   be = min(config.block_e, ep)
   whole = lambda width: pl.BlockSpec((None, tp, None, width), lambda bi, hi, ei: (bi, 0, hi, 0))  # noqa: E731
   columns = pl.BlockSpec((None, tp, None, be), lambda bi, hi, ei: (bi, 0, hi, ei))
-  state_spec, states_spec = _state_specs(b, h, n, dp, be)
+  states_spec = _state_specs(b, h, n, dp, be)[1]
+  boundary = _state_operands(sequences, num_sequences, b=b, h=h, n=n, dp=dp, ep=ep, be=be)
+  entry, exit_, mark_spec = boundary.marks
   struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, u)  # noqa: E731
-  return pl.pallas_call(
+  o, final_state, states, values = pl.pallas_call(
       functools.partial(_sweep_kernel, scale=scale, chunk_size=c, num_chunks=n, exact=q.dtype == _F32),
       grid=(b, h, ep // be),
       in_specs=[whole(dp), whole(dp), whole(dp), columns,
@@ -1204,25 +1279,28 @@ def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_outputs=Tr
                 *_gate_specs(gates_, c, dp, per_chunk=False),
                 None if gates_.state_decay is None else pl.BlockSpec((None, None, n * dp, 1),
                                                                      lambda bi, hi, ei: (bi, hi, 0, 0)),
-                None if initial_state is None else state_spec],
-      out_specs=[columns if with_outputs else None, state_spec if with_final_state else None,
+                None if initial_state is None else boundary.spec, mark_spec, mark_spec],
+      out_specs=[columns if with_outputs else None, boundary.spec if with_final_state else None,
                  states_spec if with_states else None, columns if with_values else None],
       out_shape=[struct((b, tp, h, ep), q.dtype) if with_outputs else None,
-                 struct((b, h, dp, ep), _F32) if with_final_state else None,
+                 struct(boundary.shape, _F32) if with_final_state else None,
                  struct((b, h, n * dp, ep), q.dtype) if with_states else None,
                  struct((b, tp, h, ep), q.dtype) if with_values else None],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_sweep")(q, k, w, u, p, gates_.g, gates_.runs, gates_.state_decay,
-                                                         initial_state)
+                                                         boundary.to_kernel(initial_state), entry, exit_)
+  return o, None if final_state is None else boundary.from_kernel(final_state), states, values
 
 
 def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, with_value_cotangents=False,
-                     with_chunk_cotangents=True, config: DeltaConfig, interpret):
+                     with_chunk_cotangents=True, sequences=None, num_sequences=None, config: DeltaConfig, interpret):
   """(G_n = dL/dS after every chunk [B, H, N Dp, Ep] in the input dtype `with_chunk_cotangents` (else None: the
   sequence split's pass from zero end cotangents), dL/dS_0 [B, H, Dp, Ep] float32, dU [B, Tp, H, Ep] in the input
   dtype `with_value_cotangents`, else None).
 
-  Padded operands as for `sweep`; do: [B, Tp, H, Ep]; d_final: [B, H, Dp, Ep] or None.
+  Padded operands as for `sweep`; do: [B, Tp, H, Ep]; d_final: [B, H, Dp, Ep] or None. sequences, num_sequences:
+  as `sweep`'s (d_final and dL/dS_0 then per sequence, [S, H, Dp, Ep]; a sequence without chunks gets no
+  cotangent: its tile is left unwritten).
   """
   b, tp, h, dp = q.shape
   ep = do.shape[-1]
@@ -1231,9 +1309,11 @@ def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, with_valu
   be = min(config.block_e, ep)
   whole = pl.BlockSpec((None, tp, None, dp), lambda bi, hi, ei: (bi, 0, hi, 0))
   columns = pl.BlockSpec((None, tp, None, be), lambda bi, hi, ei: (bi, 0, hi, ei))
-  state_spec, states_spec = _state_specs(b, h, n, dp, be)
+  states_spec = _state_specs(b, h, n, dp, be)[1]
+  boundary = _state_operands(sequences, num_sequences, b=b, h=h, n=n, dp=dp, ep=ep, be=be)
+  entry, exit_, mark_spec = boundary.marks
   struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, do)  # noqa: E731
-  return pl.pallas_call(
+  d_next, d_initial, d_values = pl.pallas_call(
       functools.partial(_state_cotangents_kernel, scale=scale, chunk_size=c, num_chunks=n, exact=q.dtype == _F32),
       grid=(b, h, ep // be),
       in_specs=[whole, whole, whole,
@@ -1241,14 +1321,16 @@ def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, with_valu
                 *_gate_specs(gates_, c, dp, per_chunk=False),
                 None if gates_.state_decay is None else pl.BlockSpec((None, None, n * dp, 1),
                                                                      lambda bi, hi, ei: (bi, hi, 0, 0)),
-                columns, None if d_final is None else state_spec],
-      out_specs=[states_spec if with_chunk_cotangents else None, state_spec,
+                columns, None if d_final is None else boundary.spec, mark_spec, mark_spec],
+      out_specs=[states_spec if with_chunk_cotangents else None, boundary.spec,
                  columns if with_value_cotangents else None],
-      out_shape=[struct((b, h, n * dp, ep), q.dtype) if with_chunk_cotangents else None, struct((b, h, dp, ep), _F32),
-                 struct((b, tp, h, ep), q.dtype) if with_value_cotangents else None],
+      out_shape=[struct((b, h, n * dp, ep), q.dtype) if with_chunk_cotangents else None,
+                 struct(boundary.shape, _F32), struct((b, tp, h, ep), q.dtype) if with_value_cotangents else None],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_state_cotangents")(q, k, w, p, gates_.g, gates_.runs,
-                                                                     gates_.state_decay, do, d_final)
+                                                                     gates_.state_decay, do,
+                                                                     boundary.to_kernel(d_final), entry, exit_)
+  return d_next, boundary.from_kernel(d_initial), d_values
 
 
 def chunk_gradients(q, k, v, beta, gates_: Gates, states, d_next, do, *, scale, config: DeltaConfig, interpret):
@@ -1334,8 +1416,28 @@ def padded_operands(q, k, v, beta, segment_starts, g, *, chunk_size, dims=None):
   return pad(q, dim=dp), pad(k, dim=dp), pad(v, dim=ep), beta_rows, gates_
 
 
+def _sequence_marks(sequences, segment_starts, *, seq_len, chunk_size):
+  """(`sweep`'s sequences, their count) of `forward`'s and `backward`'s sequences ((first, end) chunk bounds of a
+  `chunk.aligned_sequences` layout at `chunk.SEQUENCE_CHUNK` tokens a chunk, or None: (None, None))."""
+  if sequences is None:
+    return None, None
+  first, end = sequences
+  if seq_len % chunk.SEQUENCE_CHUNK or chunk.SEQUENCE_CHUNK % chunk_size or segment_starts is not None:
+    raise ValueError(f"sequences take a chunk-aligned row (T a multiple of {chunk.SEQUENCE_CHUNK}, chunks dividing "
+                     f"it, no segment starts); got T = {seq_len}, chunks of {chunk_size}")
+  return chunk.sequence_marks(first, end, num_chunks=seq_len // chunk_size,
+                              per_chunk=chunk.SEQUENCE_CHUNK // chunk_size), first.shape[0]
+
+
+def _unless_empty(sequences, kernel_states, empty_states):
+  """Per-sequence states: the kernel's, but a sequence without chunks gets empty_states' (None: zeros)."""
+  first, end = sequences
+  empty = jnp.zeros_like(kernel_states) if empty_states is None else empty_states
+  return jnp.where((end > first)[:, None, None, None], kernel_states, empty)
+
+
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, config: DeltaConfig,
-            interpret, with_outputs=True):
+            interpret, with_outputs=True, sequences=None):
   """The delta attention forward on the Pallas Triton kernels.
 
   q, k: [B, T, H, D]; v: [B, T, H, E] (one float dtype); beta: [B, T, H]
@@ -1344,21 +1446,33 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   or None. Returns (o [B, T, H, E] in q's dtype, or None without
   with_outputs (the sweep then forms no output), final state [B, H, D, E]
   float32 or None).
+
+  sequences: None, or (first, end) [S] int32, the chunk bounds of S
+  sequences laid out in one row by `chunk.aligned_sequences` (at
+  `chunk.SEQUENCE_CHUNK` tokens a chunk; no segment starts): each starts from
+  its own initial state, initial_state [S, H, D, E] (None: zeros), and the
+  final states are each sequence's, [S, H, D, E] (an empty one's: its
+  initial state).
   """
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   c = config.chunk_size
   dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(e)
+  marks, num_sequences = _sequence_marks(sequences, segment_starts, seq_len=t, chunk_size=c)
   g = gate_logs(decay, seq_len=t, dim_k=dp, chunk_size=c)
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c)
   w, u, p, _ = prepare(qp, kp, vp, beta_rows, gates_, scale=scale, config=config, interpret=interpret)
   o, final_state, _, _ = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep), scale=scale,
-                               with_outputs=with_outputs, with_final_state=with_final_state, config=config,
-                               interpret=interpret)
-  return None if o is None else o[:, :t, :, :e], None if final_state is None else final_state[:, :, :d, :e]
+                               with_outputs=with_outputs, with_final_state=with_final_state, sequences=marks,
+                               num_sequences=num_sequences, config=config, interpret=interpret)
+  if final_state is not None:
+    final_state = final_state[:, :, :d, :e]
+    if sequences is not None:
+      final_state = _unless_empty(sequences, final_state, initial_state)
+  return None if o is None else o[:, :t, :, :e], final_state
 
 
 def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale, config: DeltaConfig,
-             interpret, inverses=None, states=None, chunk_terms=None, initial_cotangent_only=False):
+             interpret, inverses=None, states=None, chunk_terms=None, initial_cotangent_only=False, sequences=None):
   """The cotangents (dq, dk, dv, dbeta, d decay or None, d initial_state or None) of `forward`'s inputs.
 
   do: [B, T, H, E] the output cotangent; d_final: [B, H, D, E] or None.
@@ -1385,7 +1499,13 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   initial_cotangent_only: return only dL/dS_0 [B, H, D, E] float32 (the
   reverse sweep's; initial_state may be None): the sequence split's
   cotangent of each piece's start from its own outputs (`sequence_split`).
+  sequences: `forward`'s (the Triton sweeps alone: not with
+  `config.warp_specialized`); initial_state, d_final and dL/dS_0 are then
+  per sequence.
   """
+  if sequences is not None and (config.warp_specialized or inverses is not None or states is not None
+                                or chunk_terms is not None or initial_cotangent_only):
+    raise ValueError("per-sequence states run on the Triton sweeps alone (DeltaConfig(warp_specialized=False))")
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   per_channel_gate = decay is not None and decay.ndim == 4
   if per_channel_gate and config.warp_specialized:
@@ -1410,6 +1530,8 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
     raise ValueError("inverses and states are the warp-specialised backward's (DeltaConfig.warp_specializes_backward)")
   dp, ep = (WarpSpecializedConfig.padded_dims(d, e) if warp_specialized
             else (lightning_config.padded_dim(d), lightning_config.padded_dim(e)))
+  marks, num_sequences = _sequence_marks(sequences, segment_starts, seq_len=t, chunk_size=c)
+  per_sequence = dict(sequences=marks, num_sequences=num_sequences)
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c, dims=(dp, ep))
   kernels = dict(scale=scale, config=config, interpret=interpret)
@@ -1443,9 +1565,9 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
       return state_cotangents(qp, kp, w, p, gates_, dop, d_final, with_chunk_cotangents=False,
                               **kernels)[1][:, :, :d, :e]
     d_next, d_initial, d_values = state_cotangents(qp, kp, w, p, gates_, dop, d_final, with_value_cotangents=split,
-                                                   **kernels)
+                                                   **per_sequence, **kernels)
     _, _, states, values = sweep(qp, kp, w, u, p, gates_, initial_state, with_outputs=False, with_final_state=False,
-                                 with_states=True, with_values=split, **kernels)
+                                 with_states=True, with_values=split, **per_sequence, **kernels)
   if warp_specialized and ep <= 128:  # the Mosaic GPU form of `tile_gradients` (K and Ep 64 or 128)
     dq, dk, dv, d_beta, dg = pallas_mosaic_gpu.tile_gradients(qp, kp, vp, beta_rows, gates_, tri, states, d_next,
                                                               values, d_values, dop, scale=scale, interpret=interpret)
@@ -1464,8 +1586,12 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
     dg = dg.reshape(b, h, n, c, *dg.shape[3:])
     dg = dg.at[:, :, :, -1].add(d_state_decay if dg.ndim == 5 else jnp.sum(d_state_decay, axis=-1))
     d_decay = gate_vjp(dg.reshape(b, h, n * c, *dg.shape[4:]))[0]
+  if initial_state is not None:
+    d_initial = d_initial[:, :, :d, :e]
+    if sequences is not None:  # an empty sequence's final state is its initial state
+      d_initial = _unless_empty(sequences, d_initial, None if d_final is None else d_final[:, :, :d, :e])
   return (dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :e], jnp.moveaxis(d_beta[:, :, :t], 1, 2).astype(beta.dtype),
-          d_decay, None if initial_state is None else d_initial[:, :, :d, :e])
+          d_decay, None if initial_state is None else d_initial)
 
 
 def _channel_gated_backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale,

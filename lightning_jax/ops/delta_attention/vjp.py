@@ -226,3 +226,33 @@ def _backward(opts, residuals, cotangents):
 
 
 delta_attention_pallas.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def delta_attention_sequences_pallas(q, k, v, beta, decay, first, end, initial_state, opts: PallasOptions):
+  """(o [1, T, H, E], each sequence's final state [S, H, D, E] float32 or None) of S sequences, each from its own
+  initial state, on the Triton sweeps (`pallas_triton.forward`'s sequences): q, k, v, beta and decay in the
+  layout of `chunk.aligned_sequences` at `chunk.SEQUENCE_CHUNK` tokens a chunk, first and end [S] int32 its chunk
+  bounds, initial_state [S, H, D, E] float32 or None (zeros). opts.config must not warp-specialise."""
+  return _sequences_forward(q, k, v, beta, decay, first, end, initial_state, opts)[0]
+
+
+def _sequences_forward(q, k, v, beta, decay, first, end, initial_state, opts):
+  q, k, v, beta, decay, initial_state = first_order_only("delta_attention", (q, k, v, beta, decay, initial_state))
+  out = pallas_triton.forward(q, k, v, beta, decay, None, initial_state, scale=opts.scale,
+                              with_final_state=opts.with_final_state, config=opts.config, interpret=opts.interpret,
+                              sequences=(first, end))
+  return out, (q, k, v, beta, decay, first, end, initial_state)
+
+
+def _sequences_backward(opts, residuals, cotangents):
+  residuals, cotangents = first_order_only("delta_attention", (residuals, cotangents))
+  q, k, v, beta, decay, first, end, initial_state = residuals
+  do, d_final = cotangents
+  dq, dk, dv, d_beta, d_decay, d_initial = pallas_triton.backward(
+      q, k, v, beta, decay, None, initial_state, do, d_final, scale=opts.scale, config=opts.config,
+      interpret=opts.interpret, sequences=(first, end))
+  return dq, dk, dv, d_beta, d_decay, None, None, d_initial
+
+
+delta_attention_sequences_pallas.defvjp(_sequences_forward, _sequences_backward)

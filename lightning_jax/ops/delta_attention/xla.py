@@ -72,13 +72,9 @@ def chunked(q, k, v, beta, decay, segment_starts, initial_state, *, scale, chunk
 def chunked_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale, chunk_size, with_final_state):
   """The chunked path over `cu_seqlens` sequences, each from its own initial state, with each one's final state.
 
-  The sequences are laid out chunk-aligned: sequence n takes ceil(len_n / C)
-  whole chunks of its own, its last one zero-padded (a zero row leaves the
-  state as it is: k = v = beta = 0 and rate 0), so no chunk holds two
-  sequences and a sequence's initial state enters the scan where its first
-  chunk begins. With N sequences in T tokens that is at most ceil(T / C) +
-  N - 1 chunks, a static bound (the boundaries stay traced): O((T + N C) C)
-  work per head instead of O(T C).
+  The sequences are laid out chunk-aligned (`chunk.aligned_sequences`), so a
+  sequence's initial state enters the scan where its first chunk begins:
+  O((T + N C) C) work per head instead of O(T C).
 
   Args:
     q, k: [1, T, H, D]; v: [1, T, H, E]; beta: [1, T, H]; decay: None,
@@ -94,28 +90,19 @@ def chunked_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale,
   _, t, h, d = q.shape
   e = v.shape[-1]
   c = chunk_size
-  cu = cu_seqlens.astype(jnp.int32)
-  n = cu.shape[0] - 1
-  lengths = cu[1:] - cu[:-1]
-  chunk_ends = jnp.cumsum(-(-lengths // c))  # [N]: one past each sequence's last aligned chunk
-  chunk_starts = chunk_ends - -(-lengths // c)
-  num_chunks = -(-t // c) + n - 1
-  pos = jnp.arange(t, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu[1:], pos, side="right").astype(jnp.int32)
-  aligned = chunk_starts[seq] * c + pos - cu[seq]  # [T]: each token's row in the aligned layout
-
-  def to_aligned(x):  # [1, T, ...] -> [1, num_chunks C, ...], zero rows between the sequences
-    return jnp.zeros((1, num_chunks * c, *x.shape[2:]), jnp.float32).at[:, aligned].set(x.astype(jnp.float32))
-
+  n = cu_seqlens.shape[0] - 1
+  layout = chunk.aligned_sequences(cu_seqlens, t, c)
+  num_chunks = layout.num_chunks
+  to_aligned = lambda x: layout.to_layout(x.astype(jnp.float32))  # noqa: E731
   q, k, v, beta = (to_aligned(x) for x in (q, k, v, beta))
   decay = None if decay is None else to_aligned(decay)
   terms, _ = prepare(q, k, v, beta, decay, None, scale=scale, chunk_size=c)
   s0 = jnp.zeros((n, h, d, e), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
   s0 = manual_axes.vary_like(s0, terms.w)
   index = jnp.arange(num_chunks, dtype=jnp.int32)
-  chunk_seq = jnp.minimum(jnp.searchsorted(chunk_ends, index, side="right"), n - 1).astype(jnp.int32)
+  chunk_seq = jnp.minimum(jnp.searchsorted(layout.end, index, side="right"), n - 1).astype(jnp.int32)
   # Chunks past the last sequence's are all zero rows: they open nothing and change no state.
-  opens = (index == chunk_starts[chunk_seq]) & (index < chunk_ends[-1])
+  opens = (index == layout.first[chunk_seq]) & (index < layout.end[-1])
 
   def step(state, xs):  # state [1, H, D, E]: the state after the previous chunk
     terms_n, opens_n, seq_n = xs
@@ -126,11 +113,11 @@ def chunked_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale,
   _, states = jax.lax.scan(step, manual_axes.vary_like(jnp.zeros((1, h, d, e), jnp.float32), terms.w),
                            (serial, opens, chunk_seq))
   states = jnp.moveaxis(states, 0, 2)  # [1, H, P, D, E]: the state before each chunk
-  o = from_chunks(chunk.chunk_outputs(terms, states), num_chunks * c)[:, aligned]
+  o = from_chunks(chunk.chunk_outputs(terms, states), num_chunks * c)[:, layout.rows]
   if not with_final_state:
     return o, None
   # Each sequence's last chunk again, from its state before (an empty sequence keeps its initial state).
-  last = jnp.maximum(chunk_ends - 1, 0)
+  last = jnp.maximum(layout.end - 1, 0)
   at_last = lambda x: x[0][:, last].swapaxes(0, 1)  # noqa: E731  [1, H, P, ...] -> [N, H, ...]
   finals = chunk.next_state(chunk.ChunkTerms(*map(at_last, terms)), at_last(states))
-  return o, jnp.where((lengths > 0)[:, None, None, None], finals, s0)
+  return o, jnp.where((layout.end > layout.first)[:, None, None, None], finals, s0)
