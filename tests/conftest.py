@@ -210,10 +210,12 @@ GPU_QUICK = [
     "[20, 44, 86]]H2D64E48-bfloat16-decay_token-s0_1-gpu]",
     "tests/test_sequence_split.py::test_split_warp_specialized_matches_oracle[B1T300H2D64E64-bfloat16-decay_random-s0_1-"
     "scale_None-final_1-128-gpu]",
-    # delta_attention's Triton kernels: KDA packed forward and gradients, Gated DeltaNet's gradients
+    # delta_attention's Triton kernels: KDA packed forward and gradients, Gated DeltaNet's gradients, cu_seqlens with
+    # per-sequence states
     "tests/test_delta_ops.py::test_pallas_matches_oracle[gpu-B2T130H2D16E24-decay_channel-moderate-beta_uniform-seg1-s0_1]",
     "tests/test_delta_ops.py::test_pallas_gradients[gpu-B2T40H2D8E16-decay_channel-moderate-beta_uniform-seg1-s0_1]",
     "tests/test_delta_ops.py::test_pallas_gradients[gpu-B2T75H2D20E9-decay_token-moderate-beta_uniform-seg0-s0_0]",
+    "tests/test_delta_ops.py::test_cu_seqlens_states_pallas_matches_oracle[gpu-token-bfloat16-both]",
     # and on sm90: the inverse, the forward, the backward (Gated DeltaNet packed; DeltaNet in float16), KDA's forward
     # (packed, 2 pieces) and backward, the split
     "tests/test_warp_specialized.py::test_delta_inverse_matches_float64[B2T100H2D64E7-decay_token-extreme-beta_edges-seg0-"
