@@ -135,7 +135,8 @@ def test_explicit_mesh_splits_the_op(spec):
     assert found["all-gather"] and all(elements(s) < q.size for s in found["all-gather"]), found
 
 
-def test_explicit_mesh_cu_seqlens_states_split_over_heads():
+@pytest.mark.parametrize("impl", ["auto", "pallas"])  # the chunked jnp path; the Triton kernels' (interpreted)
+def test_explicit_mesh_cu_seqlens_states_split_over_heads(impl):
   mesh = explicit_mesh((2,), ("model",))
   lengths = (9, 0, 30, 1)
   cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
@@ -149,7 +150,7 @@ def test_explicit_mesh_cu_seqlens_states_split_over_heads():
 
   want = run(q, s0, "reference")
   got = jax.jit(run, static_argnums=2)(jax.device_put(q, NamedSharding(mesh, P(None, None, "model"))),
-                                       jax.device_put(s0, NamedSharding(mesh, P(None, "model"))), "auto")
+                                       jax.device_put(s0, NamedSharding(mesh, P(None, "model"))), impl)
   assert rel_err(got[0], want[0]) < 1e-4 and rel_err(got[1], want[1]) < 1e-4
   assert got[1].sharding.spec[:2] == (None, "model")
 
