@@ -261,6 +261,12 @@ def test_cu_seqlens_states_pallas_matches_oracle(decay, dtype, states, kernel_mo
   check_sequence_states(decay, dtype, states, impl="pallas", interpret=kernel_mode)
 
 
+def test_cu_seqlens_states_pallas_takes_any_chunks():
+  """The layout follows the config's largest chunk (128 here, over the 64 of the backward's default)."""
+  check_sequence_states("token", F32, "both", impl="pallas", interpret=True,
+                        config=lj.DeltaConfig(chunk_size=16, backward_chunk_size=128))
+
+
 def test_cu_seqlens_states_pallas_lowers_for_cuda():
   """The Triton sweeps with per-sequence states (each chunk's sequence marks loaded as scalars, a sequence's tile
   read or written at a traced row) lower for CUDA from any backend, forward and backward (interpret mode checks

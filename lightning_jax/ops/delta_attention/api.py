@@ -238,10 +238,10 @@ def _pallas_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale,
   config = config or pallas_triton.default_config(
       per_channel_gate=decay is not None and decay.ndim == 4, dtype=q.dtype, dim_k=q.shape[-1], dim_v=v.shape[-1],
       compute_capability=cc, batch_heads=q.shape[2], num_sms=heuristics.num_sms(device))
-  opts = vjp.PallasOptions(scale=scale, with_final_state=with_final_state,
-                           config=dataclasses.replace(config, warp_specialized=False, sequence_pieces=1),
+  config = dataclasses.replace(config, warp_specialized=False, sequence_pieces=1)
+  opts = vjp.PallasOptions(scale=scale, with_final_state=with_final_state, config=config,
                            interpret=lightning_api.pallas_interpret(interpret, cc, q))
-  layout = chunk.aligned_sequences(cu_seqlens, q.shape[1], chunk.SEQUENCE_CHUNK)
+  layout = chunk.aligned_sequences(cu_seqlens, q.shape[1], pallas_triton.sequence_chunk(config))
   aligned = (None if x is None else layout.to_layout(x) for x in (q, k, v, beta, decay))
   o, final_state = vjp.delta_attention_sequences_pallas(*aligned, layout.first, layout.end, initial_state, opts)
   return o[:, layout.rows], final_state

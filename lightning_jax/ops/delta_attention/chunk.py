@@ -198,11 +198,6 @@ def next_state(terms_n, state):
   return terms_n.state_decay[..., None] * state + jnp.einsum("...cd,...ce->...de", terms_n.k_end, u, precision=_HI)
 
 
-# Tokens a chunk of `aligned_sequences`' layout for the kernels: a multiple of every sweep's chunk (the Triton
-# forward's 16 or 32, the backward's 64).
-SEQUENCE_CHUNK = 64
-
-
 class AlignedSequences(NamedTuple):
   """`cu_seqlens`' N sequences laid out chunk-aligned in one row: sequence n takes the whole chunks
   [first[n], end[n]) of `chunk_size` tokens, its last one zero-padded (a zero row leaves the state as it is: k = v =

@@ -1416,17 +1416,24 @@ def padded_operands(q, k, v, beta, segment_starts, g, *, chunk_size, dims=None):
   return pad(q, dim=dp), pad(k, dim=dp), pad(v, dim=ep), beta_rows, gates_
 
 
-def _sequence_marks(sequences, segment_starts, *, seq_len, chunk_size):
+def sequence_chunk(config: DeltaConfig) -> int:
+  """Tokens a chunk of the `chunk.aligned_sequences` layout that `forward`'s and `backward`'s sequences take: their
+  sweeps' largest chunk (the others divide it: powers of two)."""
+  return max(config.chunk_size, config.backward_chunk_size)
+
+
+def _sequence_marks(sequences, segment_starts, *, seq_len, chunk_size, layout_chunk):
   """(`sweep`'s sequences, their count) of `forward`'s and `backward`'s sequences ((first, end) chunk bounds of a
-  `chunk.aligned_sequences` layout at `chunk.SEQUENCE_CHUNK` tokens a chunk, or None: (None, None))."""
+  `chunk.aligned_sequences` layout at layout_chunk tokens a chunk, or None: (None, None)), for chunks of
+  chunk_size."""
   if sequences is None:
     return None, None
   first, end = sequences
-  if seq_len % chunk.SEQUENCE_CHUNK or chunk.SEQUENCE_CHUNK % chunk_size or segment_starts is not None:
-    raise ValueError(f"sequences take a chunk-aligned row (T a multiple of {chunk.SEQUENCE_CHUNK}, chunks dividing "
-                     f"it, no segment starts); got T = {seq_len}, chunks of {chunk_size}")
+  if seq_len % layout_chunk or segment_starts is not None:
+    raise ValueError(f"sequences take a row laid out in whole chunks of {layout_chunk} tokens and no segment starts; "
+                     f"got T = {seq_len}")
   return chunk.sequence_marks(first, end, num_chunks=seq_len // chunk_size,
-                              per_chunk=chunk.SEQUENCE_CHUNK // chunk_size), first.shape[0]
+                              per_chunk=layout_chunk // chunk_size), first.shape[0]
 
 
 def _unless_empty(sequences, kernel_states, empty_states):
@@ -1449,7 +1456,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
 
   sequences: None, or (first, end) [S] int32, the chunk bounds of S
   sequences laid out in one row by `chunk.aligned_sequences` (at
-  `chunk.SEQUENCE_CHUNK` tokens a chunk; no segment starts): each starts from
+  `sequence_chunk(config)` tokens a chunk; no segment starts): each starts from
   its own initial state, initial_state [S, H, D, E] (None: zeros), and the
   final states are each sequence's, [S, H, D, E] (an empty one's: its
   initial state).
@@ -1457,7 +1464,8 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   c = config.chunk_size
   dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(e)
-  marks, num_sequences = _sequence_marks(sequences, segment_starts, seq_len=t, chunk_size=c)
+  marks, num_sequences = _sequence_marks(sequences, segment_starts, seq_len=t, chunk_size=c,
+                                         layout_chunk=sequence_chunk(config))
   g = gate_logs(decay, seq_len=t, dim_k=dp, chunk_size=c)
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c)
   w, u, p, _ = prepare(qp, kp, vp, beta_rows, gates_, scale=scale, config=config, interpret=interpret)
@@ -1519,6 +1527,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
                                    fallback=triton)
   split = config.splits_backward(per_channel_gate=per_channel_gate)
   warp_specialized = config.warp_specializes_backward(per_channel_gate=per_channel_gate)
+  layout_chunk = sequence_chunk(config)
   config = dataclasses.replace(config, chunk_size=config.backward_chunk_size, prepare_warps=None)
   c = config.chunk_size
   if warp_specialized and c != WarpSpecializedConfig.CHUNK_SIZE:
@@ -1530,7 +1539,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
     raise ValueError("inverses and states are the warp-specialised backward's (DeltaConfig.warp_specializes_backward)")
   dp, ep = (WarpSpecializedConfig.padded_dims(d, e) if warp_specialized
             else (lightning_config.padded_dim(d), lightning_config.padded_dim(e)))
-  marks, num_sequences = _sequence_marks(sequences, segment_starts, seq_len=t, chunk_size=c)
+  marks, num_sequences = _sequence_marks(sequences, segment_starts, seq_len=t, chunk_size=c, layout_chunk=layout_chunk)
   per_sequence = dict(sequences=marks, num_sequences=num_sequences)
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c, dims=(dp, ep))

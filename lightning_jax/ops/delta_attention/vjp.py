@@ -232,8 +232,9 @@ delta_attention_pallas.defvjp(_forward, _backward)
 def delta_attention_sequences_pallas(q, k, v, beta, decay, first, end, initial_state, opts: PallasOptions):
   """(o [1, T, H, E], each sequence's final state [S, H, D, E] float32 or None) of S sequences, each from its own
   initial state, on the Triton sweeps (`pallas_triton.forward`'s sequences): q, k, v, beta and decay in the
-  layout of `chunk.aligned_sequences` at `chunk.SEQUENCE_CHUNK` tokens a chunk, first and end [S] int32 its chunk
-  bounds, initial_state [S, H, D, E] float32 or None (zeros). opts.config must not warp-specialise."""
+  layout of `chunk.aligned_sequences` at `pallas_triton.sequence_chunk(opts.config)` tokens a chunk, first and end
+  [S] int32 its chunk bounds, initial_state [S, H, D, E] float32 or None (zeros). opts.config must not
+  warp-specialise."""
   return _sequences_forward(q, k, v, beta, decay, first, end, initial_state, opts)[0]
 
 
