@@ -219,7 +219,6 @@ class AlignedSequences(NamedTuple):
     return jnp.zeros((1, self.num_chunks * self.chunk_size, *x.shape[2:]), x.dtype).at[:, self.rows].set(x)
 
 
-
 def sequence_marks(first, end, *, num_chunks: int, per_chunk: int):
   """(entry, exit) [1, num_chunks] int32 over chunks of an `AlignedSequences` layout cut `per_chunk` times finer
   (first, end: its [N] chunk bounds): the sequence whose first chunk each chunk is (entry), or whose last (exit),
