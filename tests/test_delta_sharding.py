@@ -155,6 +155,44 @@ def test_explicit_mesh_cu_seqlens_states_split_over_heads(impl):
   assert got[1].sharding.spec[:2] == (None, "model")
 
 
+def test_auto_mesh_cu_seqlens_states_stay_on_their_devices():
+  """cu_seqlens with per-sequence states on the Triton kernels, the inputs and the states placed over heads on a plain
+  Mesh: o, the final states and every gradient equal the oracle's, and nothing crosses devices but the loss's sums
+  (`auto_sharding.blockwise`; the chunk-aligned layout is per head)."""
+  mesh = cpu_mesh((2,), ("model",))
+  lengths = (9, 0, 30, 1)
+  cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
+  q, k, v, beta, decay, _, _, _, _ = make_inputs(sum(lengths), "gated_deltanet", seed=5, segments=False)
+  q, k, v, beta, decay = (x[:1] for x in (q, k, v, beta, decay))
+  keys = jax.random.split(jax.random.key(6), 3)
+  s0, d_final = (jax.random.normal(key, (len(lengths), H, D, E)) for key in keys[:2])
+  do = jax.random.normal(keys[2], v.shape)
+
+  def value_and_grads(**kwargs):
+    def loss(q, k, v, beta, decay, s0):
+      o, finals = lj.delta_attention(q, k, v, beta, decay, initial_state=s0, cu_seqlens=cu, return_final_state=True,
+                                     **kwargs)
+      return jnp.sum(o * do) + jnp.sum(finals * d_final), (o, finals)
+    return jax.jit(jax.value_and_grad(loss, argnums=ARGNUMS, has_aux=True))
+
+  args = (q, k, v, beta, decay, s0)
+  (_, want), want_grads = value_and_grads(impl="reference")(*args)
+  heads = [P(None, None, "model")] * 5 + [P(None, "model")]  # H: q, k, v, beta, decay's dim 2, the states' dim 1
+  placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(args, heads)]
+  vg = value_and_grads(impl="pallas", interpret=True)
+  (_, got), got_grads = vg(*placed)
+  check_close(got, want, got_grads, want_grads)
+  assert got[0].sharding.spec[:3] == (None, None, "model") and got[1].sharding.spec[:2] == (None, "model")
+
+  def forward(*args):
+    return lj.delta_attention(*args[:5], initial_state=args[5], cu_seqlens=cu, return_final_state=True,
+                              impl="pallas", interpret=True)
+
+  assert collectives(forward, *placed) == {}
+  found = collectives(vg, *placed)  # the loss's sums, scalars, alone
+  assert set(found) <= {"all-reduce"} and all(elements(s) == 1 for s in found.get("all-reduce", [])), found
+
+
 @pytest.mark.parametrize("form", ["kda", "deltanet"])
 def test_sharded_wrapper_equals_the_oracle(form):
   """`sharded_delta_attention` with batch, heads and sequence split at once over a 2 x 2 x 2 Auto mesh: o, the

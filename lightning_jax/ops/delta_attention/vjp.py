@@ -73,6 +73,8 @@ MAX_VALUE_DIM = WarpSpecializedConfig.MAX_DIM_V
 # The split's residuals: the state before each piece, each piece's transition M (both [B P, H, D, *]) and
 # whether each piece continues the segment before it ([B, P]).
 SPLIT_LABELS = (STATE, STATE, STARTS)
+# cu_seqlens' sequences, one per element ([S] chunk bounds) or one state each ([S, H, D, E]): S is never split.
+SEQUENCES, SEQUENCE_STATES = "s", "shde"
 # KDA's chunk terms (`delta_mosaic.ChannelGatedChunks` with its backward terms: T', P, Q_g, K_g, K_C, T and G),
 # then each chunk's S_n^T and U^T and its 16-token blocks' log decays (`ChannelGatedChunks.block_ends`).
 TERM_LABELS = (CHUNK_TILES, CHUNK_TILES, ROWS_D, ROWS_D, ROWS_D, CHUNK_TILES, ROWS_D, CHUNK_STATES, CHUNK_VALUES,
@@ -238,21 +240,42 @@ def delta_attention_sequences_pallas(q, k, v, beta, decay, first, end, initial_s
   return _sequences_forward(q, k, v, beta, decay, first, end, initial_state, opts)[0]
 
 
+def _sequence_operands(q, k, v, beta, decay, first, end, initial_state):
+  """The operands with their labels, for `auto_sharding.blockwise` (the heads split, as the other paths')."""
+  return (*_labelled(q, k, v, beta, decay, None, None)[:5], (first, SEQUENCES), (end, SEQUENCES),
+          (initial_state, SEQUENCE_STATES))
+
+
 def _sequences_forward(q, k, v, beta, decay, first, end, initial_state, opts):
   q, k, v, beta, decay, initial_state = first_order_only("delta_attention", (q, k, v, beta, decay, initial_state))
-  out = pallas_triton.forward(q, k, v, beta, decay, None, initial_state, scale=opts.scale,
-                              with_final_state=opts.with_final_state, config=opts.config, interpret=opts.interpret,
-                              sequences=(first, end))
-  return out, (q, k, v, beta, decay, first, end, initial_state)
+
+  def local(q, k, v, beta, decay, first, end, initial_state):
+    o, final_state = pallas_triton.forward(q, k, v, beta, decay, None, initial_state, scale=opts.scale,
+                                           with_final_state=opts.with_final_state, config=opts.config,
+                                           interpret=opts.interpret, sequences=(first, end))
+    return (o,) + ((final_state,) if opts.with_final_state else ())
+
+  out = auto_sharding.blockwise(local, _sequence_operands(q, k, v, beta, decay, first, end, initial_state),
+                                (ROWS_E,) + ((SEQUENCE_STATES,) if opts.with_final_state else ()))
+  return (out[0], out[1] if opts.with_final_state else None), (q, k, v, beta, decay, first, end, initial_state)
 
 
 def _sequences_backward(opts, residuals, cotangents):
   residuals, cotangents = first_order_only("delta_attention", (residuals, cotangents))
   q, k, v, beta, decay, first, end, initial_state = residuals
   do, d_final = cotangents
-  dq, dk, dv, d_beta, d_decay, d_initial = pallas_triton.backward(
-      q, k, v, beta, decay, None, initial_state, do, d_final, scale=opts.scale, config=opts.config,
-      interpret=opts.interpret, sequences=(first, end))
+  operands = _sequence_operands(q, k, v, beta, decay, first, end, initial_state)
+  returned = [label for x, label in operands[:5] + operands[7:] if x is not None]
+
+  def local(q, k, v, beta, decay, first, end, initial_state, do, d_final):
+    grads = pallas_triton.backward(q, k, v, beta, decay, None, initial_state, do, d_final, scale=opts.scale,
+                                   config=opts.config, interpret=opts.interpret, sequences=(first, end))
+    return tuple(g for g in grads if g is not None)
+
+  grads = iter(auto_sharding.blockwise(local, (*operands, (do, ROWS_E), (d_final, SEQUENCE_STATES)), returned))
+  dq, dk, dv, d_beta = (next(grads) for _ in range(4))
+  d_decay = None if decay is None else next(grads)
+  d_initial = None if initial_state is None else next(grads)
   return dq, dk, dv, d_beta, d_decay, None, None, d_initial
 
 
