@@ -671,14 +671,16 @@ def _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, row_decay, *,
 
 
 def _sequence_rows(index, dim_k):
-  """The rows of sequence `index` (clamped at 0) in a [N Dp, be] block of per-sequence states."""
-  return pl.ds(pl.multiple_of(jnp.maximum(index, 0) * dim_k, dim_k), dim_k)
+  """The rows of sequence `index` in a [N Dp, be] block of per-sequence states."""
+  return pl.ds(pl.multiple_of(index * dim_k, dim_k), dim_k)
 
 
 def _replace_at_mark(carry, mark, values_ref, dim_k):
-  """carry, or where mark >= 0 sequence mark's tile of values_ref (zeros where values_ref is None)."""
-  new = jnp.zeros_like(carry) if values_ref is None else values_ref[_sequence_rows(mark, dim_k), :]
-  return jnp.where(mark >= 0, new, carry)
+  """carry, or where mark >= 0 sequence mark's tile of values_ref (zeros where values_ref is None). The tile is read
+  in a branch, at those chunks alone: read every chunk, it would add a state tile's bytes to each chunk's loads."""
+  if values_ref is None:
+    return jnp.where(mark >= 0, 0.0, carry)
+  return jax.lax.cond(mark >= 0, lambda: values_ref[_sequence_rows(mark, dim_k), :], lambda: carry)
 
 
 def _store_at_mark(value, mark, out_ref, dim_k):
