@@ -194,9 +194,7 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
     if impl == "pallas":
       per_channel_gate = decay is not None and decay.ndim == 4
-      config = config or pallas_triton.default_config(
-          per_channel_gate=per_channel_gate, dtype=q.dtype, dim_k=q.shape[-1], dim_v=v.shape[-1],
-          compute_capability=cc, batch_heads=q.shape[0] * q.shape[2], num_sms=heuristics.num_sms(device))
+      config = config or _default_config(q, v, decay, device)
       interpret = lightning_api.pallas_interpret(interpret, cc, q)
       cannot = heuristics.warp_specialized_unsupported(dim_k=q.shape[-1], dim_v=v.shape[-1], dtype=q.dtype,
                                                        compute_capability=cc, interpret=interpret)
@@ -227,6 +225,14 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
   return (o, final_state) if return_final_state else o
 
 
+def _default_config(q, v, decay, device):
+  """`pallas_triton.default_config` for a call on device."""
+  return pallas_triton.default_config(
+      per_channel_gate=decay is not None and decay.ndim == 4, dtype=q.dtype, dim_k=q.shape[-1], dim_v=v.shape[-1],
+      compute_capability=heuristics.compute_capability(device), batch_heads=q.shape[0] * q.shape[2],
+      num_sms=heuristics.num_sms(device))
+
+
 def _pallas_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale, with_final_state, config, interpret,
                       device):
   """`delta_attention`'s Pallas path for cu_seqlens with per-sequence states: the sequences chunk-aligned
@@ -235,9 +241,7 @@ def _pallas_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale,
   if config is not None and config.warp_specialized:
     raise ValueError("per-sequence states with cu_seqlens run on the Triton sweeps: DeltaConfig(warp_specialized=True) "
                      "does not apply; pass None or False")
-  config = config or pallas_triton.default_config(
-      per_channel_gate=decay is not None and decay.ndim == 4, dtype=q.dtype, dim_k=q.shape[-1], dim_v=v.shape[-1],
-      compute_capability=cc, batch_heads=q.shape[2], num_sms=heuristics.num_sms(device))
+  config = config or _default_config(q, v, decay, device)
   config = dataclasses.replace(config, warp_specialized=False, sequence_pieces=1)
   opts = vjp.PallasOptions(scale=scale, with_final_state=with_final_state, config=config,
                            interpret=lightning_api.pallas_interpret(interpret, cc, q))
