@@ -248,7 +248,7 @@ def _pallas_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale,
   layout = chunk.aligned_sequences(cu_seqlens, q.shape[1], pallas_triton.sequence_chunk(config))
   aligned = (None if x is None else layout.to_layout(x) for x in (q, k, v, beta, decay))
   o, final_state = vjp.delta_attention_sequences_pallas(*aligned, layout.first, layout.end, initial_state, opts)
-  return o[:, layout.rows], final_state
+  return layout.from_layout(o), final_state
 
 
 def sharded_delta_attention(q, k, v, beta, decay=None, *, mesh, batch_axes=None, head_axis=None, sequence_axis=None,

@@ -206,9 +206,11 @@ class AlignedSequences(NamedTuple):
   stay traced).
 
   rows: [T] int32, each token's row in the layout.
+  sources: [num_chunks chunk_size] int32, each layout row's token (T: a padding row).
   first, end: [N] int32, each sequence's first chunk and one past its last (first == end: empty).
   """
   rows: jax.Array
+  sources: jax.Array
   first: jax.Array
   end: jax.Array
   num_chunks: int
@@ -216,7 +218,35 @@ class AlignedSequences(NamedTuple):
 
   def to_layout(self, x):
     """[1, T, ...] -> [1, num_chunks chunk_size, ...] in x's dtype, zeros between the sequences."""
-    return jnp.zeros((1, self.num_chunks * self.chunk_size, *x.shape[2:]), x.dtype).at[:, self.rows].set(x)
+    return take_rows(x, self.sources, self.rows)
+
+  def from_layout(self, y):
+    """[1, num_chunks chunk_size, ...] -> [1, T, ...]: each token's row (the inverse of to_layout)."""
+    return take_rows(y, self.rows, self.sources)
+
+
+@jax.custom_vjp
+def take_rows(x, index, inverse):
+  """x[:, index] (x: [1, L, ...]; index [M] int32, zeros where index[m] >= L), index being one-to-one where in range
+  and `inverse` [L] its inverse (out of range at rows nothing takes).
+
+  Its transpose is the gather by `inverse`, where autodiff's is a scatter-add:
+  both directions of the layout stay gathers (XLA's CPU scatter fusions of
+  jaxlib 0.10 hung at random in these gradients, and a GPU scatter needs
+  atomics)."""
+  return jnp.take(x, index, axis=1, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(x, index, inverse):
+  return take_rows(x, index, inverse), (index, inverse)
+
+
+def _take_rows_bwd(residuals, cotangent):
+  index, inverse = residuals
+  return take_rows(cotangent, inverse, index), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def sequence_marks(first, end, *, num_chunks: int, per_chunk: int):
@@ -240,5 +270,11 @@ def aligned_sequences(cu_seqlens, seq_len: int, chunk_size: int) -> AlignedSeque
   first = end - (-(-(cu[1:] - cu[:-1]) // c)).astype(jnp.int32)
   pos = jnp.arange(seq_len, dtype=jnp.int32)
   seq = jnp.searchsorted(cu[1:], pos, side="right").astype(jnp.int32)
-  return AlignedSequences(rows=first[seq] * c + pos - cu[seq], first=first, end=end,
-                          num_chunks=-(-seq_len // c) + n - 1, chunk_size=c)
+  num_chunks = -(-seq_len // c) + n - 1
+  # Each layout row's sequence: the first whose chunks end after the row's chunk (empty ones end before it).
+  row = jnp.arange(num_chunks * c, dtype=jnp.int32)
+  row_seq = jnp.minimum(jnp.searchsorted(end, row // c, side="right"), n - 1).astype(jnp.int32)
+  offset = row - first[row_seq] * c
+  sources = jnp.where((offset >= 0) & (offset < cu[row_seq + 1] - cu[row_seq]), cu[row_seq] + offset, seq_len)
+  return AlignedSequences(rows=first[seq] * c + pos - cu[seq], sources=sources.astype(jnp.int32), first=first,
+                          end=end, num_chunks=num_chunks, chunk_size=c)

@@ -101,23 +101,26 @@ def chunked_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale,
   s0 = manual_axes.vary_like(s0, terms.w)
   index = jnp.arange(num_chunks, dtype=jnp.int32)
   chunk_seq = jnp.minimum(jnp.searchsorted(layout.end, index, side="right"), n - 1).astype(jnp.int32)
-  # Chunks past the last sequence's are all zero rows: they open nothing and change no state.
+  # Chunks past the last sequence's are all zero rows: they open and close nothing and change no state.
   opens = (index == layout.first[chunk_seq]) & (index < layout.end[-1])
+  closes = (index == layout.end[chunk_seq] - 1) & (index < layout.end[-1])
 
-  def step(state, xs):  # state [1, H, D, E]: the state after the previous chunk
-    terms_n, opens_n, seq_n = xs
-    state = jnp.where(opens_n, s0[seq_n][None], state)
-    return chunk.next_state(terms_n, state), state
+  # The carry holds each sequence's final state, written (a dynamic slice: its transpose is one too, where a gather
+  # over chunks would be a scatter) when its last chunk closes it; an empty sequence's stays its initial state.
+  def step(carry, xs):  # state [1, H, D, E]: the state after the previous chunk
+    state, finals = carry
+    terms_n, opens_n, closes_n, seq_n = xs
+    state = jnp.where(opens_n, jax.lax.dynamic_index_in_dim(s0, seq_n), state)
+    after = chunk.next_state(terms_n, state)
+    if with_final_state:
+      finals = jax.lax.dynamic_update_index_in_dim(
+          finals, jnp.where(closes_n, after, jax.lax.dynamic_index_in_dim(finals, seq_n)), seq_n, 0)
+    return (after, finals), state
 
   serial = chunk.ChunkTerms(*(jnp.moveaxis(x, 2, 0) for x in terms))
-  _, states = jax.lax.scan(step, manual_axes.vary_like(jnp.zeros((1, h, d, e), jnp.float32), terms.w),
-                           (serial, opens, chunk_seq))
+  state = manual_axes.vary_like(jnp.zeros((1, h, d, e), jnp.float32), terms.w)
+  (_, finals), states = jax.lax.scan(step, (state, s0 if with_final_state else None),
+                                     (serial, opens, closes, chunk_seq))
   states = jnp.moveaxis(states, 0, 2)  # [1, H, P, D, E]: the state before each chunk
-  o = from_chunks(chunk.chunk_outputs(terms, states), num_chunks * c)[:, layout.rows]
-  if not with_final_state:
-    return o, None
-  # Each sequence's last chunk again, from its state before (an empty sequence keeps its initial state).
-  last = jnp.maximum(layout.end - 1, 0)
-  at_last = lambda x: x[0][:, last].swapaxes(0, 1)  # noqa: E731  [1, H, P, ...] -> [N, H, ...]
-  finals = chunk.next_state(chunk.ChunkTerms(*map(at_last, terms)), at_last(states))
-  return o, jnp.where((layout.end > layout.first)[:, None, None, None], finals, s0)
+  o = layout.from_layout(from_chunks(chunk.chunk_outputs(terms, states), num_chunks * c))
+  return o, finals
