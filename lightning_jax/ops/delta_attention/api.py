@@ -128,8 +128,8 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       on a key channel, and then its backward too; interpret mode without
       a supported GPU), "xla" (chunked jnp, O(T)), "reference"
       (token-serial scan, the oracle) or "auto" (pallas on NVIDIA GPUs with
-      compute capability >= 8.0, else xla; xla for cu_seqlens with states,
-      where pallas is opt-in).
+      compute capability >= 8.0, else xla; cu_seqlens with per-sequence
+      states run on the Triton sweeps, the sequences chunk-aligned).
     config: a `DeltaConfig` (the Pallas kernels' blocks; on sm90 whether the
       differentiated forward keeps each chunk's states for the backward,
       `forward_states`) or None (`pallas_triton.default_config`; with few
@@ -170,10 +170,10 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     return (o, final_state) if return_final_state else o
   device = heuristics.device_of(q, k, v)
   cc = heuristics.compute_capability(device)
-  # Each sequence's own states (cu_seqlens) need the chunk-aligned layout of the jnp path.
+  # Each sequence's own states (cu_seqlens) run on a chunk-aligned layout (`chunk.aligned_sequences`).
   sequence_states = cu_seqlens is not None and (initial_state is not None or return_final_state)
   if impl == "auto":
-    impl = "pallas" if heuristics.supported_gpu(cc) and not sequence_states else "xla"
+    impl = "pallas" if heuristics.supported_gpu(cc) else "xla"
   beta = beta.astype(jnp.float32)
   decay = None if decay is None else decay.astype(jnp.float32)
   initial_state = None if initial_state is None else initial_state.astype(jnp.float32)
