@@ -612,6 +612,19 @@ def test_kernel_times_runs_the_cli_cases(capsys):
 
 
 @pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time (it checks no values)
+def test_sequence_states_times_each_path(capsys):
+  """`benchmarks.sequence_states` on a tiny row of 3 sequences (the jnp path): one line per case and path, with
+  both times; an unknown path is refused."""
+  from benchmarks import sequence_states  # noqa: PLC0415
+
+  sequence_states.main(["--cases", "50x2x8x3", "--paths", "xla", "--calls", "1"])
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 2 and lines[1].split()[:3] == ["50x2x8x3", "xla", "fwd"] and "fwd+bwd" in lines[1]
+  with pytest.raises(SystemExit, match="unknown --paths"):
+    sequence_states.main(["--paths", "xla,triton"])
+
+
+@pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time (it checks no values)
 def test_sequence_pieces_times_one_sequence_parallel_device():
   """`benchmarks.sequence_pieces` on a tiny shape (interpret mode): every program timed with each states config."""
   from benchmarks import sequence_pieces  # noqa: PLC0415

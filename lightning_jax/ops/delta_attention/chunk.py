@@ -249,17 +249,6 @@ def _take_rows_bwd(residuals, cotangent):
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def sequence_marks(first, end, *, num_chunks: int, per_chunk: int):
-  """(entry, exit) [1, num_chunks] int32 over chunks of an `AlignedSequences` layout cut `per_chunk` times finer
-  (first, end: its [N] chunk bounds): the sequence whose first chunk each chunk is (entry), or whose last (exit),
-  else -1; an empty sequence marks none."""
-  ids = jnp.arange(first.shape[0], dtype=jnp.int32)
-  nonempty = end > first
-  mark = lambda chunks: jnp.full((num_chunks,), -1, jnp.int32).at[  # noqa: E731
-      jnp.where(nonempty, chunks, num_chunks)].set(ids, mode="drop")[None]
-  return mark(first * per_chunk), mark(end * per_chunk - 1)
-
-
 def aligned_sequences(cu_seqlens, seq_len: int, chunk_size: int) -> AlignedSequences:
   """The chunk-aligned layout of the sequences of cu_seqlens (int [N + 1], validated: 0 = cu[0] <= ... <= cu[N] =
   seq_len), in chunks of chunk_size."""

@@ -670,44 +670,28 @@ def _gated_queries_and_pairs(q_ref, k_ref, p_ref, g_ref, runs_ref, row_decay, *,
   return q_gated, p * _pair_factors(g_ref, runs_ref, start=start, size=c, inclusive=True)
 
 
-def _sequence_rows(index, dim_k):
-  """The rows of sequence `index` in a [N Dp, be] block of per-sequence states."""
-  return pl.ds(pl.multiple_of(index * dim_k, dim_k), dim_k)
+def _chunk_range(first_ref, end_ref, num_chunks):
+  """The chunks a sweep program runs: all, or with per-sequence bounds ([S] int32) its sequence's (grid axis 3)."""
+  if first_ref is None:
+    return 0, num_chunks
+  sequence = pl.program_id(3)
+  return first_ref[sequence], end_ref[sequence]
 
 
-def _replace_at_mark(carry, mark, values_ref, dim_k):
-  """carry, or where mark >= 0 sequence mark's tile of values_ref (zeros where values_ref is None). The tile is read
-  in a branch, at those chunks alone: read every chunk, it would add a state tile's bytes to each chunk's loads."""
-  if values_ref is None:
-    return jnp.where(mark >= 0, 0.0, carry)
-  return jax.lax.cond(mark >= 0, lambda: values_ref[_sequence_rows(mark, dim_k), :], lambda: carry)
-
-
-def _store_at_mark(value, mark, out_ref, dim_k):
-  """value into sequence mark's tile of out_ref where mark >= 0."""
-  @pl.when(mark >= 0)
-  def _():
-    out_ref[_sequence_rows(mark, dim_k), :] = value
-
-
-def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref, s0_ref, entry_ref, exit_ref, o_ref,
+def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref, s0_ref, first_ref, end_ref, o_ref,
                   final_ref, states_ref, values_ref, *, scale, chunk_size, num_chunks, exact):
-  """The chunks in order: writes O (o_ref), the final state, the state before every chunk (states_ref) and/or
-  U = U_v - W S_n (values_ref), each where given.
+  """The chunks in order from the initial state (s0_ref, zeros where None): writes O (o_ref), the final state, the
+  state before every chunk (states_ref) and/or U = U_v - W S_n (values_ref), each where given.
 
-  With entry_ref and exit_ref ([N_c] int32: the sequence each chunk starts or ends, else -1; the sequences of
-  `chunk.aligned_sequences`, each in whole chunks): the state is set to that sequence's (s0_ref [N Dp, be], zeros
-  where None) before a chunk that starts one and stored (final_ref [N Dp, be]) after a chunk that ends one.
+  With first_ref and end_ref ([S] int32 chunk bounds of the sequences of `chunk.aligned_sequences`, each in whole
+  chunks), the program runs sequence `program_id(3)`'s chunks alone, from its initial state to its final one.
   """
   c = chunk_size
   dtype = k_ref.dtype
   dim_k = k_ref.shape[-1]
-  sequences = entry_ref is not None
-  state = jnp.zeros((dim_k, u_ref.shape[-1]), _F32) if s0_ref is None or sequences else s0_ref[...]
+  state = jnp.zeros((dim_k, u_ref.shape[-1]), _F32) if s0_ref is None else s0_ref[...]
 
   def body(n, state):
-    if sequences:
-      state = _replace_at_mark(state, entry_ref[n], s0_ref, dim_k)
     start = pl.multiple_of(n * c, c)
     rows = _rows(start, c)
     state_rows = _rows(pl.multiple_of(n * dim_k, dim_k), dim_k)
@@ -726,37 +710,32 @@ def _sweep_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, g_ref, runs_ref, decay_ref,
       o_ref[rows, :] = out.astype(o_ref.dtype)
     k_end = (k_ref[rows, :].astype(_F32) * to_end).astype(dtype)
     new_state = triton_lowering.dot(k_end, u_in, trans_a=True, exact=exact)
-    new_state = new_state + (state if decay_ref is None else decay_ref[state_rows, :] * state)
-    if sequences and final_ref is not None:
-      _store_at_mark(new_state, exit_ref[n], final_ref, dim_k)
-    return new_state
+    return new_state + (state if decay_ref is None else decay_ref[state_rows, :] * state)
 
-  state = jax.lax.fori_loop(0, num_chunks, body, state)
-  if final_ref is not None and not sequences:
+  state = jax.lax.fori_loop(*_chunk_range(first_ref, end_ref, num_chunks), body, state)
+  if final_ref is not None:
     final_ref[...] = state
 
 
-def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_ref, do_ref, d_final_ref, entry_ref,
-                             exit_ref, d_next_ref, d_initial_ref, du_ref, *, scale, chunk_size, num_chunks, exact):
-  """Walking back: G_n = dL/dS_{n+1} (written for every chunk n where d_next_ref is given), dU = P^T dO + K_C G_n
-  (written where du_ref is given), dL/dS_n = Diag(e^{g_C}) G_n + Q_g^T dO - W^T dU.
+def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_ref, do_ref, d_final_ref, first_ref,
+                             end_ref, d_next_ref, d_initial_ref, du_ref, *, scale, chunk_size, num_chunks, exact):
+  """Walking back from the final state's cotangent (d_final_ref, zeros where None): G_n = dL/dS_{n+1} (written for
+  every chunk n where d_next_ref is given), dU = P^T dO + K_C G_n (written where du_ref is given), dL/dS_n =
+  Diag(e^{g_C}) G_n + Q_g^T dO - W^T dU, and dL/dS_0 (d_initial_ref).
 
-  With entry_ref and exit_ref (`_sweep_kernel`'s sequences): G_n is set to the sequence's final-state cotangent
-  (d_final_ref [N Dp, be], zeros where None) at a chunk that ends one, and dL/dS_n stored (d_initial_ref [N Dp, be])
-  at a chunk that starts one, the carried cotangent then zero.
+  With first_ref and end_ref (`_sweep_kernel`'s), over sequence `program_id(3)`'s chunks alone.
   """
   c = chunk_size
   dtype = k_ref.dtype
   dim_k = k_ref.shape[-1]
-  sequences = entry_ref is not None
-  grad = jnp.zeros((dim_k, do_ref.shape[-1]), _F32) if d_final_ref is None or sequences else d_final_ref[...]
+  grad = jnp.zeros((dim_k, do_ref.shape[-1]), _F32) if d_final_ref is None else d_final_ref[...]
+  first, end = _chunk_range(first_ref, end_ref, num_chunks)
 
   def body(step, grad):
-    if sequences:
-      grad = _replace_at_mark(grad, exit_ref[num_chunks - 1 - step], d_final_ref, dim_k)
-    start = pl.multiple_of((num_chunks - 1 - step) * c, c)
+    n = end - 1 - step
+    start = pl.multiple_of(n * c, c)
     rows = _rows(start, c)
-    state_rows = _rows(pl.multiple_of((num_chunks - 1 - step) * dim_k, dim_k), dim_k)
+    state_rows = _rows(pl.multiple_of(n * dim_k, dim_k), dim_k)
     grad_in = grad.astype(dtype)
     if d_next_ref is not None:
       d_next_ref[state_rows, :] = grad_in.astype(d_next_ref.dtype)
@@ -771,16 +750,9 @@ def _state_cotangents_kernel(q_ref, k_ref, w_ref, p_ref, g_ref, runs_ref, decay_
       du_ref[rows, :] = du.astype(du_ref.dtype)
     grad_before = (triton_lowering.dot(q_gated.astype(dtype), do, trans_a=True, exact=exact)
                    - triton_lowering.dot(w_ref[rows, :], du.astype(dtype), trans_a=True, exact=exact))
-    grad_before = grad_before + (grad if decay_ref is None else decay_ref[state_rows, :] * grad)
-    if sequences:  # the chunk before a sequence's first is another sequence's
-      entry = entry_ref[num_chunks - 1 - step]
-      _store_at_mark(grad_before, entry, d_initial_ref, dim_k)
-      grad_before = jnp.where(entry >= 0, 0.0, grad_before)
-    return grad_before
+    return grad_before + (grad if decay_ref is None else decay_ref[state_rows, :] * grad)
 
-  grad = jax.lax.fori_loop(0, num_chunks, body, grad)
-  if not sequences:
-    d_initial_ref[...] = grad
+  d_initial_ref[...] = jax.lax.fori_loop(0, end - first, body, grad)
 
 
 def _chunk_gradients_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, runs_ref, states_ref, d_next_ref, do_ref,
@@ -1228,39 +1200,43 @@ def _state_specs(b, h, n, dp, be):
           pl.BlockSpec((None, None, n * dp, be), lambda bi, hi, ei: (bi, hi, 0, ei)))
 
 
-class _StateOperands(NamedTuple):
-  """How a sweep takes and gives its boundary states: one per row [B, H, Dp, Ep], or with `sweep`'s sequences one
-  per sequence [S, H, Dp, Ep] (as [H, S Dp, Ep] blocks), with each chunk's marks."""
-  spec: pl.BlockSpec  # a boundary state's block
-  marks: tuple  # (entry, exit) [1, N] int32 and their BlockSpec, or Nones
-  to_kernel: Callable  # [B or S, H, Dp, Ep] (or None) -> the kernel's operand
-  from_kernel: Callable
-  shape: tuple  # the kernel's boundary-state array
+class _Programs(NamedTuple):
+  """A sweep's grid and boundary states: one program per (row, head, value block) over every chunk, with one state
+  per row [B, H, Dp, Ep]; or with `sweep`'s sequences one per (head, value block, sequence) over its own chunks
+  (grid axis 3), with one state per sequence [S, H, Dp, Ep]."""
+  grid: tuple
+  spec: Callable  # a BlockSpec over the (B, H, E blocks) grid -> the same over this grid
+  state_spec: pl.BlockSpec  # a boundary state's block
+  num_states: int  # B or S
+  bounds: tuple  # (first, end) [S] int32 and their BlockSpec, or Nones
 
 
-def _state_operands(sequences, num_sequences, *, b, h, n, dp, ep, be) -> _StateOperands:
-  """`_StateOperands` of a sweep over (B, H, E blocks); num_sequences: S, the boundary states' leading dim."""
+def _programs(sequences, *, b, h, dp, ep, be) -> _Programs:
+  """`_Programs` of a sweep over (B, H, E blocks); sequences: (first, end) [S] int32 chunk bounds, or None."""
   if sequences is None:
-    return _StateOperands(_state_specs(b, h, n, dp, be)[0], (None, None, None), lambda x: x, lambda x: x,
-                          (b, h, dp, ep))
+    return _Programs((b, h, ep // be), lambda spec: spec, _state_specs(b, h, 1, dp, be)[0], b, (None, None, None))
   if b != 1:
     raise ValueError(f"per-sequence states take one row, got B = {b}")
-  s = num_sequences
-  mark_spec = pl.BlockSpec((None, n), lambda bi, hi, ei: (bi, 0))
-  return _StateOperands(
-      pl.BlockSpec((None, s * dp, be), lambda bi, hi, ei: (hi, 0, ei)), (*sequences, mark_spec),
-      lambda x: None if x is None else jnp.moveaxis(x, 0, 1).reshape(h, s * dp, ep),
-      lambda x: jnp.moveaxis(x.reshape(h, s, dp, ep), 1, 0), (h, s * dp, ep))
+  first, end = sequences
+
+  def over_sequences(spec):
+    return None if spec is None else pl.BlockSpec(spec.block_shape,
+                                                  lambda bi, hi, ei, si: spec.index_map(bi, hi, ei))
+
+  return _Programs((b, h, ep // be, first.shape[0]), over_sequences,
+                   pl.BlockSpec((None, None, dp, be), lambda bi, hi, ei, si: (si, hi, 0, ei)), first.shape[0],
+                   (first, end, pl.BlockSpec(first.shape, lambda bi, hi, ei, si: (0,))))
 
 
 def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_outputs=True, with_final_state,
-          with_states=False, with_values=False, sequences=None, num_sequences=None, config: DeltaConfig, interpret):
+          with_states=False, with_values=False, sequences=None, config: DeltaConfig, interpret):
   """The sweep kernel on padded inputs: (O [B, Tp, H, Ep] or None, final state [B, H, Dp, Ep] float32 or None,
   the state before every chunk [B, H, N Dp, Ep] in the input dtype (the kernels' operand) or None,
   U = U_v - W S_n [B, Tp, H, Ep] in the input dtype or None).
 
-  sequences: None, or each chunk's (entry, exit) marks [1, N] int32 (`chunk.sequence_marks`) of num_sequences
-  chunk-aligned sequences: then the initial and final states are per sequence, [S, H, Dp, Ep] (`_sweep_kernel`).
+  sequences: None, or (first, end) [S] int32, the chunk bounds of S chunk-aligned sequences covering every chunk
+  (`_sequence_bounds`): then a program runs each sequence, and the initial and final states are per sequence,
+  [S, H, Dp, Ep] (`_sweep_kernel`).
   """
   b, tp, h, dp = q.shape
   ep = u.shape[-1]
@@ -1270,39 +1246,41 @@ def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_outputs=Tr
   whole = lambda width: pl.BlockSpec((None, tp, None, width), lambda bi, hi, ei: (bi, 0, hi, 0))  # noqa: E731
   columns = pl.BlockSpec((None, tp, None, be), lambda bi, hi, ei: (bi, 0, hi, ei))
   states_spec = _state_specs(b, h, n, dp, be)[1]
-  boundary = _state_operands(sequences, num_sequences, b=b, h=h, n=n, dp=dp, ep=ep, be=be)
-  entry, exit_, mark_spec = boundary.marks
+  programs = _programs(sequences, b=b, h=h, dp=dp, ep=ep, be=be)
+  first, end, bounds_spec = programs.bounds
   struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, u)  # noqa: E731
+  over_rows = [whole(dp), whole(dp), whole(dp), columns,
+               None if p is None else pl.BlockSpec((None, None, tp, c), lambda bi, hi, ei: (bi, hi, 0, 0)),
+               *_gate_specs(gates_, c, dp, per_chunk=False),
+               None if gates_.state_decay is None else pl.BlockSpec((None, None, n * dp, 1),
+                                                                    lambda bi, hi, ei: (bi, hi, 0, 0))]
   o, final_state, states, values = pl.pallas_call(
       functools.partial(_sweep_kernel, scale=scale, chunk_size=c, num_chunks=n, exact=q.dtype == _F32),
-      grid=(b, h, ep // be),
-      in_specs=[whole(dp), whole(dp), whole(dp), columns,
-                None if p is None else pl.BlockSpec((None, None, tp, c), lambda bi, hi, ei: (bi, hi, 0, 0)),
-                *_gate_specs(gates_, c, dp, per_chunk=False),
-                None if gates_.state_decay is None else pl.BlockSpec((None, None, n * dp, 1),
-                                                                     lambda bi, hi, ei: (bi, hi, 0, 0)),
-                None if initial_state is None else boundary.spec, mark_spec, mark_spec],
-      out_specs=[columns if with_outputs else None, boundary.spec if with_final_state else None,
-                 states_spec if with_states else None, columns if with_values else None],
+      grid=programs.grid,
+      in_specs=[*map(programs.spec, over_rows), None if initial_state is None else programs.state_spec,
+                bounds_spec, bounds_spec],
+      out_specs=[programs.spec(columns) if with_outputs else None,
+                 programs.state_spec if with_final_state else None,
+                 programs.spec(states_spec) if with_states else None,
+                 programs.spec(columns) if with_values else None],
       out_shape=[struct((b, tp, h, ep), q.dtype) if with_outputs else None,
-                 struct(boundary.shape, _F32) if with_final_state else None,
+                 struct((programs.num_states, h, dp, ep), _F32) if with_final_state else None,
                  struct((b, h, n * dp, ep), q.dtype) if with_states else None,
                  struct((b, tp, h, ep), q.dtype) if with_values else None],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_sweep")(q, k, w, u, p, gates_.g, gates_.runs, gates_.state_decay,
-                                                         boundary.to_kernel(initial_state), entry, exit_)
-  return o, None if final_state is None else boundary.from_kernel(final_state), states, values
+                                                         initial_state, first, end)
+  return o, final_state, states, values
 
 
 def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, with_value_cotangents=False,
-                     with_chunk_cotangents=True, sequences=None, num_sequences=None, config: DeltaConfig, interpret):
+                     with_chunk_cotangents=True, sequences=None, config: DeltaConfig, interpret):
   """(G_n = dL/dS after every chunk [B, H, N Dp, Ep] in the input dtype `with_chunk_cotangents` (else None: the
   sequence split's pass from zero end cotangents), dL/dS_0 [B, H, Dp, Ep] float32, dU [B, Tp, H, Ep] in the input
   dtype `with_value_cotangents`, else None).
 
-  Padded operands as for `sweep`; do: [B, Tp, H, Ep]; d_final: [B, H, Dp, Ep] or None. sequences, num_sequences:
-  as `sweep`'s (d_final and dL/dS_0 then per sequence, [S, H, Dp, Ep]; a sequence without chunks gets no
-  cotangent: its tile is left unwritten).
+  Padded operands as for `sweep`; do: [B, Tp, H, Ep]; d_final: [B, H, Dp, Ep] or None. sequences: as `sweep`'s
+  (d_final and dL/dS_0 then per sequence, [S, H, Dp, Ep]).
   """
   b, tp, h, dp = q.shape
   ep = do.shape[-1]
@@ -1312,27 +1290,30 @@ def state_cotangents(q, k, w, p, gates_: Gates, do, d_final, *, scale, with_valu
   whole = pl.BlockSpec((None, tp, None, dp), lambda bi, hi, ei: (bi, 0, hi, 0))
   columns = pl.BlockSpec((None, tp, None, be), lambda bi, hi, ei: (bi, 0, hi, ei))
   states_spec = _state_specs(b, h, n, dp, be)[1]
-  boundary = _state_operands(sequences, num_sequences, b=b, h=h, n=n, dp=dp, ep=ep, be=be)
-  entry, exit_, mark_spec = boundary.marks
+  programs = _programs(sequences, b=b, h=h, dp=dp, ep=ep, be=be)
+  first, end, bounds_spec = programs.bounds
   struct = lambda shape, dtype: manual_axes.struct(shape, dtype, q, k, do)  # noqa: E731
+  over_rows = [whole, whole, whole,
+               None if p is None else pl.BlockSpec((None, None, tp, c), lambda bi, hi, ei: (bi, hi, 0, 0)),
+               *_gate_specs(gates_, c, dp, per_chunk=False),
+               None if gates_.state_decay is None else pl.BlockSpec((None, None, n * dp, 1),
+                                                                    lambda bi, hi, ei: (bi, hi, 0, 0)),
+               columns]
   d_next, d_initial, d_values = pl.pallas_call(
       functools.partial(_state_cotangents_kernel, scale=scale, chunk_size=c, num_chunks=n, exact=q.dtype == _F32),
-      grid=(b, h, ep // be),
-      in_specs=[whole, whole, whole,
-                None if p is None else pl.BlockSpec((None, None, tp, c), lambda bi, hi, ei: (bi, hi, 0, 0)),
-                *_gate_specs(gates_, c, dp, per_chunk=False),
-                None if gates_.state_decay is None else pl.BlockSpec((None, None, n * dp, 1),
-                                                                     lambda bi, hi, ei: (bi, hi, 0, 0)),
-                columns, None if d_final is None else boundary.spec, mark_spec, mark_spec],
-      out_specs=[states_spec if with_chunk_cotangents else None, boundary.spec,
-                 columns if with_value_cotangents else None],
+      grid=programs.grid,
+      in_specs=[*map(programs.spec, over_rows), None if d_final is None else programs.state_spec,
+                bounds_spec, bounds_spec],
+      out_specs=[programs.spec(states_spec) if with_chunk_cotangents else None, programs.state_spec,
+                 programs.spec(columns) if with_value_cotangents else None],
       out_shape=[struct((b, h, n * dp, ep), q.dtype) if with_chunk_cotangents else None,
-                 struct(boundary.shape, _F32), struct((b, tp, h, ep), q.dtype) if with_value_cotangents else None],
+                 struct((programs.num_states, h, dp, ep), _F32),
+                 struct((b, tp, h, ep), q.dtype) if with_value_cotangents else None],
       compiler_params=triton_lowering.compiler_params(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name="delta_attention_state_cotangents")(q, k, w, p, gates_.g, gates_.runs,
                                                                      gates_.state_decay, do,
-                                                                     boundary.to_kernel(d_final), entry, exit_)
-  return d_next, boundary.from_kernel(d_initial), d_values
+                                                                     d_final, first, end)
+  return d_next, d_initial, d_values
 
 
 def chunk_gradients(q, k, v, beta, gates_: Gates, states, d_next, do, *, scale, config: DeltaConfig, interpret):
@@ -1424,25 +1405,19 @@ def sequence_chunk(config: DeltaConfig) -> int:
   return max(config.chunk_size, config.backward_chunk_size)
 
 
-def _sequence_marks(sequences, segment_starts, *, seq_len, chunk_size, layout_chunk):
-  """(`sweep`'s sequences, their count) of `forward`'s and `backward`'s sequences ((first, end) chunk bounds of a
-  `chunk.aligned_sequences` layout at layout_chunk tokens a chunk, or None: (None, None)), for chunks of
-  chunk_size."""
+def _sequence_bounds(sequences, segment_starts, *, seq_len, chunk_size, layout_chunk):
+  """`sweep`'s sequences from `forward`'s and `backward`'s ((first, end) chunk bounds of a `chunk.aligned_sequences`
+  layout at layout_chunk tokens a chunk, or None), for chunks of chunk_size: the last sequence's program also runs
+  the layout's trailing chunks (zero rows: they leave its state as it is), so the programs cover every chunk."""
   if sequences is None:
-    return None, None
+    return None
   first, end = sequences
   if seq_len % layout_chunk or segment_starts is not None:
     raise ValueError(f"sequences take a row laid out in whole chunks of {layout_chunk} tokens and no segment starts; "
                      f"got T = {seq_len}")
-  return chunk.sequence_marks(first, end, num_chunks=seq_len // chunk_size,
-                              per_chunk=layout_chunk // chunk_size), first.shape[0]
-
-
-def _unless_empty(sequences, kernel_states, empty_states):
-  """Per-sequence states: the kernel's, but a sequence without chunks gets empty_states' (None: zeros)."""
-  first, end = sequences
-  empty = jnp.zeros_like(kernel_states) if empty_states is None else empty_states
-  return jnp.where((end > first)[:, None, None, None], kernel_states, empty)
+  per_chunk = layout_chunk // chunk_size
+  end = jnp.concatenate([end[:-1] * per_chunk, jnp.full((1,), seq_len // chunk_size, end.dtype)])
+  return first * per_chunk, end
 
 
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, config: DeltaConfig,
@@ -1466,19 +1441,14 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   c = config.chunk_size
   dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(e)
-  marks, num_sequences = _sequence_marks(sequences, segment_starts, seq_len=t, chunk_size=c,
-                                         layout_chunk=sequence_chunk(config))
+  bounds = _sequence_bounds(sequences, segment_starts, seq_len=t, chunk_size=c, layout_chunk=sequence_chunk(config))
   g = gate_logs(decay, seq_len=t, dim_k=dp, chunk_size=c)
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c)
   w, u, p, _ = prepare(qp, kp, vp, beta_rows, gates_, scale=scale, config=config, interpret=interpret)
   o, final_state, _, _ = sweep(qp, kp, w, u, p, gates_, chunk_common.pad_state(initial_state, dp, ep), scale=scale,
-                               with_outputs=with_outputs, with_final_state=with_final_state, sequences=marks,
-                               num_sequences=num_sequences, config=config, interpret=interpret)
-  if final_state is not None:
-    final_state = final_state[:, :, :d, :e]
-    if sequences is not None:
-      final_state = _unless_empty(sequences, final_state, initial_state)
-  return None if o is None else o[:, :t, :, :e], final_state
+                               with_outputs=with_outputs, with_final_state=with_final_state, sequences=bounds,
+                               config=config, interpret=interpret)
+  return None if o is None else o[:, :t, :, :e], None if final_state is None else final_state[:, :, :d, :e]
 
 
 def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *, scale, config: DeltaConfig,
@@ -1541,8 +1511,8 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
     raise ValueError("inverses and states are the warp-specialised backward's (DeltaConfig.warp_specializes_backward)")
   dp, ep = (WarpSpecializedConfig.padded_dims(d, e) if warp_specialized
             else (lightning_config.padded_dim(d), lightning_config.padded_dim(e)))
-  marks, num_sequences = _sequence_marks(sequences, segment_starts, seq_len=t, chunk_size=c, layout_chunk=layout_chunk)
-  per_sequence = dict(sequences=marks, num_sequences=num_sequences)
+  per_sequence = dict(sequences=_sequence_bounds(sequences, segment_starts, seq_len=t, chunk_size=c,
+                                                 layout_chunk=layout_chunk))
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c, dims=(dp, ep))
   kernels = dict(scale=scale, config=config, interpret=interpret)
@@ -1599,8 +1569,6 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
     d_decay = gate_vjp(dg.reshape(b, h, n * c, *dg.shape[4:]))[0]
   if initial_state is not None:
     d_initial = d_initial[:, :, :d, :e]
-    if sequences is not None:  # an empty sequence's final state is its initial state
-      d_initial = _unless_empty(sequences, d_initial, None if d_final is None else d_final[:, :, :d, :e])
   return (dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :e], jnp.moveaxis(d_beta[:, :, :t], 1, 2).astype(beta.dtype),
           d_decay, None if initial_state is None else d_initial)
 

@@ -1,0 +1,104 @@
+"""Times `delta_attention` with `cu_seqlens` and per-sequence states, beside the same row without them.
+
+    python -m benchmarks.sequence_states [--cases 32768x16x128x8,32768x8x64x8] [--paths xla,pallas,packed,unpacked]
+
+Each case TxHxDxN is one row (B = 1) of T tokens cut into N random-length
+sequences (seed 0), Gated DeltaNet (per-token rates), bf16, D = E. The paths:
+`xla` and `pallas`, per-sequence initial and final states ([N, H, D, E]) on the
+chunked jnp path and on the Pallas kernels; `packed`, the same cu_seqlens with
+no states (the packed row's kernels); `unpacked`, no cu_seqlens. Each is
+compiled, run twice, then timed as the median of `--calls` calls, each waited
+for (wall time: launches included), forward and forward plus backward of every
+input. PERFORMANCE.md ("Open gaps", per-sequence states) cites its runs: the
+benchmark CLI's packed cases take segment ids, without per-sequence states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import lightning_jax as lj
+
+PATHS = {"xla": dict(impl="xla", states=True), "pallas": dict(impl="pallas", states=True),
+         "packed": dict(impl="pallas", states=False), "unpacked": dict(impl="pallas", states=False, unpacked=True)}
+
+
+def _inputs(t, h, d, n, seed=0):
+  """q, k, v [1, T, H, D] bf16 (k L2-normalised), beta [1, T, H], rates [1, T, H], cu_seqlens [N + 1], states
+  [N, H, D, D]."""
+  keys = jax.random.split(jax.random.key(seed), 8)
+  q = jax.random.normal(keys[0], (1, t, h, d), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (1, t, h, d))
+  k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, t, h, d), jnp.bfloat16)
+  beta = jax.random.uniform(keys[3], (1, t, h))
+  rates = jax.random.uniform(keys[4], (1, t, h), maxval=0.1)
+  cu = jnp.asarray([0, *sorted(random.Random(seed).sample(range(1, t), n - 1)), t], jnp.int32)
+  return q, k, v, beta, rates, cu, 0.1 * jax.random.normal(keys[5], (n, h, d, d))
+
+
+def _median_ms(fn, args, calls):
+  """(median ms of `calls` waited calls after two, seconds of the first call)."""
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  first = time.perf_counter() - start
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(calls):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times), first
+
+
+def time_case(case: str, path: str, calls: int) -> str:
+  """One line: the case, the path, forward and fwd+bwd median ms (and their first calls' seconds)."""
+  t, h, d, n = (int(x) for x in case.split("x"))
+  q, k, v, beta, rates, cu, s0 = _inputs(t, h, d, n)
+  options = PATHS[path]
+  cotangent = jax.random.normal(jax.random.key(9), v.shape, jnp.bfloat16)
+
+  def attention(q, k, v, beta, rates, s0):
+    kw = dict(impl=options["impl"])
+    if not options.get("unpacked"):
+      kw["cu_seqlens"] = cu
+    if options["states"]:
+      kw.update(initial_state=s0, return_final_state=True)
+    return lj.delta_attention(q, k, v, beta, rates, **kw)
+
+  def loss(*args):
+    out = attention(*args)
+    o, finals = out if options["states"] else (out, None)
+    return jnp.sum(o.astype(jnp.float32) * cotangent) + (0.0 if finals is None else jnp.sum(finals))
+
+  args = (q, k, v, beta, rates, s0)
+  forward, first_forward = _median_ms(jax.jit(attention), args, calls)
+  argnums = (0, 1, 2, 3, 4, 5) if options["states"] else (0, 1, 2, 3, 4)
+  both, first_both = _median_ms(jax.jit(jax.grad(loss, argnums=argnums)), args, calls)
+  return (f"{case:18s} {path:9s} fwd {forward:9.3f} ms  fwd+bwd {both:9.3f} ms  "
+          f"(first calls {first_forward:.0f} s, {first_both:.0f} s)")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--cases", default="32768x16x128x8,32768x8x64x8", help="TxHxDxN, comma-separated")
+  p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
+  p.add_argument("--calls", type=int, default=15)
+  args = p.parse_args(argv)
+  paths = args.paths.split(",")
+  if unknown := set(paths) - set(PATHS):
+    raise SystemExit(f"unknown --paths {sorted(unknown)}: choose from {', '.join(PATHS)}")
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
+  for case in args.cases.split(","):
+    for path in paths:
+      print(time_case(case, path, args.calls), flush=True)
+
+
+if __name__ == "__main__":
+  main()
