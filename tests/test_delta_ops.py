@@ -208,12 +208,11 @@ def test_cu_seqlens_equals_sequences_alone():
       np.testing.assert_array_equal(finals[n], s0[n])
 
 
-def check_sequence_states(decay, dtype, states, **kw):
+def check_sequence_states(decay, dtype, states, lengths=(5, 0, 70, 1, 53, 18, 0), **kw):
   """Per-sequence states with cu_seqlens against the oracle (states: "both", "initial" or "final" given):
   boundaries inside 64-token chunks and on their edges, empty and length-1 sequences, one longer than a chunk, D and
-  E off the blocks; outputs, per-sequence final states and every gradient. kw: delta_attention's impl and the
-  rest."""
-  lengths = (5, 0, 70, 1, 53, 18, 0)
+  E off the blocks (by default; lengths: the sequences'); outputs, per-sequence final states and every gradient.
+  kw: delta_attention's impl and the rest."""
   cu = jnp.asarray(np.cumsum((0,) + lengths), jnp.int32)
   case = Case(b=1, t=sum(lengths), decay=decay, initial_state=False)
   q, k, v, beta, rates, _, _ = make_inputs(case, seed=7)
@@ -239,7 +238,8 @@ def check_sequence_states(decay, dtype, states, **kw):
   assert o.dtype == dtype and rel_err(o, o_ref) < tol
   if with_final:
     assert finals.dtype == F32 and rel_err(finals, finals_ref) < tol
-    np.testing.assert_array_equal(finals[1], 0.0 if s0 is None else s0[1])  # empty: its initial state
+    for n in np.flatnonzero(np.asarray(lengths) == 0):  # empty: its initial state
+      np.testing.assert_array_equal(finals[n], 0.0 if s0 is None else s0[n])
   for name, g, g_ref in zip(ARG_NAMES, grads, grads_ref):
     if g_ref is not None:
       assert rel_err(g, g_ref) < (3e-2 if dtype == BF16 else 1e-3), (name, rel_err(g, g_ref))
@@ -259,6 +259,12 @@ def test_cu_seqlens_states_pallas_matches_oracle(decay, dtype, states, kernel_mo
   bfloat16, and with initial or final states alone."""
   dtype = {"float32": F32, "bfloat16": BF16}[dtype]
   check_sequence_states(decay, dtype, states, impl="pallas", interpret=kernel_mode)
+
+
+def test_cu_seqlens_states_pallas_last_sequence_runs_the_trailing_chunks():
+  """A program per sequence: the last one (non-empty here, ending inside a chunk) also runs the layout's trailing
+  zero chunks, and a first sequence without tokens gets its initial state."""
+  check_sequence_states("token", F32, "both", lengths=(0, 64, 3, 90), impl="pallas", interpret=True)
 
 
 def test_cu_seqlens_states_pallas_takes_any_chunks():
