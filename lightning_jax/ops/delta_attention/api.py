@@ -110,8 +110,8 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       segment_ids. With per-sequence initial or final states the sequences
       are laid out chunk-aligned (O(T + N C) rows), and "pallas" runs the
       Triton sweeps (not the warp-specialised ones, nor the sequence split),
-      each sequence's state set where its first chunk begins; "auto" picks
-      "xla" for them.
+      one program per (head, value block, sequence) from that sequence's
+      initial state.
     sequence_axis: None, or the name of a mesh axis over which T is sharded,
       when called inside `jax.shard_map` (sequence parallelism): q, k, v,
       beta, decay and segment_ids are this device's slice of T (devices in
