@@ -1,11 +1,13 @@
 """Times `delta_attention` with `cu_seqlens` and per-sequence states, beside the same row without them.
 
-    python -m benchmarks.sequence_states [--cases 32768x16x128x8,32768x8x64x8] [--paths xla,pallas,packed,unpacked]
+    python -m benchmarks.sequence_states [--cases 32768x16x128x8,32768x8x64x8]
+        [--paths xla,pallas,pallas-triton,packed,unpacked]
 
 Each case TxHxDxN is one row (B = 1) of T tokens cut into N random-length
 sequences (seed 0), Gated DeltaNet (per-token rates), bf16, D = E. The paths:
 `xla` and `pallas`, per-sequence initial and final states ([N, H, D, E]) on the
-chunked jnp path and on the Pallas kernels; `packed`, the same cu_seqlens with
+chunked jnp path and on the Pallas kernels (on sm90 the warp-specialised
+forward; `pallas-triton`, the Triton sweeps forced); `packed`, the same cu_seqlens with
 no states (the packed row's kernels); `unpacked`, no cu_seqlens. Each is
 compiled, run twice, then timed as the median of `--calls` calls, each waited
 for (wall time: launches included), forward and forward plus backward of every
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import lightning_jax as lj
 
 PATHS = {"xla": dict(impl="xla", states=True), "pallas": dict(impl="pallas", states=True),
+         "pallas-triton": dict(impl="pallas", states=True, config=lj.DeltaConfig(warp_specialized=False)),
          "packed": dict(impl="pallas", states=False), "unpacked": dict(impl="pallas", states=False, unpacked=True)}
 
 
@@ -65,7 +68,7 @@ def time_case(case: str, path: str, calls: int) -> str:
   cotangent = jax.random.normal(jax.random.key(9), v.shape, jnp.bfloat16)
 
   def attention(q, k, v, beta, rates, s0):
-    kw = dict(impl=options["impl"])
+    kw = dict(impl=options["impl"], config=options.get("config"))
     if not options.get("unpacked"):
       kw["cu_seqlens"] = cu
     if options["states"]:
@@ -81,7 +84,7 @@ def time_case(case: str, path: str, calls: int) -> str:
   forward, first_forward = _median_ms(jax.jit(attention), args, calls)
   argnums = (0, 1, 2, 3, 4, 5) if options["states"] else (0, 1, 2, 3, 4)
   both, first_both = _median_ms(jax.jit(jax.grad(loss, argnums=argnums)), args, calls)
-  return (f"{case:18s} {path:9s} fwd {forward:9.3f} ms  fwd+bwd {both:9.3f} ms  "
+  return (f"{case:18s} {path:13s} fwd {forward:9.3f} ms  fwd+bwd {both:9.3f} ms  "
           f"(first calls {first_forward:.0f} s, {first_both:.0f} s)")
 
 

@@ -18,6 +18,7 @@ from helpers import BF16, F16, F32, TOL, WS_JAX, WS_MODES, Case, check_against_o
 from test_delta_ops import ARG_NAMES as DELTA_ARG_NAMES
 from test_delta_ops import INVERSE_CASES, inverse_error, inverse_inputs
 from test_delta_ops import Case as DeltaCase
+from test_delta_ops import check_sequence_states
 from test_delta_ops import make_inputs as delta_inputs
 from test_delta_ops import value_and_grads as delta_value_and_grads
 from test_packed import EXTREME_RATES, Packing, check_packed
@@ -1039,3 +1040,38 @@ def test_delta_forward_states_off_gives_the_same_gradients(mode):
     assert (kept is None) == (swept is None), name
     if kept is not None:
       assert jnp.array_equal(kept, swept), name
+
+
+# Per-sequence states (cu_seqlens): DeltaNet and KDA compiled only (each case runs the whole Triton backward too).
+SEQUENCE_STATES_PARAMS = [pytest.param(decay, *mode.values, marks=mode.marks, id=f"{decay}-{mode.id}")
+                          for decay, modes in ((None, WS_MODES[1:]), ("token", WS_MODES), ("channel", WS_MODES[1:]))
+                          for mode in modes]
+
+
+@pytest.mark.parametrize("decay,mode", SEQUENCE_STATES_PARAMS)
+def test_delta_cu_seqlens_states_warp_specialized(decay, mode):
+  """Per-sequence states (cu_seqlens) on the warp-specialised forward: CTAs per sequence over its own chunks of the
+  chunk-aligned layout (a traced count: an empty sequence walks none, the last one also the layout's trailing
+  chunks), each from its own initial state to its own final state; the backward on the Triton sweeps. Outputs,
+  final states and every gradient against the oracle."""
+  check_sequence_states(decay, BF16, "both", lengths=(0, 64, 70, 1, 130, 3), impl="pallas",
+                        interpret=mode == "interpret", config=lj.DeltaConfig(warp_specialized=True))
+
+
+@needs_ws_jax
+def test_delta_cu_seqlens_states_warp_specialized_lowers_for_cuda():
+  """The per-sequence forward takes the warp-specialised sweep, a CTA per (head, sequence, value block), and lowers
+  for CUDA from any backend."""
+  from lightning_jax.ops.delta_attention import vjp
+
+  t, h, d, e, s = 256, 2, 64, 128, 3
+  config = lj.DeltaConfig(warp_specialized=True, sequence_pieces=1)
+  opts = vjp.PallasOptions(scale=0.125, with_final_state=True, config=config, interpret=False)
+  spec = jax.ShapeDtypeStruct
+  args = (spec((1, t, h, d), BF16), spec((1, t, h, d), BF16), spec((1, t, h, e), BF16), spec((1, t, h), F32),
+          spec((1, t, h), F32), spec((s,), jnp.int32), spec((s,), jnp.int32), spec((s, h, d, e), F32))
+  exported = jax.export.export(jax.jit(lambda *a: vjp.delta_attention_sequences_pallas(*a, opts)),
+                               platforms=["cuda"])(*args)
+  text = exported.mlir_module()
+  assert "delta_warp_specialized" in text and "delta_attention_sweep" not in text
+  assert [o.shape for o in exported.out_avals] == [(1, t, h, e), (s, h, d, e)]

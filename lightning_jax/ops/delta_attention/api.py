@@ -194,15 +194,9 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     starts = None if segment_ids is None else chunk_common.segment_starts(segment_ids)
     if impl == "pallas":
       per_channel_gate = decay is not None and decay.ndim == 4
-      config = config or _default_config(q, v, decay, device)
       interpret = lightning_api.pallas_interpret(interpret, cc, q)
-      cannot = heuristics.warp_specialized_unsupported(dim_k=q.shape[-1], dim_v=v.shape[-1], dtype=q.dtype,
-                                                       compute_capability=cc, interpret=interpret)
-      if config.warp_specialized and cannot:
-        raise ValueError(f"DeltaConfig(warp_specialized=True): the warp-specialised forward {cannot}")
-      # Unless asked, compiled only (its interpreter is for tests).
-      config = dataclasses.replace(config, warp_specialized=not cannot and (
-          config.warp_specialized or (config.warp_specialized is None and not interpret)))
+      config = _resolve_warp_specialized(config or _default_config(q, v, decay, device), q, v, cc=cc,
+                                         interpret=interpret)
       if config.forward_states and not (config.warp_specializes_backward(per_channel_gate=per_channel_gate)
                                         or config.keeps_chunk_terms(per_channel_gate=per_channel_gate)):
         raise ValueError("DeltaConfig(forward_states=True) needs the warp-specialised backward, which this call does "
@@ -233,18 +227,27 @@ def _default_config(q, v, decay, device):
       num_sms=heuristics.num_sms(device))
 
 
+def _resolve_warp_specialized(config, q, v, *, cc, interpret):
+  """config with `warp_specialized` resolved to a bool: True where asked or (None) where the warp-specialised
+  forward runs compiled (its interpreter is for tests); ValueError where asked and it cannot run."""
+  cannot = heuristics.warp_specialized_unsupported(dim_k=q.shape[-1], dim_v=v.shape[-1], dtype=q.dtype,
+                                                   compute_capability=cc, interpret=interpret)
+  if config.warp_specialized and cannot:
+    raise ValueError(f"DeltaConfig(warp_specialized=True): the warp-specialised forward {cannot}")
+  return dataclasses.replace(config, warp_specialized=not cannot and (
+      config.warp_specialized or (config.warp_specialized is None and not interpret)))
+
+
 def _pallas_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale, with_final_state, config, interpret,
                       device):
   """`delta_attention`'s Pallas path for cu_seqlens with per-sequence states: the sequences chunk-aligned
-  (`chunk.aligned_sequences`), on the Triton sweeps (`vjp.delta_attention_sequences_pallas`)."""
+  (`chunk.aligned_sequences`), a sweep program per sequence (`vjp.delta_attention_sequences_pallas`): the
+  warp-specialised forward where it runs, the Triton backward."""
   cc = heuristics.compute_capability(device)
-  if config is not None and config.warp_specialized:
-    raise ValueError("per-sequence states with cu_seqlens run on the Triton sweeps: DeltaConfig(warp_specialized=True) "
-                     "does not apply; pass None or False")
-  config = config or _default_config(q, v, decay, device)
-  config = dataclasses.replace(config, warp_specialized=False, sequence_pieces=1)
-  opts = vjp.PallasOptions(scale=scale, with_final_state=with_final_state, config=config,
-                           interpret=lightning_api.pallas_interpret(interpret, cc, q))
+  interpret = lightning_api.pallas_interpret(interpret, cc, q)
+  config = _resolve_warp_specialized(config or _default_config(q, v, decay, device), q, v, cc=cc, interpret=interpret)
+  config = dataclasses.replace(config, sequence_pieces=1)
+  opts = vjp.PallasOptions(scale=scale, with_final_state=with_final_state, config=config, interpret=interpret)
   layout = chunk.aligned_sequences(cu_seqlens, q.shape[1], pallas_triton.sequence_chunk(config))
   aligned = (None if x is None else layout.to_layout(x) for x in (q, k, v, beta, decay))
   o, final_state = vjp.delta_attention_sequences_pallas(*aligned, layout.first, layout.end, initial_state, opts)

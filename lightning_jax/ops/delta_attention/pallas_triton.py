@@ -1235,7 +1235,7 @@ def sweep(q, k, w, u, p, gates_: Gates, initial_state, *, scale, with_outputs=Tr
   U = U_v - W S_n [B, Tp, H, Ep] in the input dtype or None).
 
   sequences: None, or (first, end) [S] int32, the chunk bounds of S chunk-aligned sequences covering every chunk
-  (`_sequence_bounds`): then a program runs each sequence, and the initial and final states are per sequence,
+  (`sequence_bounds`): then a program runs each sequence, and the initial and final states are per sequence,
   [S, H, Dp, Ep] (`_sweep_kernel`).
   """
   b, tp, h, dp = q.shape
@@ -1401,11 +1401,13 @@ def padded_operands(q, k, v, beta, segment_starts, g, *, chunk_size, dims=None):
 
 def sequence_chunk(config: DeltaConfig) -> int:
   """Tokens a chunk of the `chunk.aligned_sequences` layout that `forward`'s and `backward`'s sequences take: their
-  sweeps' largest chunk (the others divide it: powers of two)."""
-  return max(config.chunk_size, config.backward_chunk_size)
+  sweeps' largest chunk, the warp-specialised forward's 64 where `config.warp_specialized` (the others divide it:
+  powers of two)."""
+  return max(config.chunk_size, config.backward_chunk_size,
+             WarpSpecializedConfig.CHUNK_SIZE if config.warp_specialized else 0)
 
 
-def _sequence_bounds(sequences, segment_starts, *, seq_len, chunk_size, layout_chunk):
+def sequence_bounds(sequences, segment_starts, *, seq_len, chunk_size, layout_chunk):
   """`sweep`'s sequences from `forward`'s and `backward`'s ((first, end) chunk bounds of a `chunk.aligned_sequences`
   layout at layout_chunk tokens a chunk, or None), for chunks of chunk_size: the last sequence's program also runs
   the layout's trailing chunks (zero rows: they leave its state as it is), so the programs cover every chunk."""
@@ -1441,7 +1443,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   c = config.chunk_size
   dp, ep = lightning_config.padded_dim(d), lightning_config.padded_dim(e)
-  bounds = _sequence_bounds(sequences, segment_starts, seq_len=t, chunk_size=c, layout_chunk=sequence_chunk(config))
+  bounds = sequence_bounds(sequences, segment_starts, seq_len=t, chunk_size=c, layout_chunk=sequence_chunk(config))
   g = gate_logs(decay, seq_len=t, dim_k=dp, chunk_size=c)
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c)
   w, u, p, _ = prepare(qp, kp, vp, beta_rows, gates_, scale=scale, config=config, interpret=interpret)
@@ -1479,13 +1481,16 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   initial_cotangent_only: return only dL/dS_0 [B, H, D, E] float32 (the
   reverse sweep's; initial_state may be None): the sequence split's
   cotangent of each piece's start from its own outputs (`sequence_split`).
-  sequences: `forward`'s (the Triton sweeps alone: not with
-  `config.warp_specialized`); initial_state, d_final and dL/dS_0 are then
-  per sequence.
+  sequences: `forward`'s, in the layout of `sequence_chunk(config)`; the
+  backward then runs on the Triton sweeps alone, whatever
+  `config.warp_specialized` says (it recomputes what the forward formed);
+  initial_state, d_final and dL/dS_0 are per sequence.
   """
-  if sequences is not None and (config.warp_specialized or inverses is not None or states is not None
-                                or chunk_terms is not None or initial_cotangent_only):
-    raise ValueError("per-sequence states run on the Triton sweeps alone (DeltaConfig(warp_specialized=False))")
+  layout_chunk = sequence_chunk(config)
+  if sequences is not None:
+    if inverses is not None or states is not None or chunk_terms is not None or initial_cotangent_only:
+      raise ValueError("per-sequence states take no kept inverses, states or chunk terms, and return every cotangent")
+    config = dataclasses.replace(config, warp_specialized=False)
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   per_channel_gate = decay is not None and decay.ndim == 4
   if per_channel_gate and config.warp_specialized:
@@ -1499,7 +1504,6 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
                                    fallback=triton)
   split = config.splits_backward(per_channel_gate=per_channel_gate)
   warp_specialized = config.warp_specializes_backward(per_channel_gate=per_channel_gate)
-  layout_chunk = sequence_chunk(config)
   config = dataclasses.replace(config, chunk_size=config.backward_chunk_size, prepare_warps=None)
   c = config.chunk_size
   if warp_specialized and c != WarpSpecializedConfig.CHUNK_SIZE:
@@ -1511,7 +1515,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
     raise ValueError("inverses and states are the warp-specialised backward's (DeltaConfig.warp_specializes_backward)")
   dp, ep = (WarpSpecializedConfig.padded_dims(d, e) if warp_specialized
             else (lightning_config.padded_dim(d), lightning_config.padded_dim(e)))
-  per_sequence = dict(sequences=_sequence_bounds(sequences, segment_starts, seq_len=t, chunk_size=c,
+  per_sequence = dict(sequences=sequence_bounds(sequences, segment_starts, seq_len=t, chunk_size=c,
                                                  layout_chunk=layout_chunk))
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c, dims=(dp, ep))

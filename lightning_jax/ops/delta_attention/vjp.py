@@ -233,10 +233,11 @@ delta_attention_pallas.defvjp(_forward, _backward)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def delta_attention_sequences_pallas(q, k, v, beta, decay, first, end, initial_state, opts: PallasOptions):
   """(o [1, T, H, E], each sequence's final state [S, H, D, E] float32 or None) of S sequences, each from its own
-  initial state, on the Triton sweeps (`pallas_triton.forward`'s sequences): q, k, v, beta and decay in the
-  layout of `chunk.aligned_sequences` at `pallas_triton.sequence_chunk(opts.config)` tokens a chunk, first and end
-  [S] int32 its chunk bounds, initial_state [S, H, D, E] float32 or None (zeros). opts.config must not
-  warp-specialise."""
+  initial state: q, k, v, beta and decay in the layout of `chunk.aligned_sequences` at
+  `pallas_triton.sequence_chunk(opts.config)` tokens a chunk, first and end [S] int32 its chunk bounds,
+  initial_state [S, H, D, E] float32 or None (zeros). The forward runs a sweep program (CTAs on the
+  warp-specialised sweep where `opts.config.warp_specialized`, else a Triton program) per sequence; the backward
+  recomputes on the Triton sweeps (`pallas_triton.backward`'s sequences)."""
   return _sequences_forward(q, k, v, beta, decay, first, end, initial_state, opts)[0]
 
 
@@ -250,9 +251,17 @@ def _sequences_forward(q, k, v, beta, decay, first, end, initial_state, opts):
   q, k, v, beta, decay, initial_state = first_order_only("delta_attention", (q, k, v, beta, decay, initial_state))
 
   def local(q, k, v, beta, decay, first, end, initial_state):
-    o, final_state = pallas_triton.forward(q, k, v, beta, decay, None, initial_state, scale=opts.scale,
-                                           with_final_state=opts.with_final_state, config=opts.config,
-                                           interpret=opts.interpret, sequences=(first, end))
+    triton_forward = functools.partial(pallas_triton.forward, scale=opts.scale, with_final_state=opts.with_final_state,
+                                       config=opts.config, interpret=opts.interpret, sequences=(first, end))
+    if opts.config.warp_specialized:
+      bounds = pallas_triton.sequence_bounds((first, end), None, seq_len=q.shape[1],
+                                             chunk_size=WarpSpecializedConfig.CHUNK_SIZE,
+                                             layout_chunk=pallas_triton.sequence_chunk(opts.config))
+      o, final_state = warp_specialized.forward(q, k, v, beta, decay, None, initial_state, scale=opts.scale,
+                                                with_final_state=opts.with_final_state, interpret=opts.interpret,
+                                                fallback=triton_forward, sequences=bounds)
+    else:
+      o, final_state = triton_forward(q, k, v, beta, decay, None, initial_state)
     return (o,) + ((final_state,) if opts.with_final_state else ())
 
   out = auto_sharding.blockwise(local, _sequence_operands(q, k, v, beta, decay, first, end, initial_state),

@@ -65,8 +65,17 @@ def segment_runs(segment_starts, *, num_tokens):
                                                                             num_tokens=num_tokens)[1]
 
 
+def _kernel_state(initial_state, *, dp, ep, sequences):
+  """initial_state [B, H, D, E] (with sequences [S, H, D, E]) float32 or None as the sweep's transposed S^T, one
+  slice a row: [B, H, 1, Ep, Dp] (with sequences, one row of S states: [1, H, S, Ep, Dp])."""
+  if initial_state is None:
+    return None
+  state_t = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)
+  return jnp.moveaxis(state_t, 0, 1)[None] if sequences is not None else state_t[:, :, None]
+
+
 def _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, interpret,
-                   fallback, with_chunk_terms):
+                   fallback, with_chunk_terms, sequences):
   """`forward` with KDA's per-key-channel rates decay [B, T, H, D]: `delta_mosaic.channel_gated_chunks` forms each
   chunk's T', P, Q_g, K_g and K_C (packed rows: the pairs of one segment alone), and the sweep takes them (packed,
   with the segment-start counts: it drops the rows of Q_g, K_g and K_C that reach past a segment's ends).
@@ -89,16 +98,15 @@ def _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, *, scale
 
   def on_chunk_terms():
     channel_decay = delta_mosaic.channel_state_decay(block_ends, None)  # per key channel (packed: the sweep drops it)
-    state = None
-    if initial_state is not None:  # the kernel carries S^T [E, D], one slice
-      state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
+    state = _kernel_state(initial_state, dp=dp, ep=ep, sequences=sequences)
     cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True,
                                               channel_gated=True)
     result = pallas_mosaic_gpu.forward_padded(
         terms.queries, terms.keys, pad(v, ep), None, state, chunk_gates=(None, runs),
         delta_inverse=terms.inverse, delta_states=with_chunk_terms,
         delta_channel_gates=(terms.keys_to_end, terms.pairs, channel_decay),
-        scale=scale, seq_len=t, return_final_state=with_final_state, cfg=cfg, interpret=interpret)
+        scale=scale, seq_len=t, return_final_state=with_final_state, cfg=cfg, sequences=sequences,
+        interpret=interpret)
     o, *results = result if isinstance(result, tuple) else (result,)
     final_state = jnp.swapaxes(results.pop(), -1, -2)[:, :, :d, :e] if with_final_state else None
     return o[:, :t, :, :e], final_state, ((*terms[:-1], *results) if with_chunk_terms else ())
@@ -115,7 +123,8 @@ def _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, *, scale
 
 
 def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_final_state, interpret,
-            with_inverses=False, with_states=False, inverses=None, fallback=None, with_chunk_terms=False):
+            with_inverses=False, with_states=False, inverses=None, fallback=None, with_chunk_terms=False,
+            sequences=None):
   """`pallas_triton.forward`'s contract (its arguments but the blocks' config, and its results) on the
   warp-specialised sweep; with_inverses
   or with_states, a third result, the backward's residuals (`pallas_triton.backward`'s inverses and states): each
@@ -135,13 +144,22 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   third result) run `_channel_gated`, with `fallback` (a callable of this
   function's first seven arguments returning (o, final state)) where the
   chunks' gates leave its range.
+
+  sequences: None, or (first, end) [S] int32, the bounds in 64-token chunks
+  of S sequences laid out chunk-aligned in one row (B = 1, no segment starts;
+  `pallas_triton.sequence_bounds`: together they cover every chunk), each
+  walked by its own CTAs from its own initial state, initial_state [S, H, D,
+  E], to its own final state [S, H, D, E] (the backward's residuals are not
+  kept: the Triton backward forms them).
   """
+  if sequences is not None and (with_inverses or with_states or with_chunk_terms or segment_starts is not None):
+    raise ValueError("sequences keep no residuals for the backward and take no segment starts")
   if decay is not None and decay.ndim == 4:
     if with_inverses or with_states or inverses is not None or fallback is None:
       raise ValueError("per-key-channel gates take no kept inverses or states, and a fallback")
     return _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, scale=scale,
                           with_final_state=with_final_state, interpret=interpret, fallback=fallback,
-                          with_chunk_terms=with_chunk_terms)
+                          with_chunk_terms=with_chunk_terms, sequences=sequences)
   if with_chunk_terms:
     raise ValueError("with_chunk_terms is KDA's (per-key-channel gates)")
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
@@ -155,13 +173,11 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
     inverses = delta_mosaic.inverse(kp, beta_rows(beta, tp=tp), chunk_gates, with_unscaled=with_inverses,
                                     interpret=interpret)
   inverse = inverses[1] if with_inverses else inverses
-  if initial_state is not None:  # the kernel carries S^T [E, D], one slice
-    initial_state = jnp.swapaxes(chunk_common.pad_state(initial_state, dp, ep), -1, -2)[:, :, None]
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True)
   result = pallas_mosaic_gpu.forward_padded(
-      pad(q, dp), kp, pad(v, ep), None, initial_state, chunk_gates=chunk_gates,
-      delta_inverse=inverse, delta_states=with_states, scale=scale, seq_len=t,
-      return_final_state=with_final_state, cfg=cfg, interpret=interpret)
+      pad(q, dp), kp, pad(v, ep), None, _kernel_state(initial_state, dp=dp, ep=ep, sequences=sequences),
+      chunk_gates=chunk_gates, delta_inverse=inverse, delta_states=with_states, scale=scale, seq_len=t,
+      return_final_state=with_final_state, cfg=cfg, sequences=sequences, interpret=interpret)
   o, *results = result if isinstance(result, tuple) else (result,)
   final_state = jnp.swapaxes(results.pop(), -1, -2)[:, :, :d, :e] if with_final_state else None
   o = o[:, :t, :, :e]

@@ -179,11 +179,21 @@ def update(init, *products, in_registers, during=None):
   return init + pl.run_scoped(product, plgpu.ACC(init.shape, _F32))
 
 
-def fill_ring(load, released, *, num_chunks: int, num_stages: int):
+def last_chunks(num_chunks, count: int):
+  """The first of the last `count` chunks of num_chunks (an int, or traced: a sequence's own chunks), at least 0."""
+  return max(num_chunks - count, 0) if isinstance(num_chunks, int) else jnp.maximum(num_chunks - count, 0)
+
+
+def fill_ring(load, released, *, num_chunks, num_stages: int):
   """The memory warpgroup's loop: load(n, slot) issues chunk n's loads into the ring's slot, first num_stages of
-  them, then each once both compute warpgroups released the slot (`released`, one barrier a slot)."""
-  for n in range(min(num_stages, num_chunks)):
-    load(n, n)
+  them, then each once both compute warpgroups released the slot (`released`, one barrier a slot). num_chunks: an
+  int, or traced (a sequence's own chunks)."""
+  for n in range(num_stages):
+    if isinstance(num_chunks, int):
+      if n < num_chunks:
+        load(n, n)
+    else:
+      pl.when(n < num_chunks)(functools.partial(load, n, n))
 
   @pl.loop(num_stages, num_chunks)
   def _refill(n):
@@ -194,7 +204,7 @@ def fill_ring(load, released, *, num_chunks: int, num_stages: int):
   # Every completed phase of a barrier a warpgroup waits on is observed
   # before the kernel ends (the GPU interpreter checks it): here the releases
   # of the last chunks.
-  @pl.loop(max(num_chunks - num_stages, 0), num_chunks)
+  @pl.loop(last_chunks(num_chunks, num_stages), num_chunks)
   def _drain(n):
     plgpu.barrier_wait(released.at[lax.rem(n, num_stages)])
 
@@ -331,7 +341,7 @@ def delta_update(state_t, values_t, keys, key_exponent, state_exponent, *, stagi
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, published,
             per_chunk, has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state,
-            register_scores, delta, delta_states, with_outputs, overlap_publish, channel_gated):
+            register_scores, delta, delta_states, with_outputs, overlap_publish, channel_gated, sequences):
   refs = list(refs)
   # The delta rule: each chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, C]; with KDA's per-channel gates
   # (`channel_gated`: q and k come as Q_g and K_g) K_C [B, Tp, H, K], P [B, H, Tp, C] and the state's decay
@@ -343,6 +353,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   head_segments = has_segments and not per_chunk
   runs_ref = refs.pop(0) if head_segments else None
   initial_ref = refs.pop(0) if has_initial else None
+  # `sequences`: each sequence's chunk bounds [2, S] int32 (its first chunk, one past its last).
+  bounds_ref = refs.pop(0) if sequences else None
   # The output, and (the delta rule's `delta_states`) S_n^T [B, H, N, V, K] and U^T [B, H, V, Tp].
   out_ref = refs.pop(0) if with_outputs else None
   states_out_ref, values_out_ref = (refs.pop(0), refs.pop(0)) if delta_states else (None, None)
@@ -374,10 +386,15 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     (initial_loaded,) = barriers
   c, be = CHUNK_SIZE, BLOCK_E
   head, col = lax.axis_index("heads"), lax.axis_index("value_blocks")
-  # A CTA walks `num_chunks` chunks of one slice of the sequence (see `forward`);
-  # unsplit, the offsets stay static.
+  # A CTA walks `num_chunks` chunks of one slice of the sequence (see `forward`), or with `sequences` a
+  # sequence's own chunks of the one row (a traced count: an empty sequence's CTA walks none); unsplit, the
+  # offsets stay static.
   batch, sequence_slice, first_chunk = lax.axis_index("batch_slices"), 0, 0
-  if num_slices > 1:
+  if sequences:
+    batch, sequence_slice = 0, batch
+    first_chunk = bounds_ref[0, sequence_slice]
+    num_chunks = bounds_ref[1, sequence_slice] - first_chunk
+  elif num_slices > 1:
     batch, sequence_slice = lax.div(batch, num_slices), lax.rem(batch, num_slices)
     first_chunk = sequence_slice * num_chunks
   cols = pl.ds(col * be, be)
@@ -541,7 +558,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     # Per head, a partial last chunk has its own key and state factors (padded
     # rows are zeros, but they would still decay the state); only the final
     # state sees them. Per chunk, padded rows have rate 0 and change nothing.
-    split = num_chunks - 1 if has_final and has_decay and not per_chunk and last_rows != c else num_chunks
+    last_apart = has_final and has_decay and not per_chunk and last_rows != c
+    split = num_chunks - 1 if last_apart else num_chunks
     head_factors = None
     if has_decay and not per_chunk:
       head_factors = vectors_smem[_KEY], vectors_smem[_STATE]
@@ -551,18 +569,18 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       if per_chunk:
         publish(0, state)
       state = lax.fori_loop(0, split, lambda n, s: body(n, s, head_factors), state)
-    if split < num_chunks:
+    if last_apart:
       last_factors = vectors_smem[_LAST_KEY], vectors_smem[_LAST_STATE]
       state = lax.fori_loop(split, num_chunks, lambda n, s: body(n, s, last_factors), state)
 
-    @pl.loop(max(num_chunks - published, 0), num_chunks)
+    @pl.loop(last_chunks(num_chunks, published), num_chunks)
     def _drain(n):
       plgpu.barrier_wait(state_read.at[lax.rem(n, published)])
 
     if has_final:  # the output warpgroup has read every published state (the drain above)
       state_f32_smem[...] = state
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(state_f32_smem, final_ref.at[batch, head, cols])
+      plgpu.copy_smem_to_gmem(state_f32_smem, final_ref.at[sequence_slice if sequences else batch, head, cols])
       plgpu.wait_smem_to_gmem(0)
 
   def store_published(n, pub):
@@ -722,7 +740,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                    with_outputs: bool = True, scale: float,
                    seq_len: int,
                    return_final_state: bool = False, cfg: WarpSpecializedConfig, num_slices: int = 1,
-                   interpret: bool = False):
+                   sequences=None, interpret: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
 
   With `delta_inverse`, the delta rule's (`delta_attention.chunk`): the state
@@ -767,6 +785,12 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     cfg: the ring's depth and the published states (`heuristics.resolve_warp_specialized`).
     num_slices: slices of Tp / num_slices tokens, each walked by its own CTAs
       from its initial state (the sequence split; see `forward`).
+    sequences: None, or with delta_inverse and B = 1 (first, end) [S] int32,
+      the chunk bounds of S sequences laid out chunk-aligned in the row
+      (`delta_attention.chunk.aligned_sequences`, in chunks of CHUNK_SIZE)
+      that together cover every chunk: each is walked by its own CTAs from
+      its initial state, initial_state [1, H, S, V, K], to its final state,
+      returned as [S, H, V, K] (an empty sequence's: its initial state).
     interpret: run in the Mosaic GPU interpreter (on any backend).
 
   Returns:
@@ -789,8 +813,16 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   if num_slices > 1 and (return_final_state or not 0 < seq_len <= tp):
     raise ValueError(f"with {num_slices} slices seq_len must be in (0, {tp}] and the final state comes from the "
                      f"slices' combine, got seq_len={seq_len}, return_final_state={return_final_state}")
-  if initial_state is not None and initial_state.shape != (b, h, num_slices, dim_v, dim_k):
-    raise ValueError(f"initial_state must be [B, H, S, V, K] = {(b, h, num_slices, dim_v, dim_k)}, "
+  num_states = num_slices  # initial states per row: one a slice, or one a sequence
+  if sequences is not None:
+    first, end = sequences
+    num_states = first.shape[0]
+    if delta_inverse is None or b != 1 or num_slices != 1 or first.shape != (num_states,) or end.shape != first.shape:
+      raise ValueError(f"sequences take the delta rule, one row of one slice and (first, end) [S] chunk bounds; got "
+                       f"delta_inverse {delta_inverse is not None}, B = {b}, {num_slices} slices, bounds "
+                       f"{first.shape} and {end.shape}")
+  if initial_state is not None and initial_state.shape != (b, h, num_states, dim_v, dim_k):
+    raise ValueError(f"initial_state must be [B, H, S, V, K] = {(b, h, num_states, dim_v, dim_k)}, "
                      f"got {initial_state.shape}")
   if chunk_gates is not None and (decay is not None or chunk_runs is not None):
     raise ValueError("give decay (per head) and chunk_runs, or chunk_gates (per token), not both")
@@ -848,22 +880,25 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       + ((plgpu.Barrier(num_barriers=1),) if initial_state is not None else ()),
   )
   runs = () if chunk_runs is None else (chunk_runs.reshape(b, tp // c, 1, c).astype(_F32),)
+  bounds = () if sequences is None else (jnp.stack(sequences).astype(jnp.int32),)
   inputs = (intra, vectors, q, k, v) + ((delta_inverse,) if is_delta else ()) + (
       tuple(delta_channel_gates) if channel_gated else ()) + runs + (
-      () if initial_state is None else (initial_state,))
+      () if initial_state is None else (initial_state,)) + bounds
   out_type = (((manual_axes.struct((b, tp, h, dim_v), dtype, *inputs),) if with_outputs else ())
               + ((manual_axes.struct((b, h, tp // c, dim_v, dim_k), dtype, *inputs),
                   manual_axes.struct((b, h, dim_v, tp), dtype, *inputs)) if delta_states else ())
-              + ((manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs),) if return_final_state else ()))
+              + ((manual_axes.struct((b if sequences is None else num_states, h, dim_v, dim_k), _F32, *inputs),)
+                 if return_final_state else ()))
   kernel = functools.partial(_kernel, num_chunks=num_chunks, num_slices=num_slices, num_stages=num_stages,
                              published=published, per_chunk=per_chunk,
                              has_decay=per_chunk or decay is not None or chunk_runs is not None,
                              has_segments=chunk_runs is not None or (per_chunk and chunk_gates[1] is not None),
                              has_initial=initial_state is not None, has_final=return_final_state,
                              last_rows=last_rows, scale=scale, delta=is_delta, delta_states=delta_states,
-                             with_outputs=with_outputs, channel_gated=channel_gated, **registers)
+                             with_outputs=with_outputs, channel_gated=channel_gated,
+                             sequences=sequences is not None, **registers)
   results = warpgroup_kernel(
-      kernel, out_type=out_type, scratch_types=scratch, grid=(h, b * num_slices, dim_v // be),
+      kernel, out_type=out_type, scratch_types=scratch, grid=(h, b * num_states, dim_v // be),
       grid_names=("heads", "batch_slices", "value_blocks"), interpret=interpret,
       kernel_name="delta_warp_specialized" if is_delta else "lightning_warp_specialized")(*inputs)
   return results[0] if len(results) == 1 else tuple(results)
