@@ -586,7 +586,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   def store_published(n, pub):
     """S_n^T and U^T to HBM from the buffers the chain publishes them in (read before `state_read`: see
     `wait_smem_to_gmem(0, wait_read_only=True)` where they are released)."""
-    plgpu.copy_smem_to_gmem(state_smem.at[pub], states_out_ref.at[batch, head, n, cols])
+    plgpu.copy_smem_to_gmem(state_smem.at[pub], states_out_ref.at[batch, head, first_chunk + n, cols])
     plgpu.copy_smem_to_gmem(values_smem.at[pub], values_out_ref.at[batch, head, cols, chunk_rows(n)])
 
   def _published_out():
