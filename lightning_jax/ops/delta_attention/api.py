@@ -108,10 +108,10 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     cu_seqlens: None or int [N + 1]: N sequences packed in a batch of one
       (flash-linear-attention's convention; empty ones allowed). Not with
       segment_ids. With per-sequence initial or final states the sequences
-      are laid out chunk-aligned (O(T + N C) rows), and "pallas" runs the
-      Triton sweeps (not the warp-specialised ones, nor the sequence split),
-      one program per (head, value block, sequence) from that sequence's
-      initial state.
+      are laid out chunk-aligned (O(T + N C) rows), and "pallas" runs a
+      sweep program per (head, value block, sequence) from that sequence's
+      initial state (no sequence split): on sm90 the forward's
+      warp-specialised sweep, the backward on the Triton sweeps.
     sequence_axis: None, or the name of a mesh axis over which T is sharded,
       when called inside `jax.shard_map` (sequence parallelism): q, k, v,
       beta, decay and segment_ids are this device's slice of T (devices in
@@ -129,7 +129,7 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       a supported GPU), "xla" (chunked jnp, O(T)), "reference"
       (token-serial scan, the oracle) or "auto" (pallas on NVIDIA GPUs with
       compute capability >= 8.0, else xla; cu_seqlens with per-sequence
-      states run on the Triton sweeps, the sequences chunk-aligned).
+      states run a sweep program per sequence, the sequences chunk-aligned).
     config: a `DeltaConfig` (the Pallas kernels' blocks; on sm90 whether the
       differentiated forward keeps each chunk's states for the backward,
       `forward_states`) or None (`pallas_triton.default_config`; with few
