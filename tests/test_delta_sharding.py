@@ -345,7 +345,7 @@ def test_layers_with_sequence_axis_equal_one_device(framework):
   """The delta layers inside shard_map with T split over 4 devices: outputs and every parameter's gradient equal
   the layer on the whole sequence; the short convolutions reach across device boundaries (conv_size 4, slices of
   11 tokens) but not across a segment start on one (token 22)."""
-  from flax import linen, nnx
+  from flax import nnx
 
   mesh = cpu_mesh((4,), ("sp",))
   t = 4 * 11
