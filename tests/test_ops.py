@@ -224,3 +224,28 @@ def test_final_states_written_only_when_read(return_final_state, initial_state, 
   state_avals = [a for a in outputs if a.dtype == F32 and a.shape in state_shapes]
   expected = return_final_state + ("initial_state" in wrt) + 2 * (return_final_state and "decay" in wrt)
   assert len(state_avals) == expected, outputs
+
+
+@pytest.mark.parametrize("t", [200, 256])
+def test_chunk_loop_walks_t_unpadded(t):
+  """The chunk loop takes T as it is, forward and backward (its last chunk's loads and stores masked): at T off
+  whole chunks (200) as at T on them (256) the lowered program pads nothing and holds no operand of whole chunks,
+  and lowers for CUDA (from any backend under jax 0.10; interpret mode checks the arithmetic)."""
+  from lightning_jax.ops.lightning_attention import vjp
+
+  if heuristics.jax_version() >= (0, 11) and jax.devices()[0].platform != "gpu":
+    pytest.skip("jax >= 0.11 lowers Pallas Triton for CUDA only beside a GPU (the README's tier, jax 0.10, runs it)")
+  b, h, d = 1, 2, 64
+  opts = config_lib.PallasOptions(scale=0.125, return_final_state=False, variant="chunk_loop", config=None,
+                                  compute_capability=(9, 0), num_sms=132, interpret=False)
+
+  def loss(q, k, v, decay):
+    out = vjp.lightning_attention_pallas(q, k, v, decay, None, None, opts)
+    return jnp.sum(out[0].astype(F32))
+
+  x = jax.ShapeDtypeStruct((b, t, h, d), BF16)
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, x, x, jax.ShapeDtypeStruct((h,), F32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("lightning_chunk_loop") >= 3  # the forward sweep and the backward's
+  pads = [line.strip()[:200] for line in text.splitlines() if "stablehlo.pad" in line]
+  assert not pads and (t % 64 == 0 or f"{b}x{-(-t // 64) * 64}x{h}x{d}" not in text), pads

@@ -147,19 +147,22 @@ def test_warp_specialized_extreme_token_rates_in_a_split_sequence(mode):
 
 
 @needs_ws_jax
-@pytest.mark.parametrize("dim_k,dim_v,gates,with_states", [
-    (128, 128, "head", False), (64, 256, None, False), (128, 64, "head", True), (64, 128, None, True),
-    (64, 64, "token", True), (128, 128, "packed", False), (128, 128, "head-packed", True)])
-def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states):
+@pytest.mark.parametrize("dim_k,dim_v,gates,with_states,rows", [
+    (128, 128, "head", False, 192), (64, 256, None, False, 192), (128, 64, "head", True, 192),
+    (64, 128, None, True, 192), (64, 64, "token", True, 192), (128, 128, "packed", False, 192),
+    (128, 128, "head-packed", True, 192), (128, 128, "head", True, 152), (64, 64, "token", False, 152)])
+def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states, rows):
   """Mosaic GPU lowering (layout inference included) for an sm90 GPU, from any backend.
 
   The interpreter checks the arithmetic and the barriers but not the layouts;
   this checks that the kernel lowers as the GPU compiles it. gates: a per-head
   rate (with segments: "head-packed"), none, or per-chunk factors of per-token
-  rates (with segments: "packed").
+  rates (with segments: "packed"). rows: the operands' (192, whole chunks; 152,
+  unpadded: the last tile runs past them), a multiple of TMA's 8 (150 is not:
+  refused).
   """
-  q = jax.ShapeDtypeStruct((2, 192, 3, dim_k), BF16)
-  v = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
+  q = jax.ShapeDtypeStruct((2, rows, 3, dim_k), BF16)
+  v = jax.ShapeDtypeStruct((2, rows, 3, dim_v), BF16)
   decay = jax.ShapeDtypeStruct((3,), F32) if gates in ("head", "head-packed") else None
   chunk_gates = None
   runs = jax.ShapeDtypeStruct((2, 192), jnp.int32) if gates in ("packed", "head-packed") else None
@@ -169,9 +172,14 @@ def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states):
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2)
   fn = jax.jit(lambda q, k, v, decay, s0, chunk_gates, runs: pallas_mosaic_gpu.forward_padded(
       q, k, v, decay, s0, chunk_gates=chunk_gates, chunk_runs=runs, scale=0.125, seq_len=150,
-      return_final_state=with_states, cfg=cfg))
+      return_final_state=with_states, cfg=cfg, num_tokens=192))
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, decay, s0, chunk_gates, runs)
   assert "lightning_warp_specialized" in exported.mlir_module()
+  assert exported.out_avals[0].shape == (2, rows, 3, dim_v)
+  if rows != 192:
+    with pytest.raises(ValueError, match="a multiple of 8"):
+      jax.eval_shape(fn, jax.ShapeDtypeStruct((2, 150, 3, dim_k), BF16), jax.ShapeDtypeStruct((2, 150, 3, dim_k), BF16),
+                     jax.ShapeDtypeStruct((2, 150, 3, dim_v), BF16), decay, s0, chunk_gates, runs)
 
 
 def test_warp_specialized_rejects_what_it_cannot_run():

@@ -16,3 +16,19 @@ def dot(a, b, *, exact, trans_a=False, trans_b=False):
 
 def compiler_params(*, num_warps: int, num_stages: int):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def load_rows(ref, rows, valid):
+  """ref[rows, :] of a [T, D] ref; valid: None (every row exists) or [C] bool, the rows inside it (the others read
+  as zeros: a chunk that runs past T, unpadded)."""
+  if valid is None:
+    return ref[rows, :]
+  return plgpu.load(ref.at[rows, :], mask=valid[:, None], other=0)
+
+
+def store_rows(ref, rows, value, valid):
+  """ref[rows, :] = value, of a [T, D] ref; valid as `load_rows`' (rows past T are not written)."""
+  if valid is None:
+    ref[rows, :] = value
+  else:
+    plgpu.store(ref.at[rows, :], value, mask=valid[:, None])

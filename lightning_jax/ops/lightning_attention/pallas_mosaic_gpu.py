@@ -81,6 +81,9 @@ from lightning_jax.ops.lightning_attention.config import PallasOptions, WarpSpec
 CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
 BLOCK_E = WarpSpecializedConfig.BLOCK_E
 _F32 = jnp.float32
+# Mosaic GPU's TMA copies of the swizzled tiles tile a GMEM operand's rows by 8: an operand walked unpadded (T rows,
+# its last tile reading zeros past them) needs T a multiple of it.
+TMA_ROWS = 8
 # No warpgroup rebalances its registers (setmaxnreg): all three keep the 168 per
 # thread of a 384-thread CTA. With the memory warpgroup cut to 40 (and 24, 56, 72
 # tried), ptxas (CUDA 13.0) left values of the shared prologue in registers above
@@ -187,13 +190,13 @@ def last_chunks(num_chunks, count: int):
 def fill_ring(load, released, *, num_chunks, num_stages: int):
   """The memory warpgroup's loop: load(n, slot) issues chunk n's loads into the ring's slot, first num_stages of
   them, then each once both compute warpgroups released the slot (`released`, one barrier a slot). num_chunks: an
-  int, or traced (a sequence's own chunks)."""
-  for n in range(num_stages):
-    if isinstance(num_chunks, int):
-      if n < num_chunks:
-        load(n, n)
-    else:
-      pl.when(n < num_chunks)(functools.partial(load, n, n))
+  int, or traced (a sequence's own chunks). The first loads run in a loop too: a chunk index is then traced, so a
+  tile may run past an unpadded operand's rows (TMA reads zeros there), which a static slice may not."""
+  first = min(num_stages, num_chunks) if isinstance(num_chunks, int) else jnp.minimum(num_chunks, num_stages)
+
+  @pl.loop(0, first)
+  def _first(n):
+    load(n, n)
 
   @pl.loop(num_stages, num_chunks)
   def _refill(n):
@@ -740,7 +743,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                    with_outputs: bool = True, scale: float,
                    seq_len: int,
                    return_final_state: bool = False, cfg: WarpSpecializedConfig, num_slices: int = 1,
-                   sequences=None, interpret: bool = False):
+                   sequences=None, num_tokens: int | None = None, interpret: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
 
   With `delta_inverse`, the delta rule's (`delta_attention.chunk`): the state
@@ -748,10 +751,12 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   update, S <- a S + K_C^T U, and the output is scale (Q_g S_n + P U).
 
   Args:
-    q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; bf16 or fp16, Tp a multiple of
-      `num_slices * CHUNK_SIZE`, K = 64 or 128, V a multiple of `BLOCK_E`
-      (`WarpSpecializedConfig.padded_dims`).
-      Padded rows must be zeros past the real tokens (they are: the caller pads).
+    q, k: [B, T', H, K]; v: [B, T', H, V]; bf16 or fp16, K = 64 or 128, V a
+      multiple of `BLOCK_E` (`WarpSpecializedConfig.padded_dims`), T' <= Tp
+      (`num_tokens`) a multiple of `TMA_ROWS` (or Tp). Rows past the real tokens must be zeros, and rows past
+      T' read as zeros (TMA fills a tile that runs past the array), so
+      T' = T needs no copy of the operands to whole chunks; o's rows past T'
+      are not written (TMA drops them).
     decay: [H] float32 rates or None.
     chunk_gates: None, or per-token rates and packed sequences as
       `chunk_common.token_chunk_gates` gives them for a forward sweep over Tp
@@ -785,6 +790,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     cfg: the ring's depth and the published states (`heuristics.resolve_warp_specialized`).
     num_slices: slices of Tp / num_slices tokens, each walked by its own CTAs
       from its initial state (the sequence split; see `forward`).
+    num_tokens: Tp, the tokens the CTAs walk, a multiple of `num_slices *
+      CHUNK_SIZE` (None: q's rows, which must be one).
     sequences: None, or with delta_inverse and B = 1 (first, end) [S] int32,
       the chunk bounds of S sequences laid out chunk-aligned in the row
       (`delta_attention.chunk.aligned_sequences`, in chunks of CHUNK_SIZE)
@@ -803,11 +810,13 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     raise ValueError("with_outputs=False takes delta_states, and no final state")
   q = k if q is None and not with_outputs else q  # not read
   num_stages, published = cfg.num_stages, cfg.published_states
-  b, tp, h, dim_k = q.shape
+  b, rows, h, dim_k = q.shape
+  tp = rows if num_tokens is None else num_tokens
   dim_v = v.shape[-1]
   c, be = CHUNK_SIZE, BLOCK_E
-  if tp % (num_slices * c):
-    raise ValueError(f"the padded length {tp} must be a multiple of num_slices * {c} = {num_slices * c}")
+  if tp % (num_slices * c) or rows > tp or (rows % TMA_ROWS and rows != tp):
+    raise ValueError(f"the padded length {tp} must be a multiple of num_slices * {c} = {num_slices * c} and hold "
+                     f"q's {rows} rows, a multiple of {TMA_ROWS} unless all of them")
   if num_slices == 1 and not tp - c < seq_len <= tp:
     raise ValueError(f"seq_len must be in ({tp - c}, {tp}] for {tp} padded tokens, got {seq_len}")
   if num_slices > 1 and (return_final_state or not 0 < seq_len <= tp):
@@ -884,7 +893,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   inputs = (intra, vectors, q, k, v) + ((delta_inverse,) if is_delta else ()) + (
       tuple(delta_channel_gates) if channel_gated else ()) + runs + (
       () if initial_state is None else (initial_state,)) + bounds
-  out_type = (((manual_axes.struct((b, tp, h, dim_v), dtype, *inputs),) if with_outputs else ())
+  out_type = (((manual_axes.struct((b, rows, h, dim_v), dtype, *inputs),) if with_outputs else ())
               + ((manual_axes.struct((b, h, tp // c, dim_v, dim_k), dtype, *inputs),
                   manual_axes.struct((b, h, dim_v, tp), dtype, *inputs)) if delta_states else ())
               + ((manual_axes.struct((b if sequences is None else num_states, h, dim_v, dim_k), _F32, *inputs),)
@@ -912,14 +921,14 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   float32 or None; initial_state: [B, H, D, E] float32 or None;
   segment_starts: [B, T] bool or None (`chunk_common.segment_starts`). Per-token
   rates run the kernel's per-chunk factors; segments with a per-head rate (or
-  none) its per-head ones, masked by each chunk's segment starts. Pads T and
-  the dims, runs
-  `forward_padded` with the config of `heuristics.resolve_warp_specialized`,
-  and slices the padding off.
+  none) its per-head ones, masked by each chunk's segment starts. Pads the
+  dims (not T: the kernel reads zeros past it), runs `forward_padded` with
+  the config of `heuristics.resolve_warp_specialized`, and slices the
+  padding off.
 
   Where (batch, head, value block) CTAs alone leave SMs idle, the sequence is
-  split (`heuristics.slice_chunks`) into equal slices (T padded to whole
-  slices): the Triton states kernel writes each slice's own state and
+  split (`heuristics.slice_chunks`) into equal slices (the last one's chunks
+  past T read as zeros): the Triton states kernel writes each slice's own state and
   `pallas_triton.slice_starts` combines them into the state before each slice.
   """
   b, t, h, dim_k = q.shape
@@ -933,7 +942,9 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
                                          slice_size=None if opts.config is None else opts.config.slice_size)
   num_slices = -(-num_chunks // slice_chunks)
   tp = num_slices * slice_chunks * c
-  pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
+  # T stays as it is where TMA can tile it (the kernel reads zeros past it, see `forward_padded`): no copy to whole
+  # slices; else (a copy either way) T goes to whole slices.
+  pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=t if t % TMA_ROWS == 0 else tp)
   q, k, v = pad_rows(q, dim=kp), pad_rows(k, dim=kp), pad_rows(v, dim=vp)
   initial_state = chunk_common.pad_state(initial_state, kp, vp)
   # The states pass takes the gates as the chunk loop's sweeps do (a per-head rate stays one, masked by the
@@ -964,7 +975,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   result = forward_padded(q, k, v, decay if chunk_gates is None else None, initial_state, chunk_gates=chunk_gates,
                           chunk_runs=chunk_runs, scale=opts.scale, seq_len=t,
                           return_final_state=opts.return_final_state and num_slices == 1, cfg=cfg,
-                          num_slices=num_slices, interpret=opts.interpret)
+                          num_slices=num_slices, num_tokens=tp, interpret=opts.interpret)
   o, kernel_final = result if opts.return_final_state and num_slices == 1 else (result, None)
   if kernel_final is not None:
     final_state = jnp.swapaxes(kernel_final, -1, -2)

@@ -256,12 +256,13 @@ def _chunk_state(y, z, state, tangent, f, *, exact):
   return new_state, new_tangent
 
 
-def _row_weights(ins: SweepOperands, rows, u, *, dots_with_dual):
-  """The chunk's rows of `tangent_with` or `dot_with` [C, V], or its `u` (`dots_with_dual`), or None."""
+def _row_weights(ins: SweepOperands, load, u, *, dots_with_dual):
+  """The chunk's rows of `tangent_with` or `dot_with` [C, V] (load: a ref -> the chunk's rows of it), or its `u`
+  (`dots_with_dual`), or None."""
   if dots_with_dual:
     return u
   weights = ins.dot_with if ins.tangent_with is None else ins.tangent_with
-  return None if weights is None else weights[rows, :]
+  return None if weights is None else load(weights)
 
 
 def _row_dots(ins: SweepOperands, weights, out, out_tangent):
@@ -299,6 +300,18 @@ def _chunk_rows(step, *, num_chunks, chunk_size, reverse):
   return n, pl.ds(pl.multiple_of(n * chunk_size, chunk_size), chunk_size)
 
 
+def _row_loader(n, rows, *, chunk_size, num_rows):
+  """(load, valid) for chunk n's rows of [T, D] refs of num_rows rows: load(ref) -> [C, D] (None -> None), and
+  valid [C] bool, the rows that exist, or None where every chunk is whole. Unpadded T (the chunk loop's operands:
+  no copy of them to whole chunks) masks the last chunk's loads, which read zeros past T as padding would, and its
+  stores."""
+  valid = None if num_rows % chunk_size == 0 else n * chunk_size + jnp.arange(chunk_size) < num_rows
+
+  def load(ref):
+    return None if ref is None else triton_lowering.load_rows(ref, rows, valid)
+  return load, valid
+
+
 def _write_final(outs: SweepResults, state, tangent):
   """The final state (and tangent), where the caller asked for them."""
   if outs.final_state is not None:
@@ -316,11 +329,11 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
   def body(step, carry):
     state, tangent = carry
     n, rows = _chunk_rows(first + step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
-    x, y, z = ins.x[rows, :], ins.y[rows, :], ins.z[rows, :]
-    u = None if ins.dual_with is None else ins.dual_with[rows, :]
+    load, valid = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.x.shape[0])
+    x, y, z, u = load(ins.x), load(ins.y), load(ins.z), load(ins.dual_with)
     # Loaded before the chunk's products, which hide its latency: Triton's
     # pipeliner leaves a load that feeds no dot blocking.
-    weights = _row_weights(ins, rows, u, dots_with_dual=dots_with_dual)
+    weights = _row_weights(ins, load, u, dots_with_dual=dots_with_dual)
     f, pair_mask = factors(n)
     if f is not None:
       # The outputs first, reading the carried state only after the scores'
@@ -335,9 +348,9 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
       next_carry = _chunk_state(y, z, state, tangent, f, exact=exact)
       out, dual, out_tangent = _chunk_out(x, y, z, u, state.astype(x.dtype), tangent, f, pair_mask, scale=scale,
                                           reverse=reverse, exact=exact)
-    outs.out[rows, :] = out.astype(outs.out.dtype)
+    triton_lowering.store_rows(outs.out, rows, out.astype(outs.out.dtype), valid)
     if outs.dual is not None:
-      outs.dual[rows, :] = dual.astype(outs.dual.dtype)
+      triton_lowering.store_rows(outs.dual, rows, dual.astype(outs.dual.dtype), valid)
     if outs.row_dots is not None:
       outs.row_dots[rows] = _row_dots(ins, weights, out, out_tangent)
     return next_carry
@@ -358,7 +371,8 @@ def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, 
       outs.chunk_states[n, :, :] = state
     if outs.chunk_tangents is not None:
       outs.chunk_tangents[n, :, :] = tangent
-    return _chunk_state(ins.y[rows, :], ins.z[rows, :], state, tangent, factors(n)[0], exact=exact)
+    load, _ = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.y.shape[0])
+    return _chunk_state(load(ins.y), load(ins.z), state, tangent, factors(n)[0], exact=exact)
 
   _write_final(outs, *jax.lax.fori_loop(0, num_steps, body, carry))
 
@@ -376,8 +390,8 @@ def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk
   if outs.dual is not None:
     outs.dual[...] = dual.astype(outs.dual.dtype)
   if outs.row_dots is not None:
-    outs.row_dots[...] = _row_dots(ins, _row_weights(ins, slice(None), u, dots_with_dual=dots_with_dual), out,
-                                   out_tangent)
+    outs.row_dots[...] = _row_dots(ins, _row_weights(ins, lambda ref: ref[...], u, dots_with_dual=dots_with_dual),
+                                   out, out_tangent)
 
 
 def _call(kernel, grid, ins: SweepOperands, in_specs, results: SweepResults, out_specs, cfg, name,
@@ -394,21 +408,27 @@ def _call(kernel, grid, ins: SweepOperands, in_specs, results: SweepResults, out
   return outs
 
 
-def _output_structs(ins: SweepOperands, *, n_e, with_final_state, out_dtype, dots_with_dual) -> SweepResults:
-  """The shapes of the results a sweep writes (None where not asked for)."""
-  b, tp, h, dim_k = ins.x.shape
+def _output_structs(ins: SweepOperands, *, n_e, with_final_state, out_dtype, dots_with_dual, tp) -> SweepResults:
+  """The shapes of the results a sweep writes (None where not asked for): out and dual of x's T rows, the row
+  dots of tp (whole chunks)."""
+  b, t, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
   state = jax.ShapeDtypeStruct((b, h, dim_k, dim_v), _F32)
   has_tangent = ins.tangent_with is not None
   return SweepResults(
-      out=jax.ShapeDtypeStruct((b, tp, h, dim_v), out_dtype),
+      out=jax.ShapeDtypeStruct((b, t, h, dim_v), out_dtype),
       # With several value blocks each program writes a float32 partial sum.
       dual=(None if ins.dual_with is None
-            else jax.ShapeDtypeStruct((n_e, b, tp, h, dim_k), out_dtype if n_e == 1 else _F32)),
+            else jax.ShapeDtypeStruct((n_e, b, t, h, dim_k), out_dtype if n_e == 1 else _F32)),
       final_state=state if with_final_state else None,
       row_dots=(jax.ShapeDtypeStruct((b, h, n_e, tp), _F32)
                 if has_tangent or ins.dot_with is not None or dots_with_dual else None),
       final_tangent=state if has_tangent and with_final_state else None)
+
+
+def _gate_rows(gates, index_map):
+  """The block of one (batch, head) row of chunk gates ([B, H, Tp] or [B, Tp]; None: None): the whole row."""
+  return None if gates is None else pl.BlockSpec((None,) * (gates.ndim - 1) + (gates.shape[-1],), index_map)
 
 
 def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice_chunks, num_slices,
@@ -420,11 +440,12 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   tangent) at its end, [B, H, num_slices, K, V] (from `ins.initial_state`,
   or from zeros: the sequence split's local states). Chunks past the real
   tokens (the padding to whole slices of the warp-specialised forward) are
-  not walked.
+  not walked. y and z have T rows (unpadded: the last chunk's loads masked)
+  or whole chunks; the gates, whole chunks.
   """
-  b, tp, h, dim_k = ins.y.shape
+  b, t, h, dim_k = ins.y.shape
   dim_v = ins.z.shape[-1]
-  n, ns = tp // chunk_size, num_slices
+  n, ns = -(-t // chunk_size), num_slices
   bd, be = cfg.block_d, cfg.block_e
   state_ins = SweepOperands(decay=ins.decay, chunk_cumdecay=ins.chunk_cumdecay, chunk_runs=ins.chunk_runs, y=ins.y,
                             z=ins.z, initial_state=ins.initial_state)
@@ -441,10 +462,10 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
                              num_chunks=-(-seq_len // chunk_size), slice_chunks=slice_chunks, num_slices=ns,
                              reverse=reverse, exact=ins.y.dtype == _F32, branch=branch)
   specs = _present(state_ins, decay=pl.BlockSpec((None,), lambda i, d, e: (i // ns % h,)),
-                   chunk_cumdecay=pl.BlockSpec((None, None, tp), lambda i, d, e: (i // ns // h, i // ns % h, 0)),
-                   chunk_runs=pl.BlockSpec((None, tp), lambda i, d, e: (i // ns // h, 0)),
-                   y=pl.BlockSpec((None, tp, None, bd), lambda i, d, e: (i // ns // h, 0, i // ns % h, d)),
-                   z=pl.BlockSpec((None, tp, None, be), lambda i, d, e: (i // ns // h, 0, i // ns % h, e)),
+                   chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, lambda i, d, e: (i // ns // h, i // ns % h, 0)),
+                   chunk_runs=_gate_rows(ins.chunk_runs, lambda i, d, e: (i // ns // h, 0)),
+                   y=pl.BlockSpec((None, t, None, bd), lambda i, d, e: (i // ns // h, 0, i // ns % h, d)),
+                   z=pl.BlockSpec((None, t, None, be), lambda i, d, e: (i // ns // h, 0, i // ns % h, e)),
                    initial_state=block_state)
   out_specs = _present(results, chunk_states=block_states, chunk_tangents=block_states, final_state=block_slice,
                        final_tangent=block_slice)
@@ -506,12 +527,13 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
 
 def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
                 slice_chunks, dots_with_dual, given_starts, transposed_states, branch, interpret) -> SweepResults:
-  b, tp, h, dim_k = ins.x.shape
+  b, t, h, dim_k = ins.x.shape  # T unpadded, or whole chunks
   dim_v = ins.z.shape[-1]
   cfg = configs.chunk_loop
   c, be = cfg.chunk_size, cfg.block_e
   n_e = dim_v // be
-  num_chunks = tp // c
+  num_chunks = -(-t // c)
+  tp = num_chunks * c
   ns = -(-num_chunks // slice_chunks)
   final_state = final_tangent = None
   if given_starts is not None:  # another sweep's first pass (see `sweep`), padded to this one's dims
@@ -525,21 +547,21 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
     ins = ins._replace(initial_state=ins.initial_state[:, :, None])
 
   def rows(width, by_column):
-    return pl.BlockSpec((None, tp, None, width), lambda i, e: (i // ns // h, 0, i // ns % h, e if by_column else 0))
+    return pl.BlockSpec((None, t, None, width), lambda i, e: (i // ns // h, 0, i // ns % h, e if by_column else 0))
 
   start = pl.BlockSpec((None, None, None, dim_k, be), lambda i, e: (i // ns // h, i // ns % h, i % ns, 0, e))
   state = pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i // h, i % h, 0, e))  # one slice
   in_specs = _present(ins, decay=pl.BlockSpec((None,), lambda i, e: (i // ns % h,)),
-                      chunk_cumdecay=pl.BlockSpec((None, None, tp), lambda i, e: (i // ns // h, i // ns % h, 0)),
-                      chunk_runs=pl.BlockSpec((None, tp), lambda i, e: (i // ns // h, 0)), x=rows(dim_k, False),
+                      chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, lambda i, e: (i // ns // h, i // ns % h, 0)),
+                      chunk_runs=_gate_rows(ins.chunk_runs, lambda i, e: (i // ns // h, 0)), x=rows(dim_k, False),
                       y=rows(dim_k, False), z=rows(be, True), dual_with=rows(be, True), initial_state=start,
                       initial_tangent=start, tangent_with=rows(be, True), dot_with=rows(be, True))
   # With slices the final state and tangent come from the combine.
   results = _output_structs(ins, n_e=n_e, with_final_state=with_final_state and ns == 1, out_dtype=out_dtype,
-                            dots_with_dual=dots_with_dual)
+                            dots_with_dual=dots_with_dual, tp=tp)
   out_specs = _present(
       results, out=rows(be, True),
-      dual=pl.BlockSpec((None, None, tp, None, dim_k), lambda i, e: (e, i // ns // h, 0, i // ns % h, 0)),
+      dual=pl.BlockSpec((None, None, t, None, dim_k), lambda i, e: (e, i // ns // h, 0, i // ns % h, 0)),
       final_state=state,
       row_dots=pl.BlockSpec((None, None, None, tp), lambda i, e: (i // ns // h, i // ns % h, e, 0)),
       final_tangent=state)
@@ -577,7 +599,8 @@ def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, 
 
   chunk_state = pl.BlockSpec((None, None, None, dim_k, be), lambda i, j, e: (i // h, i % h, j, 0, e))
   out_ins = ins._replace(initial_state=None, chunk_states=states.chunk_states, chunk_tangents=states.chunk_tangents)
-  results = _output_structs(ins, n_e=n_e, with_final_state=False, out_dtype=out_dtype, dots_with_dual=dots_with_dual)
+  results = _output_structs(ins, n_e=n_e, with_final_state=False, out_dtype=out_dtype, dots_with_dual=dots_with_dual,
+                            tp=tp)
   kernel = functools.partial(_chunk_output_kernel, scale=scale, chunk_size=c, seq_len=seq_len, reverse=reverse,
                              exact=exact, dots_with_dual=dots_with_dual, branch=branch)
   outs = _call(
@@ -603,9 +626,12 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
   """Pads `ins` for `opts.variant`'s kernels; returns (padded operands, configs, chunk size, slice chunks,
   whether chunks branch: `heuristics.branch_per_chunk`).
 
-  T goes to a multiple of the chunk size and the feature dims to powers of two
-  >= 16 (`config.padded_dim`); per-token rates and segment starts become the
-  chunk gates of this sweep's direction (`chunk_common.token_chunk_gates`).
+  The feature dims go to powers of two >= 16 (`config.padded_dim`), and for
+  the parallel variant (its chunk blocks) T to a multiple of the chunk size;
+  the chunk loop takes T as it is (its last chunk's loads and stores masked:
+  no copy of the operands to whole chunks). Per-token rates and segment
+  starts become the chunk gates of this sweep's direction, of whole chunks
+  (`chunk_common.token_chunk_gates`).
   """
   if ins.tangent_with is not None and ins.decay is None:
     raise ValueError("the decay tangent needs a per-head decay")
@@ -621,7 +647,7 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
   slice_chunks = heuristics.slice_chunks(
       programs=b * h * (vp // configs.chunk_loop.block_e), num_chunks=tp // chunk, chunk_size=chunk,
       num_sms=opts.num_sms, slice_size=None if opts.config is None else opts.config.slice_size)
-  pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
+  pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp if opts.variant == "parallel" else t)
   padded = ins._replace(x=pad_rows(ins.x, dim=kp), y=pad_rows(ins.y, dim=kp), z=pad_rows(ins.z, dim=vp),
                         dual_with=pad_rows(ins.dual_with, dim=vp), tangent_with=pad_rows(ins.tangent_with, dim=vp),
                         dot_with=pad_rows(ins.dot_with, dim=vp),
@@ -674,7 +700,7 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
   t, dim_k, dim_v = ins.x.shape[1], ins.x.shape[-1], ins.z.shape[-1]
   padded, configs, chunk, slice_chunks, branch = _prepare(ins, reverse=reverse, opts=opts)
   if given_starts is not None and (opts.variant != "chunk_loop" or given_starts.chunk_size != chunk
-                                   or given_starts.slice_chunks >= padded.x.shape[1] // chunk
+                                   or given_starts.slice_chunks >= -(-padded.x.shape[1] // chunk)
                                    or with_final_state or ins.tangent_with is not None):
     given_starts = None
   res = LAUNCHERS[opts.variant](padded, scale=opts.scale, seq_len=t, reverse=reverse,
