@@ -1068,8 +1068,8 @@ def test_delta_cu_seqlens_states_warp_specialized(decay, mode):
 
 @needs_ws_jax
 def test_delta_cu_seqlens_states_warp_specialized_lowers_for_cuda():
-  """The per-sequence forward takes the warp-specialised sweep, a CTA per (head, sequence, value block), and lowers
-  for CUDA from any backend."""
+  """The per-sequence forward and backward take the warp-specialised sweeps, CTAs per (head, sequence, value block),
+  and lower for CUDA from any backend."""
   from lightning_jax.ops.delta_attention import vjp
 
   t, h, d, e, s = 256, 2, 64, 128, 3
@@ -1083,3 +1083,12 @@ def test_delta_cu_seqlens_states_warp_specialized_lowers_for_cuda():
   text = exported.mlir_module()
   assert "delta_warp_specialized" in text and "delta_attention_sweep" not in text
   assert [o.shape for o in exported.out_avals] == [(1, t, h, e), (s, h, d, e)]
+
+  def loss(q, k, v, beta, rates, first, end, s0):
+    o, finals = vjp.delta_attention_sequences_pallas(q, k, v, beta, rates, first, end, s0, opts)
+    return jnp.sum(o.astype(F32)) + jnp.sum(finals)
+
+  exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 7))), platforms=["cuda"])(*args)
+  text = exported.mlir_module()
+  assert "delta_state_cotangents_warp_specialized" in text and "delta_attention_state_cotangents" not in text
+  assert exported.out_avals[-1].shape == (s, h, d, e)

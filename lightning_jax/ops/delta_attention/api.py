@@ -110,8 +110,8 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       segment_ids. With per-sequence initial or final states the sequences
       are laid out chunk-aligned (O(T + N C) rows), and "pallas" runs a
       sweep program per (head, value block, sequence) from that sequence's
-      initial state (no sequence split): on sm90 the forward's
-      warp-specialised sweep, the backward on the Triton sweeps.
+      initial state (no sequence split): on sm90 the warp-specialised
+      sweeps (KDA's backward on the Triton ones).
     sequence_axis: None, or the name of a mesh axis over which T is sharded,
       when called inside `jax.shard_map` (sequence parallelism): q, k, v,
       beta, decay and segment_ids are this device's slice of T (devices in
@@ -242,7 +242,7 @@ def _pallas_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale,
                       device):
   """`delta_attention`'s Pallas path for cu_seqlens with per-sequence states: the sequences chunk-aligned
   (`chunk.aligned_sequences`), a sweep program per sequence (`vjp.delta_attention_sequences_pallas`): the
-  warp-specialised forward where it runs, the Triton backward."""
+  warp-specialised sweeps where they run."""
   cc = heuristics.compute_capability(device)
   interpret = lightning_api.pallas_interpret(interpret, cc, q)
   config = _resolve_warp_specialized(config or _default_config(q, v, decay, device), q, v, cc=cc, interpret=interpret)

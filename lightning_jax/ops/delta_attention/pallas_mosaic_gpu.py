@@ -137,7 +137,7 @@ def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3, channel_gated:
 
 
 def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, has_segments, has_final, scale,
-            in_registers, per_chunk, channel_gated):
+            in_registers, per_chunk, channel_gated, sequences):
   refs = list(refs)
   # The gates: the scaled causal mask and each chunk's factor rows (`chunk_factors`); or KDA's (`channel_gated`: q
   # and k come as Q_g, scaled, and K_C) K_g [B, Tp, H, K], P [B, H, Tp, C] and the state's decay [B, H, N, 1, K].
@@ -145,6 +145,8 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
   keys_ref, given_pairs_ref, channel_decay_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if channel_gated else (
       None, None, None)
   d_final_ref = refs.pop(0) if has_final else None
+  # `sequences`: each sequence's chunk bounds [2, S] int32 (its first chunk, one past its last).
+  bounds_ref = refs.pop(0) if sequences else None
   # Without `per_chunk`, dL/dS_0^T alone: G_n^T and dU^T are formed in shared memory but not stored.
   d_next_ref, du_ref = (refs.pop(0), refs.pop(0)) if per_chunk else (None, None)
   d_initial_ref, buffers, barriers = refs
@@ -163,11 +165,18 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
   loaded, intra_loaded, released, pairs_ready, w_ready, pairs_read, *barriers = barriers
   c, be = CHUNK_SIZE, BLOCK_E
   head, batch, col = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("value_blocks")
+  # With `sequences` a CTA walks its sequence's own chunks of the one row (a traced count), its cotangents the
+  # sequence's (rows of d_final and dL/dS_0 indexed by the sequence).
+  sequence, end_chunk = batch, num_chunks
+  if sequences:
+    batch = 0
+    end_chunk = bounds_ref[1, sequence]
+    num_chunks = end_chunk - bounds_ref[0, sequence]
   cols = pl.ds(col * be, be)
   wg = lax.axis_index("wg")
 
   def chunk_of(i):  # the i-th chunk walked: the last first
-    return num_chunks - 1 - i
+    return end_chunk - 1 - i
 
   def chunk_rows(i):
     start = chunk_of(i) * c
@@ -202,7 +211,7 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
   def _state_chain():
     if has_final:
       (final_loaded,) = barriers
-      plgpu.copy_gmem_to_smem(d_final_ref.at[batch, head, cols], g_f32_smem, final_loaded.at[0])
+      plgpu.copy_gmem_to_smem(d_final_ref.at[sequence, head, cols], g_f32_smem, final_loaded.at[0])
       plgpu.barrier_wait(final_loaded.at[0])
       grad_t = g_f32_smem[...]
       plgpu.commit_smem()  # every thread has read it before the first G^T overwrites it
@@ -278,7 +287,7 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
     plgpu.wait_smem_to_gmem(0)  # G^T's buffers are free: dL/dS_0^T goes out through their bytes
     g_f32_smem[...] = grad_t
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(g_f32_smem, d_initial_ref.at[batch, head, cols])
+    plgpu.copy_smem_to_gmem(g_f32_smem, d_initial_ref.at[sequence, head, cols])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
@@ -337,7 +346,7 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
       plgpu.barrier_arrive(w_ready.at[pub])
       plgpu.barrier_arrive(released.at[slot])
 
-    @pl.loop(max(num_chunks - _PUBLISHED_PAIRS, 0), num_chunks)
+    @pl.loop(lightning_mosaic.last_chunks(num_chunks, _PUBLISHED_PAIRS), num_chunks)
     def _drain(i):
       plgpu.barrier_wait(pairs_read.at[lax.rem(i, _PUBLISHED_PAIRS)])
 
@@ -363,7 +372,8 @@ def _checked_factors(keys, dim_v: int, inverse, chunk_gates):
   return lightning_mosaic.chunk_factors(cumdecay, runs)
 
 
-def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = False, channel_gates=None):
+def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = False, channel_gates=None,
+                sequences=None):
   """The backward's state sweep on padded operands: (S_n^T [B, H, N, Ep, K], the state before chunk n; U^T [B, H, Ep,
   Tp]), both in the input dtype.
 
@@ -372,19 +382,22 @@ def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = 
   the forward's); chunk_gates: as for `state_cotangents`; initial_state: None or
   S_0^T [B, H, Ep, K] float32. channel_gates: None, or KDA's (K_C, P, the
   state's decay), k then K_g and chunk_gates (None, None), as
-  `lightning_mosaic.forward_padded`'s `delta_channel_gates`.
+  `lightning_mosaic.forward_padded`'s `delta_channel_gates`. sequences: as
+  for `state_cotangents` (initial_state then [S, H, Ep, K], each sequence's).
   """
   b, tp, h, dim_k = k.shape
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=k.dtype.itemsize, delta=True,
                                             channel_gated=channel_gates is not None)
+  if initial_state is not None:  # one slice a row, or one row of S sequences' states
+    initial_state = jnp.moveaxis(initial_state, 0, 1)[None] if sequences is not None else initial_state[:, :, None]
   return lightning_mosaic.forward_padded(
-      None, k, v, None, None if initial_state is None else initial_state[:, :, None], chunk_gates=chunk_gates,
-      delta_inverse=inverse, delta_states=True, delta_channel_gates=channel_gates, with_outputs=False, scale=1.0,
-      seq_len=tp, cfg=cfg, interpret=interpret)
+      None, k, v, None, initial_state, chunk_gates=chunk_gates, delta_inverse=inverse, delta_states=True,
+      delta_channel_gates=channel_gates, with_outputs=False, scale=1.0, seq_len=tp, cfg=cfg, sequences=sequences,
+      interpret=interpret)
 
 
 def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, interpret: bool = False,
-                     initial_only: bool = False, channel_gates=None):
+                     initial_only: bool = False, channel_gates=None, sequences=None):
   """The reverse sweep on padded operands: (G^T [B, H, N, Ep, K] in the input dtype, G_n^T = (dL/dS after chunk
   n)^T; dL/dS_0^T [B, H, Ep, K] float32; dU^T [B, H, Ep, Tp] in the input dtype); with `initial_only`, dL/dS_0^T
   alone (the sequence split's pass from zero end cotangents, which stores nothing a chunk).
@@ -399,6 +412,11 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
   terms): (K_g [B, Tp, H, K], P [B, H, Tp, 64], the state's decay 2^G_C [B,
   H, N, 1, K] float32), with q and k given as Q_g (scaled) and K_C,
   chunk_gates (None, None) and scale 1: P is read as given, W = T' K_g.
+  sequences: None, or with B = 1 (first, end) [S] int32, the 64-token chunk
+  bounds of S chunk-aligned sequences covering every chunk
+  (`pallas_triton.sequence_bounds`): CTAs per (head, sequence, value block)
+  walk each sequence's chunks back from its own end cotangent (d_final [S,
+  H, Ep, K]) to its own dL/dS_0^T [S, H, Ep, K].
   """
   b, tp, h, dim_k = q.shape
   dim_v = do.shape[-1]
@@ -438,17 +456,28 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
        plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS))
       + ((plgpu.Barrier(num_barriers=1),) if d_final is not None else ()),
   )
-  inputs = (q, k, inverse, do) + gate_inputs + (() if d_final is None else (d_final,))
+  num_states = b  # end and initial cotangents: one a row, or one a sequence
+  if sequences is not None:
+    num_states = sequences[0].shape[0]
+    if b != 1 or any(x.shape != (num_states,) for x in sequences):
+      raise ValueError(f"sequences take one row and (first, end) [S] chunk bounds; got B = {b}, "
+                       f"{[x.shape for x in sequences]}")
+  if d_final is not None and d_final.shape != (num_states, h, dim_v, dim_k):
+    raise ValueError(f"d_final must be [B or S, H, Ep, K] = {(num_states, h, dim_v, dim_k)}, got {d_final.shape}")
+  inputs = (q, k, inverse, do) + gate_inputs + (() if d_final is None else (d_final,)) + (
+      () if sequences is None else (jnp.stack(sequences).astype(jnp.int32),))
   n = tp // c
   out_type = (manual_axes.struct((b, h, n, dim_v, dim_k), dtype, *inputs),
               manual_axes.struct((b, h, dim_v, tp), dtype, *inputs))
-  out_type = (() if initial_only else out_type) + (manual_axes.struct((b, h, dim_v, dim_k), _F32, *inputs),)
+  out_type = (() if initial_only else out_type) + (
+      manual_axes.struct((num_states, h, dim_v, dim_k), _F32, *inputs),)
   kernel = functools.partial(_kernel, num_chunks=n, num_stages=stages,
                              has_segments=not channel_gated and chunk_gates[1] is not None,
                              has_final=d_final is not None, scale=scale, in_registers=in_registers,
-                             per_chunk=not initial_only, channel_gated=channel_gated)
+                             per_chunk=not initial_only, channel_gated=channel_gated,
+                             sequences=sequences is not None)
   *per_chunk, d_initial_t = lightning_mosaic.warpgroup_kernel(
-      kernel, out_type=out_type, scratch_types=scratch, grid=(h, b, dim_v // be),
+      kernel, out_type=out_type, scratch_types=scratch, grid=(h, num_states, dim_v // be),
       grid_names=("heads", "batch", "value_blocks"), interpret=interpret,
       kernel_name="delta_state_cotangents_warp_specialized")(*inputs)
   if initial_only:

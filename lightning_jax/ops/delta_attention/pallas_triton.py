@@ -1481,16 +1481,18 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   initial_cotangent_only: return only dL/dS_0 [B, H, D, E] float32 (the
   reverse sweep's; initial_state may be None): the sequence split's
   cotangent of each piece's start from its own outputs (`sequence_split`).
-  sequences: `forward`'s, in the layout of `sequence_chunk(config)`; the
-  backward then runs on the Triton sweeps alone, whatever
-  `config.warp_specialized` says (it recomputes what the forward formed);
-  initial_state, d_final and dL/dS_0 are per sequence.
+  sequences: `forward`'s, in the layout of `sequence_chunk(config)`:
+  initial_state, d_final and dL/dS_0 are per sequence, and each sweep runs
+  a program per sequence (the warp-specialised ones with a scalar gate or
+  none, where `config.warp_specializes_backward`; KDA's on the Triton
+  sweeps). Nothing is kept from the forward: the backward forms it again.
   """
   layout_chunk = sequence_chunk(config)
   if sequences is not None:
     if inverses is not None or states is not None or chunk_terms is not None or initial_cotangent_only:
       raise ValueError("per-sequence states take no kept inverses, states or chunk terms, and return every cotangent")
-    config = dataclasses.replace(config, warp_specialized=False)
+    if decay is not None and decay.ndim == 4:  # KDA's warp-specialised backward takes no sequences
+      config = dataclasses.replace(config, warp_specialized=False)
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
   per_channel_gate = decay is not None and decay.ndim == 4
   if per_channel_gate and config.warp_specialized:
@@ -1537,10 +1539,11 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
                                                           initial_only=True))[:, :, :d, :e]
     d_next, d_initial, d_values = pallas_mosaic_gpu.state_cotangents(qp, kp, tri_beta, dop, chunk_gates,
                                                                      transpose(d_final), scale=scale,
-                                                                     interpret=interpret)
+                                                                     interpret=interpret, **per_sequence)
     d_initial = transpose(d_initial)
     states, values = states or pallas_mosaic_gpu.state_sweep(kp, vp, tri_beta, chunk_gates,
-                                                             transpose(initial_state), interpret=interpret)
+                                                             transpose(initial_state), interpret=interpret,
+                                                             **per_sequence)
   else:  # S_n and U, G_n and dU from the Triton sweeps, on prepare's W and U_v (and P, T)
     if split and max(dp, ep) <= 128:  # by whole tiles (`prepare_by_tiles`)
       (w, u, tri), p = prepare_by_tiles(kp, vp, beta_rows, gates_, config=config, interpret=interpret), None

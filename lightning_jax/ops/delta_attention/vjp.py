@@ -237,7 +237,7 @@ def delta_attention_sequences_pallas(q, k, v, beta, decay, first, end, initial_s
   `pallas_triton.sequence_chunk(opts.config)` tokens a chunk, first and end [S] int32 its chunk bounds,
   initial_state [S, H, D, E] float32 or None (zeros). The forward runs a sweep program (CTAs on the
   warp-specialised sweep where `opts.config.warp_specialized`, else a Triton program) per sequence; the backward
-  recomputes on the Triton sweeps (`pallas_triton.backward`'s sequences)."""
+  recomputes what it needs, a program per sequence in each sweep too (`pallas_triton.backward`'s sequences)."""
   return _sequences_forward(q, k, v, beta, decay, first, end, initial_state, opts)[0]
 
 

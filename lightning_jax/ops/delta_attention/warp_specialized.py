@@ -150,7 +150,7 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   `pallas_triton.sequence_bounds`: together they cover every chunk), each
   walked by its own CTAs from its own initial state, initial_state [S, H, D,
   E], to its own final state [S, H, D, E] (the backward's residuals are not
-  kept: the Triton backward forms them).
+  kept: the backward forms them again).
   """
   if sequences is not None and (with_inverses or with_states or with_chunk_terms or segment_starts is not None):
     raise ValueError("sequences keep no residuals for the backward and take no segment starts")
