@@ -273,7 +273,7 @@ def test_factors_fold_the_scale_and_decay():
 # at 0 and 2, T, D and E off the chunk and the blocks.
 DELTA_CASES = [
     DeltaCase(b=2, t=150, h=2, d=64, e=48, decay="token", segments=True),
-    DeltaCase(b=1, t=130, h=2, d=40, e=64, decay=None, initial_state=False),
+    DeltaCase(b=1, t=136, h=2, d=40, e=64, decay=None, initial_state=False),  # T % 8 == 0: the kernels walk it
     DeltaCase(b=1, t=100, h=1, d=64, e=72, decay="token", rates="extreme", beta="edges"),
     DeltaCase(b=2, t=300, h=3, d=128, e=100, decay="token", segments=True),
     DeltaCase(b=1, t=200, h=2, d=100, e=128, decay=None, segments=True),
@@ -430,12 +430,12 @@ def test_delta_inverse_walks_any_chunks_per_cta(mode):
 def test_delta_inverse_lowers_for_cuda(dim_k, gated, segments, with_unscaled):
   """The inverse kernel (its inline Mosaic GPU substitution included) lowers as the GPU compiles it, from any
   backend."""
-  k = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
+  k = jax.ShapeDtypeStruct((2, 512 if gated else 504, 3, dim_k), BF16)  # 504: unpadded, the last tile runs past
   beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
   gates = (jax.ShapeDtypeStruct((2, 3, 512), F32) if gated else None,
            jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None)
   fn = jax.jit(lambda k, beta, gates: delta_mosaic.inverse(k, beta, gates, with_unscaled=with_unscaled,
-                                                           chunks_per_cta=4))
+                                                           chunks_per_cta=4, num_tokens=512))
   exported = jax.export.export(fn, platforms=["cuda"])(k, beta, gates)
   assert "delta_inverse_mosaic" in exported.mlir_module()
   assert [o.shape for o in exported.out_avals] == [(2, 3, 512, 64)] * (2 if with_unscaled else 1)
@@ -717,23 +717,24 @@ def test_delta_kda_float16_keeps_its_range(mode):
 
 
 @needs_ws_jax
-@pytest.mark.parametrize("dim_k,dim_v", [(128, 128), (64, 192)])
-def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
+@pytest.mark.parametrize("dim_k,dim_v,rows", [(128, 128, 512), (64, 192, 504)])
+def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v, rows):
   """KDA's chunk-terms kernel and the sweep taking them (storing S_n^T and U^T for the backward, or those alone),
   both packed at K = 128 (the sweep then drops rows by the segment-start counts), and the reverse sweep in its
   channel-gated mode (2 ring slots at K = 128, 3 at K = 64, within sm90's shared memory) lower as the GPU compiles
-  them, from any backend."""
-  q = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)
+  them, from any backend. rows: of q, k, the rates and v (504: unpadded, the last chunk's tiles run past them)."""
+  given = jax.ShapeDtypeStruct((2, rows, 3, dim_k), BF16)
   beta = jax.ShapeDtypeStruct((2, 3, 512), F32)
-  rates = jax.ShapeDtypeStruct((2, 512, 3, dim_k), F32)
+  rates = jax.ShapeDtypeStruct((2, rows, 3, dim_k), F32)
   runs = (jax.ShapeDtypeStruct((2, 512), jnp.int32),) if dim_k == 128 else ()
   exported = jax.export.export(jax.jit(lambda q, k, beta, rates, *runs: tuple(delta_mosaic.channel_gated_chunks(
-      q, k, beta, rates, scale=0.1, runs=runs[0] if runs else None, chunks_per_cta=4))),
-      platforms=["cuda"])(q, q, beta, rates, *runs)
+      q, k, beta, rates, scale=0.1, runs=runs[0] if runs else None, chunks_per_cta=4, num_tokens=512))),
+      platforms=["cuda"])(given, given, beta, rates, *runs)
   assert "delta_channel_gated_mosaic" in exported.mlir_module()
   assert [o.shape for o in exported.out_avals] == ([(2, 3, 512, 64)] * 2 + [(2, 512, 3, dim_k)] * 3
                                                    + [(2, 3, 8, 4, dim_k)])
-  v = jax.ShapeDtypeStruct((2, 512, 3, dim_v), BF16)
+  q = jax.ShapeDtypeStruct((2, 512, 3, dim_k), BF16)  # the chunk terms
+  v = jax.ShapeDtypeStruct((2, rows, 3, dim_v), BF16)
   tiles = jax.ShapeDtypeStruct((2, 3, 512, 64), BF16)
   channel_decay = jax.ShapeDtypeStruct((2, 3, 8, 1, dim_k), F32)
   s0 = jax.ShapeDtypeStruct((2, 3, 1, dim_v, dim_k), F32)
@@ -744,16 +745,17 @@ def test_delta_kda_kernels_lower_for_cuda(dim_k, dim_v):
       delta_channel_gates=(keys_end, pairs, decay), scale=0.1, seq_len=500, return_final_state=True, cfg=cfg))
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, s0, tiles, q, tiles, channel_decay, *runs)
   assert "delta_warp_specialized" in exported.mlir_module()
-  assert [o.shape for o in exported.out_avals] == [(2, 512, 3, dim_v), (2, 3, dim_v, dim_k)]
+  assert [o.shape for o in exported.out_avals] == [(2, rows, 3, dim_v), (2, 3, dim_v, dim_k)]
   states = [(2, 3, 8, dim_v, dim_k), (2, 3, dim_v, 512)]
   fn = jax.jit(lambda q, k, v, inverse, keys_end, pairs, decay, *runs: pallas_mosaic_gpu.forward_padded(
       q, k, v, None, chunk_gates=gates(runs), delta_inverse=inverse, delta_channel_gates=(keys_end, pairs, decay),
       delta_states=True, scale=0.1, seq_len=500, cfg=cfg))
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, tiles, q, tiles, channel_decay, *runs)
-  assert [o.shape for o in exported.out_avals] == [(2, 512, 3, dim_v)] + states
+  assert [o.shape for o in exported.out_avals] == [(2, rows, 3, dim_v)] + states
   fn = jax.jit(lambda k, v, inverse, keys_end, pairs, decay, s0, *runs: delta_mosaic.state_sweep(
       k, v, inverse, gates(runs), s0, channel_gates=(keys_end, pairs, decay)))
   state_t = jax.ShapeDtypeStruct((2, 3, dim_v, dim_k), F32)
+  v = jax.ShapeDtypeStruct((2, 512, 3, dim_v), BF16)  # the backward's operands: whole chunks
   exported = jax.export.export(fn, platforms=["cuda"])(q, v, tiles, q, tiles, channel_decay, state_t, *runs)
   assert [o.shape for o in exported.out_avals] == states
   assert delta_mosaic.num_stages(dim_k=dim_k, itemsize=2, channel_gated=True) == (2 if dim_k == 128 else 3)
@@ -963,14 +965,15 @@ def test_compiled_at_every_short_chunk_count(op, dim, num_chunks, mode):
 
 
 @needs_ws_jax
-@pytest.mark.parametrize("dim_k,dim_v,gated,segments,with_states,kept", [
-    (128, 128, True, True, True, True), (64, 64, False, False, False, False), (128, 64, True, False, False, True),
-    (64, 128, True, True, True, False)])
-def test_delta_warp_specialized_lowers_for_cuda(dim_k, dim_v, gated, segments, with_states, kept):
+@pytest.mark.parametrize("dim_k,dim_v,gated,segments,with_states,kept,rows", [
+    (128, 128, True, True, True, True, 192), (64, 64, False, False, False, False, 192),
+    (128, 64, True, False, False, True, 152), (64, 128, True, True, True, False, 152)])
+def test_delta_warp_specialized_lowers_for_cuda(dim_k, dim_v, gated, segments, with_states, kept, rows):
   """The delta mode lowers as the GPU compiles it (wgmma's operand shapes and layouts), from any backend; kept: the
-  output warpgroup also stores S_n^T and U^T (the backward's residuals)."""
-  q = jax.ShapeDtypeStruct((2, 192, 3, dim_k), BF16)
-  v = jax.ShapeDtypeStruct((2, 192, 3, dim_v), BF16)
+  output warpgroup also stores S_n^T and U^T (the backward's residuals); rows: the operands' (152: unpadded, the last
+  chunk's tiles run past them)."""
+  q = jax.ShapeDtypeStruct((2, rows, 3, dim_k), BF16)
+  v = jax.ShapeDtypeStruct((2, rows, 3, dim_v), BF16)
   gates = (jax.ShapeDtypeStruct((2, 3, 192), F32) if gated else None,
            jax.ShapeDtypeStruct((2, 192), jnp.int32) if segments else None)
   inverse = jax.ShapeDtypeStruct((2, 3, 192, 64), BF16)
@@ -978,11 +981,37 @@ def test_delta_warp_specialized_lowers_for_cuda(dim_k, dim_v, gated, segments, w
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2, delta=True)
   fn = jax.jit(lambda q, k, v, s0, gates, inverse: pallas_mosaic_gpu.forward_padded(
       q, k, v, None, s0, chunk_gates=gates, delta_inverse=inverse, delta_states=kept, scale=0.125, seq_len=150,
-      return_final_state=with_states, cfg=cfg))
+      return_final_state=with_states, cfg=cfg, num_tokens=192))
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, s0, gates, inverse)
   assert "delta_warp_specialized" in exported.mlir_module()
-  assert [o.shape for o in exported.out_avals] == ([(2, 192, 3, dim_v)] + [(2, 3, 3, dim_v, dim_k), (2, 3, dim_v, 192)]
+  assert [o.shape for o in exported.out_avals] == ([(2, rows, 3, dim_v)] + [(2, 3, 3, dim_v, dim_k), (2, 3, dim_v, 192)]
                                                   * kept + [(2, 3, dim_v, dim_k)] * with_states)
+
+
+@needs_ws_jax
+@pytest.mark.parametrize("t,decay", [(200, None), (200, "channel"), (256, "token"), (202, None)])
+def test_delta_warp_specialized_forward_walks_t_unpadded(t, decay):
+  """The sm90 forward (the inverse or chunk-terms kernel, then the sweep) takes q, k, v and the rates with T rows
+  where T is a multiple of 8 (the kernels read zeros past it): the program lowered for CUDA pads none of them and
+  holds no [B, Tp, H, D] array of whole chunks but KDA's chunk terms, the kernel's own (beta's and the gates' rows
+  are padded: [B, H, Tp], small). At 202 rows TMA cannot tile them, and they are copied to whole chunks."""
+  from lightning_jax.ops.delta_attention import warp_specialized
+
+  b, h, d = 1, 2, 64
+  x = jax.ShapeDtypeStruct((b, t, h, d), BF16)
+  beta = jax.ShapeDtypeStruct((b, t, h), F32)
+  rates = {None: None, "token": jax.ShapeDtypeStruct((b, t, h), F32), "channel": jax.ShapeDtypeStruct((b, t, h, d), F32)}
+  fallback = lambda q, *_: (q, None)  # noqa: E731  (KDA's range check: not what this test lowers)
+  fn = jax.jit(lambda q, k, v, beta, decay: warp_specialized.forward(
+      q, k, v, beta, decay, None, None, scale=0.125, with_final_state=False, interpret=False,
+      fallback=fallback if decay is not None and decay.ndim == 4 else None)[0])
+  text = jax.export.export(fn, platforms=["cuda"])(x, x, x, beta, rates[decay]).mlir_module()
+  whole = f"{b}x{-(-t // 64) * 64}x{h}x{d}"
+  operand_pads = [line.strip()[:200] for line in text.splitlines() if "stablehlo.pad" in line and f"x{h}x{d}x" in line]
+  if t % 8:
+    assert whole in text and operand_pads
+  else:  # KDA's chunk terms, which its kernel writes, have whole chunks
+    assert (t % 64 == 0 or decay == "channel" or whole not in text) and not operand_pads, operand_pads
 
 
 def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():

@@ -812,7 +812,7 @@ def _checked_chunks_per_cta(chunks_per_cta, *, batch_heads: int, num_chunks: int
 
 
 def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta: int | None = None,
-            interpret: bool = False):
+            num_tokens: int | None = None, interpret: bool = False):
   """Each 64-token chunk's T' = T Diag(beta), T = (I + A)^{-1}, [B, H, Tp, 64] in k's dtype; with_unscaled, (T, T').
 
   A_ts = beta_t (k_t . k_s) 2^(c_s - c_t) for s < t in one segment (c the
@@ -827,16 +827,23 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   Mosaic GPU, merges from single rows instead of the solve.
 
   Args:
-    k: [B, Tp, H, K] bf16 or fp16, Tp a multiple of 64, K 64 or 128.
+    k: [B, T', H, K] bf16 or fp16, K 64 or 128, T' <= Tp (`num_tokens`) a
+      multiple of `lightning_mosaic.TMA_ROWS` (or Tp): rows past T' read as
+      zeros (TMA fills a tile that runs past the array), so the caller need
+      not copy k to whole chunks.
     beta: [B, H, Tp] float32, zero on padding.
     chunk_gates: (cumdecay [B, H, Tp] float32 or None, runs [B, Tp] int32 or
       None), `lightning_mosaic.sweep_gates`' for these tokens.
+    num_tokens: Tp, a multiple of 64 (None: k's rows, which must be one).
   """
-  b, tp, h, dim_k = k.shape
+  b, rows, h, dim_k = k.shape
+  tp = rows if num_tokens is None else num_tokens
   c = CHUNK_SIZE
-  if tp % c or dim_k not in (64, 128) or beta.shape != (b, h, tp):
-    raise ValueError(f"padded operands: k [B, Tp, H, K] with Tp a multiple of {c} and K 64 or 128, beta [B, H, Tp]; "
-                     f"got k {k.shape}, beta {beta.shape}")
+  if (tp % c or rows > tp or (rows % lightning_mosaic.TMA_ROWS and rows != tp) or dim_k not in (64, 128)
+      or beta.shape != (b, h, tp)):
+    raise ValueError(f"operands: k [B, T', H, K] with K 64 or 128 and T' rows a multiple of "
+                     f"{lightning_mosaic.TMA_ROWS} (or all Tp), beta [B, H, Tp], Tp a multiple of {c}; got k "
+                     f"{k.shape}, beta {beta.shape}, Tp {tp}")
   rows, cum_row, runs_row = _factor_rows(beta, *chunk_gates)
   n = tp // c
   per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
@@ -1319,7 +1326,8 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
 
 
 def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_per_cta: int | None = None,
-                         with_backward_terms: bool = False, interpret: bool = False) -> ChannelGatedChunks:
+                         with_backward_terms: bool = False, num_tokens: int | None = None,
+                         interpret: bool = False) -> ChannelGatedChunks:
   """Each 64-token chunk's terms of KDA's per-key-channel gates for the warp-specialised forward
   (`ChannelGatedChunks`): the pair products A and P, T' from A as `inverse` forms it, and the gated keys and queries.
 
@@ -1339,9 +1347,10 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
   warpgroup forming both parts on an H200, B2 H32 T8K).
 
   Args:
-    q, k: [B, Tp, H, K] bf16 or fp16, Tp a multiple of 64, K 64 or 128.
+    q, k: [B, T', H, K] bf16 or fp16, K 64 or 128, T' rows as `inverse`'s
+      (read as zeros past them; the terms have Tp rows).
     beta: [B, H, Tp] float32, zero on padding.
-    rates: [B, Tp, H, K] float32 >= 0, zero on padding (clamped at
+    rates: [B, T', H, K] float32 >= 0, zero on padding (clamped at
       `chunk.MAX_RATE`, as `chunk.chunk_log_decays` does).
     runs: None, or packed rows' segment-start counts within each chunk [B,
       Tp] int32 (`pallas_mosaic_gpu.sweep_gates`' runs): A, T' and P then
@@ -1352,14 +1361,17 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
       the same runs, `lightning_mosaic.forward_padded`), and for the backward's
       `mask_channel_gated_chunks`.
     with_backward_terms: also T and G (`ChannelGatedChunks`).
+    num_tokens: Tp, as `inverse`'s.
   """
-  b, tp, h, dim_k = k.shape
+  b, rows, h, dim_k = k.shape
+  tp = rows if num_tokens is None else num_tokens
   c = CHUNK_SIZE
   n = tp // c
-  if (tp % c or dim_k not in (64, 128) or q.shape != k.shape or rates.shape != k.shape
-      or beta.shape != (b, h, tp)):
-    raise ValueError(f"padded operands: q, k, rates [B, Tp, H, K] with Tp a multiple of {c} and K 64 or 128, "
-                     f"beta [B, H, Tp]; got q {q.shape}, k {k.shape}, rates {rates.shape}, beta {beta.shape}")
+  if (tp % c or rows > tp or (rows % lightning_mosaic.TMA_ROWS and rows != tp) or dim_k not in (64, 128)
+      or q.shape != k.shape or rates.shape != k.shape or beta.shape != (b, h, tp)):
+    raise ValueError(f"operands: q, k, rates [B, T', H, K] with K 64 or 128 and T' rows a multiple of "
+                     f"{lightning_mosaic.TMA_ROWS} (or all Tp), beta [B, H, Tp], Tp a multiple of {c}; got q "
+                     f"{q.shape}, k {k.shape}, rates {rates.shape}, beta {beta.shape}, Tp {tp}")
   per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
   in_registers = not interpret
   dtype = k.dtype

@@ -46,16 +46,23 @@ def beta_rows(beta, *, tp):
   return jnp.pad(jnp.moveaxis(beta, 2, 1), ((0, 0), (0, 0), (0, tp - beta.shape[1])))
 
 
+def walked_rows(t: int) -> tuple[int, int]:
+  """(the rows q, k, v and the rates go to the kernels with, Tp = T in whole 64-token chunks): T itself where TMA
+  tiles it (a multiple of `pallas_mosaic_gpu.TMA_ROWS`: the kernels read zeros past it, so no copy of the operands
+  to whole chunks), else Tp."""
+  tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
+  return (t if t % pallas_mosaic_gpu.TMA_ROWS == 0 else tp), tp
+
+
 def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):
   """Each 64-token chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, 64] in k's dtype, with_unscaled as (T, T')
   (`delta_mosaic.inverse`): what `forward` forms, for a caller that runs it more than once on the same k, beta
   and gates (`sequence_split`). Arguments as `forward`'s."""
-  t, d = k.shape[1], k.shape[-1]
-  tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
-  dp = WarpSpecializedConfig.padded_dims(d, d)[0]
-  return delta_mosaic.inverse(chunk_common.pad_tokens_and_features(k, num_tokens=tp, dim=dp), beta_rows(beta, tp=tp),
-                              pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp),
-                              with_unscaled=with_unscaled, interpret=interpret)
+  rows, tp = walked_rows(k.shape[1])
+  dp = WarpSpecializedConfig.padded_dims(k.shape[-1], k.shape[-1])[0]
+  chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp)
+  return delta_mosaic.inverse(chunk_common.pad_tokens_and_features(k, num_tokens=rows, dim=dp), beta_rows(beta, tp=tp),
+                              chunk_gates, with_unscaled=with_unscaled, num_tokens=tp, interpret=interpret)
 
 
 def segment_runs(segment_starts, *, num_tokens):
@@ -87,13 +94,14 @@ def _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, *, scale
   (`delta_states`), zeros where `fallback` runs, then the block ends (from which the backward makes the same
   choice)."""
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
-  tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
+  rows, tp = walked_rows(t)
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
-  pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
+  pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=rows, dim=dim)  # noqa: E731
   runs = segment_runs(segment_starts, num_tokens=tp)
   terms = delta_mosaic.channel_gated_chunks(pad(q, dp), pad(k, dp), beta_rows(beta, tp=tp),
                                             pad(decay, dp).astype(jnp.float32), scale=scale, runs=runs,
-                                            with_backward_terms=with_chunk_terms, interpret=interpret)
+                                            with_backward_terms=with_chunk_terms, num_tokens=tp,
+                                            interpret=interpret)
   block_ends = terms.block_ends  # [B, H, N, 4, Dp]
 
   def on_chunk_terms():
@@ -106,7 +114,7 @@ def _channel_gated(q, k, v, beta, decay, segment_starts, initial_state, *, scale
         delta_inverse=terms.inverse, delta_states=with_chunk_terms,
         delta_channel_gates=(terms.keys_to_end, terms.pairs, channel_decay),
         scale=scale, seq_len=t, return_final_state=with_final_state, cfg=cfg, sequences=sequences,
-        interpret=interpret)
+        num_tokens=tp, interpret=interpret)
     o, *results = result if isinstance(result, tuple) else (result,)
     final_state = jnp.swapaxes(results.pop(), -1, -2)[:, :, :d, :e] if with_final_state else None
     return o[:, :t, :, :e], final_state, ((*terms[:-1], *results) if with_chunk_terms else ())
@@ -134,10 +142,12 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
 
   q, k: [B, T, H, D]; v: [B, T, H, E] bf16 or fp16; beta: [B, T, H]
   float32; decay: None or [B, T, H] float32 rates; segment_starts: [B, T]
-  bool or None; initial_state: [B, H, D, E] float32 or None. T is padded to
-  whole 64-token chunks (zero beta and rates: the padding changes no state),
-  D to 64 or 128 and E to a multiple of 64. The chunk is the sweep's, 64
-  tokens, whatever `DeltaConfig.chunk_size` says.
+  bool or None; initial_state: [B, H, D, E] float32 or None. The kernels
+  walk whole 64-token chunks (zero beta and rates past T: they change no
+  state), reading zeros past T where it is a multiple of 8 (`walked_rows`;
+  else q, k and v are padded), with D padded to 64 or 128 and E to a
+  multiple of 64. The chunk is the sweep's, 64 tokens, whatever
+  `DeltaConfig.chunk_size` says.
 
   KDA's per-key-channel rates (decay [B, T, H, D]; neither inverses nor
   states are kept, but with_chunk_terms its chunk terms and states, the
@@ -163,21 +173,21 @@ def forward(q, k, v, beta, decay, segment_starts, initial_state, *, scale, with_
   if with_chunk_terms:
     raise ValueError("with_chunk_terms is KDA's (per-key-channel gates)")
   t, d, e = q.shape[1], q.shape[-1], v.shape[-1]
-  tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
+  rows, tp = walked_rows(t)
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
-  pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=tp, dim=dim)  # noqa: E731
+  pad = lambda x, dim: chunk_common.pad_tokens_and_features(x, num_tokens=rows, dim=dim)  # noqa: E731
   kp = pad(k, dp)
   # The gates in the per-chunk factors' form, of the inverse kernel and the sweep alike.
   chunk_gates = pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp)
   if inverses is None:  # as `chunk_inverses` forms them, on the operands padded once here
     inverses = delta_mosaic.inverse(kp, beta_rows(beta, tp=tp), chunk_gates, with_unscaled=with_inverses,
-                                    interpret=interpret)
+                                    num_tokens=tp, interpret=interpret)
   inverse = inverses[1] if with_inverses else inverses
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dp, itemsize=q.dtype.itemsize, delta=True)
   result = pallas_mosaic_gpu.forward_padded(
       pad(q, dp), kp, pad(v, ep), None, _kernel_state(initial_state, dp=dp, ep=ep, sequences=sequences),
       chunk_gates=chunk_gates, delta_inverse=inverse, delta_states=with_states, scale=scale, seq_len=t,
-      return_final_state=with_final_state, cfg=cfg, sequences=sequences, interpret=interpret)
+      return_final_state=with_final_state, cfg=cfg, sequences=sequences, num_tokens=tp, interpret=interpret)
   o, *results = result if isinstance(result, tuple) else (result,)
   final_state = jnp.swapaxes(results.pop(), -1, -2)[:, :, :d, :e] if with_final_state else None
   o = o[:, :t, :, :e]

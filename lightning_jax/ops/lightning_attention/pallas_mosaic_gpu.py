@@ -752,11 +752,10 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
 
   Args:
     q, k: [B, T', H, K]; v: [B, T', H, V]; bf16 or fp16, K = 64 or 128, V a
-      multiple of `BLOCK_E` (`WarpSpecializedConfig.padded_dims`), T' <= Tp
+      multiple of `BLOCK_E` (`WarpSpecializedConfig.padded_dims`), each T' <= Tp
       (`num_tokens`) a multiple of `TMA_ROWS` (or Tp). Rows past the real tokens must be zeros, and rows past
       T' read as zeros (TMA fills a tile that runs past the array), so
-      T' = T needs no copy of the operands to whole chunks; o's rows past T'
-      are not written (TMA drops them).
+      T' = T needs no copy of the operands to whole chunks. o has v's rows (TMA drops those past them).
     decay: [H] float32 rates or None.
     chunk_gates: None, or per-token rates and packed sequences as
       `chunk_common.token_chunk_gates` gives them for a forward sweep over Tp
@@ -812,11 +811,12 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   num_stages, published = cfg.num_stages, cfg.published_states
   b, rows, h, dim_k = q.shape
   tp = rows if num_tokens is None else num_tokens
-  dim_v = v.shape[-1]
+  dim_v, value_rows = v.shape[-1], v.shape[1]
   c, be = CHUNK_SIZE, BLOCK_E
-  if tp % (num_slices * c) or rows > tp or (rows % TMA_ROWS and rows != tp):
+  if tp % (num_slices * c) or any(n > tp or (n % TMA_ROWS and n != tp) for n in (rows, k.shape[1], value_rows)):
     raise ValueError(f"the padded length {tp} must be a multiple of num_slices * {c} = {num_slices * c} and hold "
-                     f"q's {rows} rows, a multiple of {TMA_ROWS} unless all of them")
+                     f"the rows of q, k and v ({rows}, {k.shape[1]}, {value_rows}), each a multiple of {TMA_ROWS} "
+                     f"unless all of them")
   if num_slices == 1 and not tp - c < seq_len <= tp:
     raise ValueError(f"seq_len must be in ({tp - c}, {tp}] for {tp} padded tokens, got {seq_len}")
   if num_slices > 1 and (return_final_state or not 0 < seq_len <= tp):
@@ -893,7 +893,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   inputs = (intra, vectors, q, k, v) + ((delta_inverse,) if is_delta else ()) + (
       tuple(delta_channel_gates) if channel_gated else ()) + runs + (
       () if initial_state is None else (initial_state,)) + bounds
-  out_type = (((manual_axes.struct((b, rows, h, dim_v), dtype, *inputs),) if with_outputs else ())
+  out_type = (((manual_axes.struct((b, value_rows, h, dim_v), dtype, *inputs),) if with_outputs else ())
               + ((manual_axes.struct((b, h, tp // c, dim_v, dim_k), dtype, *inputs),
                   manual_axes.struct((b, h, dim_v, tp), dtype, *inputs)) if delta_states else ())
               + ((manual_axes.struct((b if sequences is None else num_states, h, dim_v, dim_k), _F32, *inputs),)
