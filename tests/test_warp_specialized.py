@@ -236,6 +236,10 @@ def test_warp_specialized_config_is_validated_and_budgeted():
     # The CTAs count value blocks: B2 H32 with E = 128 is one wave too.
     (dict(d=64, e=128, per_head_decay=True, batch_heads=64, num_sms=132, device_kind="NVIDIA H200"),
      "warp_specialized"),
+    # T off TMA's 8 rows: the warp-specialised forward would copy q, k, v and o; chunk_loop masks its last chunk.
+    (dict(seq_len=32700), "chunk_loop"),
+    (dict(d=64, per_token=True, seq_len=20001), "chunk_loop"),
+    (dict(seq_len=32760), "warp_specialized"),
     (dict(dtype=F32), "chunk_loop"),
     (dict(compute_capability=(8, 0)), "chunk_loop"),
     (dict(compute_capability=(10, 0)), "chunk_loop"),

@@ -358,7 +358,7 @@ def _pallas_options(q, v, *, scale, per_token, return_final_state, variant, conf
   variant = heuristics.pallas_variant(variant, d=q.shape[-1], e=v.shape[-1], dtype=q.dtype, compute_capability=cc,
                                       interpret=interpret, per_token=per_token, per_head_decay=per_head_decay,
                                       batch_heads=q.shape[0] * q.shape[2], num_sms=num_sms,
-                                      device_kind=getattr(device, "device_kind", ""))
+                                      device_kind=getattr(device, "device_kind", ""), seq_len=q.shape[1])
   return config_lib.PallasOptions(scale=scale, return_final_state=return_final_state, variant=variant,
                                   config=config, compute_capability=cc, num_sms=num_sms, interpret=interpret)
 

@@ -202,6 +202,9 @@ class WarpSpecializedConfig:
 
   CHUNK_SIZE: ClassVar[int] = 64
   BLOCK_E: ClassVar[int] = 64
+  # Mosaic GPU's TMA copies of the swizzled tiles tile a GMEM operand's rows by 8 (it refuses other row counts): an
+  # operand walked unpadded (T rows, its last tile reading zeros past them) needs T a multiple of it, else a copy.
+  TMA_ROWS: ClassVar[int] = 8
   # wgmma exists on sm90 alone (sm100 has tcgen05 instead).
   COMPUTE_CAPABILITY: ClassVar[tuple[int, int]] = (9, 0)
   MAX_DIM_K: ClassVar[int] = 128

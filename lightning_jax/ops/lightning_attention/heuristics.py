@@ -330,11 +330,17 @@ def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, item
 
 def pallas_variant(variant: str, *, d: int, e: int, dtype, compute_capability: tuple[int, int] | None,
                    interpret: bool, per_token: bool = False, per_head_decay: bool = False, batch_heads: int = 0,
-                   num_sms: int = DEFAULT_NUM_SMS, device_kind: str = "") -> str:
+                   num_sms: int = DEFAULT_NUM_SMS, device_kind: str = "", seq_len: int | None = None) -> str:
   """The Pallas variant that runs: `variant`, checked, or the one "auto" picks for this call.
 
   `batch_heads` (B * H), `num_sms` and `device_kind` are the call's and its
-  device's, for `prefer_warp_specialized`.
+  device's, for `prefer_warp_specialized`. seq_len: the call's T (None:
+  unknown). Where T is not a multiple of `WarpSpecializedConfig.TMA_ROWS`
+  the warp-specialised forward copies q, k and v to whole chunks and o
+  back (its TMA copies cannot tile T's rows), and chunk_loop, which masks
+  its last chunk, took 1.5-2.5x less time (H200, bf16, per-head and
+  per-token rates, B3 H12 T20001 D64 to B1 H16 T50001 D128;
+  `results/nvidia-h200-odd-t-variants`): auto takes chunk_loop there.
   """
   ws_unsupported = warp_specialized_unsupported(dim_k=d, dim_v=e, dtype=dtype, compute_capability=compute_capability,
                                                 interpret=interpret)
@@ -344,7 +350,8 @@ def pallas_variant(variant: str, *, d: int, e: int, dtype, compute_capability: t
     return variant
   # Compiled only (its interpreter is for tests), and where it was measured faster.
   programs = batch_heads * -(-e // WarpSpecializedConfig.BLOCK_E)
-  if not interpret and not ws_unsupported and prefer_warp_specialized(
+  copies_t = seq_len is not None and seq_len % WarpSpecializedConfig.TMA_ROWS != 0
+  if not interpret and not ws_unsupported and not copies_t and prefer_warp_specialized(
       dim_k=d, per_token=per_token, per_head_decay=per_head_decay, programs=programs, num_sms=num_sms,
       device_kind=device_kind):
     return "warp_specialized"

@@ -81,9 +81,7 @@ from lightning_jax.ops.lightning_attention.config import PallasOptions, WarpSpec
 CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
 BLOCK_E = WarpSpecializedConfig.BLOCK_E
 _F32 = jnp.float32
-# Mosaic GPU's TMA copies of the swizzled tiles tile a GMEM operand's rows by 8: an operand walked unpadded (T rows,
-# its last tile reading zeros past them) needs T a multiple of it.
-TMA_ROWS = 8
+TMA_ROWS = WarpSpecializedConfig.TMA_ROWS
 # No warpgroup rebalances its registers (setmaxnreg): all three keep the 168 per
 # thread of a 384-thread CTA. With the memory warpgroup cut to 40 (and 24, 56, 72
 # tried), ptxas (CUDA 13.0) left values of the shared prologue in registers above
