@@ -1008,7 +1008,8 @@ def test_delta_warp_specialized_forward_walks_t_unpadded(t, decay):
   b, h, d = 1, 2, 64
   x = jax.ShapeDtypeStruct((b, t, h, d), BF16)
   beta = jax.ShapeDtypeStruct((b, t, h), F32)
-  rates = {None: None, "token": jax.ShapeDtypeStruct((b, t, h), F32), "channel": jax.ShapeDtypeStruct((b, t, h, d), F32)}
+  rates = {None: None, "token": jax.ShapeDtypeStruct((b, t, h), F32),
+           "channel": jax.ShapeDtypeStruct((b, t, h, d), F32)}
   fallback = lambda q, *_: (q, None)  # noqa: E731  (KDA's range check: not what this test lowers)
   fn = jax.jit(lambda q, k, v, beta, decay: warp_specialized.forward(
       q, k, v, beta, decay, None, None, scale=0.125, with_final_state=False, interpret=False,

@@ -836,10 +836,10 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
       None), `lightning_mosaic.sweep_gates`' for these tokens.
     num_tokens: Tp, a multiple of 64 (None: k's rows, which must be one).
   """
-  b, rows, h, dim_k = k.shape
-  tp = rows if num_tokens is None else num_tokens
+  b, key_rows, h, dim_k = k.shape
+  tp = key_rows if num_tokens is None else num_tokens
   c = CHUNK_SIZE
-  if (tp % c or rows > tp or (rows % lightning_mosaic.TMA_ROWS and rows != tp) or dim_k not in (64, 128)
+  if (tp % c or key_rows > tp or (key_rows % lightning_mosaic.TMA_ROWS and key_rows != tp) or dim_k not in (64, 128)
       or beta.shape != (b, h, tp)):
     raise ValueError(f"operands: k [B, T', H, K] with K 64 or 128 and T' rows a multiple of "
                      f"{lightning_mosaic.TMA_ROWS} (or all Tp), beta [B, H, Tp], Tp a multiple of {c}; got k "
@@ -1363,11 +1363,11 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
     with_backward_terms: also T and G (`ChannelGatedChunks`).
     num_tokens: Tp, as `inverse`'s.
   """
-  b, rows, h, dim_k = k.shape
-  tp = rows if num_tokens is None else num_tokens
+  b, key_rows, h, dim_k = k.shape
+  tp = key_rows if num_tokens is None else num_tokens
   c = CHUNK_SIZE
   n = tp // c
-  if (tp % c or rows > tp or (rows % lightning_mosaic.TMA_ROWS and rows != tp) or dim_k not in (64, 128)
+  if (tp % c or key_rows > tp or (key_rows % lightning_mosaic.TMA_ROWS and key_rows != tp) or dim_k not in (64, 128)
       or q.shape != k.shape or rates.shape != k.shape or beta.shape != (b, h, tp)):
     raise ValueError(f"operands: q, k, rates [B, T', H, K] with K 64 or 128 and T' rows a multiple of "
                      f"{lightning_mosaic.TMA_ROWS} (or all Tp), beta [B, H, Tp], Tp a multiple of {c}; got q "
