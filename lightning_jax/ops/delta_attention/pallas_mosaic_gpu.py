@@ -828,7 +828,7 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
 
   Args:
     k: [B, T', H, K] bf16 or fp16, K 64 or 128, T' <= Tp (`num_tokens`) a
-      multiple of `lightning_mosaic.TMA_ROWS` (or Tp): rows past T' read as
+      multiple of `WarpSpecializedConfig.TMA_ROWS` (or Tp): rows past T' read as
       zeros (TMA fills a tile that runs past the array), so the caller need
       not copy k to whole chunks.
     beta: [B, H, Tp] float32, zero on padding.
@@ -839,10 +839,10 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   b, key_rows, h, dim_k = k.shape
   tp = key_rows if num_tokens is None else num_tokens
   c = CHUNK_SIZE
-  if (tp % c or key_rows > tp or (key_rows % lightning_mosaic.TMA_ROWS and key_rows != tp) or dim_k not in (64, 128)
-      or beta.shape != (b, h, tp)):
+  if (tp % c or key_rows > tp or WarpSpecializedConfig.walked_rows(key_rows, tp) != key_rows
+      or dim_k not in (64, 128) or beta.shape != (b, h, tp)):
     raise ValueError(f"operands: k [B, T', H, K] with K 64 or 128 and T' rows a multiple of "
-                     f"{lightning_mosaic.TMA_ROWS} (or all Tp), beta [B, H, Tp], Tp a multiple of {c}; got k "
+                     f"{WarpSpecializedConfig.TMA_ROWS} (or all Tp), beta [B, H, Tp], Tp a multiple of {c}; got k "
                      f"{k.shape}, beta {beta.shape}, Tp {tp}")
   rows, cum_row, runs_row = _factor_rows(beta, *chunk_gates)
   n = tp // c
@@ -1367,10 +1367,11 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
   tp = key_rows if num_tokens is None else num_tokens
   c = CHUNK_SIZE
   n = tp // c
-  if (tp % c or key_rows > tp or (key_rows % lightning_mosaic.TMA_ROWS and key_rows != tp) or dim_k not in (64, 128)
+  if (tp % c or key_rows > tp or WarpSpecializedConfig.walked_rows(key_rows, tp) != key_rows
+      or dim_k not in (64, 128)
       or q.shape != k.shape or rates.shape != k.shape or beta.shape != (b, h, tp)):
     raise ValueError(f"operands: q, k, rates [B, T', H, K] with K 64 or 128 and T' rows a multiple of "
-                     f"{lightning_mosaic.TMA_ROWS} (or all Tp), beta [B, H, Tp], Tp a multiple of {c}; got q "
+                     f"{WarpSpecializedConfig.TMA_ROWS} (or all Tp), beta [B, H, Tp], Tp a multiple of {c}; got q "
                      f"{q.shape}, k {k.shape}, rates {rates.shape}, beta {beta.shape}, Tp {tp}")
   per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
   in_registers = not interpret

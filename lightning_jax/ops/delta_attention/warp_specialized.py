@@ -48,10 +48,9 @@ def beta_rows(beta, *, tp):
 
 def walked_rows(t: int) -> tuple[int, int]:
   """(the rows q, k, v and the rates go to the kernels with, Tp = T in whole 64-token chunks): T itself where TMA
-  tiles it (a multiple of `pallas_mosaic_gpu.TMA_ROWS`: the kernels read zeros past it, so no copy of the operands
-  to whole chunks), else Tp."""
+  tiles it (`WarpSpecializedConfig.walked_rows`: no copy of the operands to whole chunks), else Tp."""
   tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
-  return (t if t % pallas_mosaic_gpu.TMA_ROWS == 0 else tp), tp
+  return WarpSpecializedConfig.walked_rows(t, tp), tp
 
 
 def chunk_inverses(k, beta, decay, segment_starts, *, with_unscaled, interpret):

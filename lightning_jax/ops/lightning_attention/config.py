@@ -220,6 +220,17 @@ class WarpSpecializedConfig:
       raise ValueError(f"published_states must be 2 or 3, got {self.published_states!r}")
 
   @classmethod
+  def tiles_rows(cls, num_rows: int) -> bool:
+    """Whether TMA tiles an operand of `num_rows` rows as it is (a multiple of `TMA_ROWS`)."""
+    return num_rows % cls.TMA_ROWS == 0
+
+  @classmethod
+  def walked_rows(cls, num_tokens: int, padded_tokens: int) -> int:
+    """The rows the kernels take a T-token operand with: T where TMA tiles it (no copy: the kernels read zeros past
+    it), else `padded_tokens` (whole chunks or slices: a copy either way)."""
+    return num_tokens if cls.tiles_rows(num_tokens) else padded_tokens
+
+  @classmethod
   def padded_dims(cls, dim_k: int, dim_v: int) -> tuple[int, int]:
     """(K, V) the kernel runs at: K = 64 or 128, V a multiple of `BLOCK_E`."""
     return (64 if dim_k <= 64 else 128), -(-dim_v // cls.BLOCK_E) * cls.BLOCK_E

@@ -335,7 +335,7 @@ def pallas_variant(variant: str, *, d: int, e: int, dtype, compute_capability: t
 
   `batch_heads` (B * H), `num_sms` and `device_kind` are the call's and its
   device's, for `prefer_warp_specialized`. seq_len: the call's T (None:
-  unknown). Where T is not a multiple of `WarpSpecializedConfig.TMA_ROWS`
+  unknown). Where TMA cannot tile T (`WarpSpecializedConfig.tiles_rows`)
   the warp-specialised forward copies q, k and v to whole chunks and o
   back (its TMA copies cannot tile T's rows), and chunk_loop, which masks
   its last chunk, took 1.5-2.5x less time (H200, bf16, per-head and
@@ -350,7 +350,7 @@ def pallas_variant(variant: str, *, d: int, e: int, dtype, compute_capability: t
     return variant
   # Compiled only (its interpreter is for tests), and where it was measured faster.
   programs = batch_heads * -(-e // WarpSpecializedConfig.BLOCK_E)
-  copies_t = seq_len is not None and seq_len % WarpSpecializedConfig.TMA_ROWS != 0
+  copies_t = seq_len is not None and not WarpSpecializedConfig.tiles_rows(seq_len)
   if not interpret and not ws_unsupported and not copies_t and prefer_warp_specialized(
       dim_k=d, per_token=per_token, per_head_decay=per_head_decay, programs=programs, num_sms=num_sms,
       device_kind=device_kind):

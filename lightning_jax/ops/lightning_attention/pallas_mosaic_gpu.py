@@ -81,7 +81,6 @@ from lightning_jax.ops.lightning_attention.config import PallasOptions, WarpSpec
 CHUNK_SIZE = WarpSpecializedConfig.CHUNK_SIZE
 BLOCK_E = WarpSpecializedConfig.BLOCK_E
 _F32 = jnp.float32
-TMA_ROWS = WarpSpecializedConfig.TMA_ROWS
 # No warpgroup rebalances its registers (setmaxnreg): all three keep the 168 per
 # thread of a 384-thread CTA. With the memory warpgroup cut to 40 (and 24, 56, 72
 # tried), ptxas (CUDA 13.0) left values of the shared prologue in registers above
@@ -751,9 +750,10 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   Args:
     q, k: [B, T', H, K]; v: [B, T', H, V]; bf16 or fp16, K = 64 or 128, V a
       multiple of `BLOCK_E` (`WarpSpecializedConfig.padded_dims`), each T' <= Tp
-      (`num_tokens`) a multiple of `TMA_ROWS` (or Tp). Rows past the real tokens must be zeros, and rows past
-      T' read as zeros (TMA fills a tile that runs past the array), so
-      T' = T needs no copy of the operands to whole chunks. o has v's rows (TMA drops those past them).
+      (`num_tokens`) a multiple of `WarpSpecializedConfig.TMA_ROWS` (or Tp).
+      Rows past the real tokens must be zeros, and rows past T' read as zeros
+      (TMA fills a tile that runs past the array), so T' = T needs no copy of
+      the operands to whole chunks. o has v's rows (TMA drops those past them).
     decay: [H] float32 rates or None.
     chunk_gates: None, or per-token rates and packed sequences as
       `chunk_common.token_chunk_gates` gives them for a forward sweep over Tp
@@ -811,10 +811,11 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   tp = rows if num_tokens is None else num_tokens
   dim_v, value_rows = v.shape[-1], v.shape[1]
   c, be = CHUNK_SIZE, BLOCK_E
-  if tp % (num_slices * c) or any(n > tp or (n % TMA_ROWS and n != tp) for n in (rows, k.shape[1], value_rows)):
+  if tp % (num_slices * c) or any(n > tp or WarpSpecializedConfig.walked_rows(n, tp) != n
+                                  for n in (rows, k.shape[1], value_rows)):
     raise ValueError(f"the padded length {tp} must be a multiple of num_slices * {c} = {num_slices * c} and hold "
-                     f"the rows of q, k and v ({rows}, {k.shape[1]}, {value_rows}), each a multiple of {TMA_ROWS} "
-                     f"unless all of them")
+                     f"the rows of q, k and v ({rows}, {k.shape[1]}, {value_rows}), each a multiple of "
+                     f"{WarpSpecializedConfig.TMA_ROWS} unless all of them")
   if num_slices == 1 and not tp - c < seq_len <= tp:
     raise ValueError(f"seq_len must be in ({tp - c}, {tp}] for {tp} padded tokens, got {seq_len}")
   if num_slices > 1 and (return_final_state or not 0 < seq_len <= tp):
@@ -940,9 +941,10 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
                                          slice_size=None if opts.config is None else opts.config.slice_size)
   num_slices = -(-num_chunks // slice_chunks)
   tp = num_slices * slice_chunks * c
-  # T stays as it is where TMA can tile it (the kernel reads zeros past it, see `forward_padded`): no copy to whole
-  # slices; else (a copy either way) T goes to whole slices.
-  pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=t if t % TMA_ROWS == 0 else tp)
+  # T stays as it is where TMA can tile it (the kernel reads zeros past it, see `forward_padded`); else (a copy either
+  # way) T goes to whole slices.
+  pad_rows = functools.partial(chunk_common.pad_tokens_and_features,
+                               num_tokens=WarpSpecializedConfig.walked_rows(t, tp))
   q, k, v = pad_rows(q, dim=kp), pad_rows(k, dim=kp), pad_rows(v, dim=vp)
   initial_state = chunk_common.pad_state(initial_state, kp, vp)
   # The states pass takes the gates as the chunk loop's sweeps do (a per-head rate stays one, masked by the
