@@ -278,7 +278,7 @@ def test_factors_fold_the_scale_and_decay():
 DELTA_CASES = [
     DeltaCase(b=2, t=150, h=2, d=64, e=48, decay="token", segments=True),
     DeltaCase(b=1, t=136, h=2, d=40, e=64, decay=None, initial_state=False),  # T % 8 == 0: the kernels walk it
-    DeltaCase(b=1, t=100, h=1, d=64, e=72, decay="token", rates="extreme", beta="edges"),
+    DeltaCase(b=1, t=104, h=1, d=64, e=72, decay="token", rates="extreme", beta="edges"),  # the backward walks T too
     DeltaCase(b=2, t=300, h=3, d=128, e=100, decay="token", segments=True),
     DeltaCase(b=1, t=200, h=2, d=100, e=128, decay=None, segments=True),
     DeltaCase(b=1, t=1, h=1, d=16, e=16),  # one token: a chunk of padding
@@ -1021,6 +1021,34 @@ def test_delta_warp_specialized_forward_walks_t_unpadded(t, decay):
     assert whole in text and operand_pads
   else:  # KDA's chunk terms, which its kernel writes, have whole chunks
     assert (t % 64 == 0 or decay == "channel" or whole not in text) and not operand_pads, operand_pads
+
+
+@needs_ws_jax
+@pytest.mark.parametrize("t,decay", [(200, None), (200, "token"), (202, "token")])
+def test_delta_warp_specialized_backward_walks_t_unpadded(t, decay):
+  """The sm90 backward (its reverse sweep, state sweep and gradient kernel) takes q, k, v and do with T rows where T
+  is a multiple of 8 and writes dq, dk and dv with T rows: the gradients' program lowered for CUDA pads none of them
+  and holds no [B, Tp, H, D] array of whole chunks. At 202 rows they are copied to whole chunks."""
+  from lightning_jax.ops.delta_attention import vjp
+
+  b, h, d = 1, 2, 64
+  opts = vjp.PallasOptions(scale=0.125, with_final_state=False, interpret=False,
+                           config=lj.DeltaConfig(warp_specialized=True, sequence_pieces=1))
+  x = jax.ShapeDtypeStruct((b, t, h, d), BF16)
+  rows = jax.ShapeDtypeStruct((b, t, h), F32)
+
+  def loss(q, k, v, beta, rates):
+    return jnp.sum(vjp.delta_attention_pallas(q, k, v, beta, rates, None, None, opts)[0].astype(F32))
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) if decay is None else (0, 1, 2, 3, 4)))
+  text = jax.export.export(grads, platforms=["cuda"])(x, x, x, rows, None if decay is None else rows).mlir_module()
+  assert "delta_tile_gradients_mosaic" in text and "delta_state_cotangents_warp_specialized" in text
+  whole = f"{b}x{-(-t // 64) * 64}x{h}x{d}"
+  operand_pads = [line.strip()[:200] for line in text.splitlines() if "stablehlo.pad" in line and f"x{h}x{d}x" in line]
+  if t % 8:
+    assert whole in text and operand_pads
+  else:
+    assert whole not in text and not operand_pads, operand_pads
 
 
 def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():

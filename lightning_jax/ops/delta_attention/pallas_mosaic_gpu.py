@@ -351,21 +351,26 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
       plgpu.barrier_wait(pairs_read.at[lax.rem(i, _PUBLISHED_PAIRS)])
 
 
-def _check_padded(keys, dim_v: int, inverse):
-  """keys [B, Tp, H, K] with Tp a multiple of 64 and K 64 or 128, Ep = dim_v a multiple of 64, inverse [B, H, Tp,
-  64], or a ValueError."""
-  b, tp, h, dim_k = keys.shape
+def _check_padded(keys, dim_v: int, inverse, num_tokens=None) -> int:
+  """Tp, of keys [B, T', H, K] with K 64 or 128 and T' <= Tp (num_tokens; None: T') rows, T' a multiple of
+  `WarpSpecializedConfig.TMA_ROWS` or Tp itself (rows past T' read as zeros), Tp a multiple of 64, Ep = dim_v a
+  multiple of 64, inverse [B, H, Tp, 64]; or a ValueError."""
+  b, rows, h, dim_k = keys.shape
+  tp = rows if num_tokens is None else num_tokens
   c, be = CHUNK_SIZE, BLOCK_E
-  if tp % c or dim_k not in (64, 128) or dim_v % be or inverse.shape != (b, h, tp, c):
-    raise ValueError(f"padded operands: Tp a multiple of {c}, K 64 or 128, Ep a multiple of {be}, inverse [B, H, Tp, "
-                     f"{c}]; got keys {keys.shape}, Ep {dim_v}, inverse {inverse.shape}")
+  if (tp % c or rows > tp or WarpSpecializedConfig.walked_rows(rows, tp) != rows or dim_k not in (64, 128)
+      or dim_v % be or inverse.shape != (b, h, tp, c)):
+    raise ValueError(f"operands: Tp a multiple of {c}, keys [B, T', H, K] with T' <= Tp a multiple of "
+                     f"{WarpSpecializedConfig.TMA_ROWS} (or Tp) and K 64 or 128, Ep a multiple of {be}, inverse "
+                     f"[B, H, Tp, {c}]; got keys {keys.shape}, Tp {tp}, Ep {dim_v}, inverse {inverse.shape}")
+  return tp
 
 
-def _checked_factors(keys, dim_v: int, inverse, chunk_gates):
-  """The chunks' factor rows (`lightning_mosaic.chunk_factors`) for padded operands, which it checks
+def _checked_factors(keys, dim_v: int, inverse, chunk_gates, num_tokens=None):
+  """The chunks' factor rows (`lightning_mosaic.chunk_factors`) for the operands, which it checks
   (`_check_padded`)."""
-  _check_padded(keys, dim_v, inverse)
-  b, tp, h, _ = keys.shape
+  tp = _check_padded(keys, dim_v, inverse, num_tokens)
+  b, _, h, _ = keys.shape
   cumdecay, runs = chunk_gates
   if cumdecay is None:
     cumdecay = jnp.zeros((b, h, tp), _F32)
@@ -373,11 +378,11 @@ def _checked_factors(keys, dim_v: int, inverse, chunk_gates):
 
 
 def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = False, channel_gates=None,
-                sequences=None):
-  """The backward's state sweep on padded operands: (S_n^T [B, H, N, Ep, K], the state before chunk n; U^T [B, H, Ep,
-  Tp]), both in the input dtype.
+                sequences=None, num_tokens=None):
+  """The backward's state sweep: (S_n^T [B, H, N, Ep, K], the state before chunk n; U^T [B, H, Ep, Tp]), both in
+  the input dtype.
 
-  k: [B, Tp, H, K]; v: [B, Tp, H, Ep] (as for `state_cotangents`); inverse:
+  k: [B, T', H, K]; v: [B, T', H, Ep] (as for `state_cotangents`, with num_tokens); inverse:
   each chunk's T' = T Diag(beta) [B, H, Tp, 64] (`inverse`, as
   the forward's); chunk_gates: as for `state_cotangents`; initial_state: None or
   S_0^T [B, H, Ep, K] float32. channel_gates: None, or KDA's (K_C, P, the
@@ -385,7 +390,8 @@ def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = 
   `lightning_mosaic.forward_padded`'s `delta_channel_gates`. sequences: as
   for `state_cotangents` (initial_state then [S, H, Ep, K], each sequence's).
   """
-  b, tp, h, dim_k = k.shape
+  dim_k = k.shape[-1]
+  tp = k.shape[1] if num_tokens is None else num_tokens
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=k.dtype.itemsize, delta=True,
                                             channel_gated=channel_gates is not None)
   if initial_state is not None:  # one slice a row, or one row of S sequences' states
@@ -393,18 +399,20 @@ def state_sweep(k, v, inverse, chunk_gates, initial_state, *, interpret: bool = 
   return lightning_mosaic.forward_padded(
       None, k, v, None, initial_state, chunk_gates=chunk_gates, delta_inverse=inverse, delta_states=True,
       delta_channel_gates=channel_gates, with_outputs=False, scale=1.0, seq_len=tp, cfg=cfg, sequences=sequences,
-      interpret=interpret)
+      num_tokens=tp, interpret=interpret)
 
 
 def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, interpret: bool = False,
-                     initial_only: bool = False, channel_gates=None, sequences=None):
-  """The reverse sweep on padded operands: (G^T [B, H, N, Ep, K] in the input dtype, G_n^T = (dL/dS after chunk
+                     initial_only: bool = False, channel_gates=None, sequences=None, num_tokens=None):
+  """The reverse sweep: (G^T [B, H, N, Ep, K] in the input dtype, G_n^T = (dL/dS after chunk
   n)^T; dL/dS_0^T [B, H, Ep, K] float32; dU^T [B, H, Ep, Tp] in the input dtype); with `initial_only`, dL/dS_0^T
   alone (the sequence split's pass from zero end cotangents, which stores nothing a chunk).
 
-  q, k: [B, Tp, H, K]; inverse: T' [B, H, Tp, 64] as for `state_sweep`; do:
-  [B, Tp, H, Ep]; bf16 or fp16, Tp a multiple of 64, K = 64 or 128, Ep a multiple
-  of 64 (`WarpSpecializedConfig.padded_dims`). chunk_gates: (cumdecay [B, H,
+  q, k: [B, T', H, K]; inverse: T' [B, H, Tp, 64] as for `state_sweep`; do:
+  [B, T', H, Ep]; bf16 or fp16, Tp (num_tokens; None: T') a multiple of 64,
+  T' <= Tp a multiple of 8 or Tp itself (the kernel reads zeros past it: no
+  copy of the operands to whole chunks), K = 64 or 128, Ep a multiple of 64
+  (`WarpSpecializedConfig.padded_dims`). chunk_gates: (cumdecay [B, H,
   Tp] float32 or None, runs [B, Tp] int32 or None) as
   `chunk_common.token_chunk_gates` gives them for the forward sweep over 64-token
   chunks. d_final: None or (dL/dS_T)^T [B, H, Ep, K] float32.
@@ -418,21 +426,25 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
   walk each sequence's chunks back from its own end cotangent (d_final [S,
   H, Ep, K]) to its own dL/dS_0^T [S, H, Ep, K].
   """
-  b, tp, h, dim_k = q.shape
+  b, rows, h, dim_k = q.shape
+  tp = rows if num_tokens is None else num_tokens
   dim_v = do.shape[-1]
   c, be = CHUNK_SIZE, BLOCK_E
+  if k.shape != q.shape or do.shape[:3] != q.shape[:3]:
+    raise ValueError(f"q, k [B, T', H, K] and do [B, T', H, Ep] take the same rows; got q {q.shape}, k {k.shape}, "
+                     f"do {do.shape}")
   channel_gated = channel_gates is not None
   if channel_gated:
     keys, pairs, channel_decay = channel_gates
-    if (any(g is not None for g in chunk_gates) or scale != 1.0 or keys.shape != q.shape or k.shape != q.shape
+    if (any(g is not None for g in chunk_gates) or scale != 1.0 or keys.shape != q.shape
         or pairs.shape != (b, h, tp, c) or channel_decay.shape != (b, h, tp // c, 1, dim_k)):
       raise ValueError(f"channel_gates take chunk_gates (None, None), scale 1, and K_g [B, Tp, H, K] = {q.shape}, P "
                        f"[B, H, Tp, {c}], the state's decay [B, H, N, 1, K]; got {chunk_gates}, {scale}, "
                        f"{keys.shape}, {pairs.shape}, {channel_decay.shape}")
-    _check_padded(q, dim_v, inverse)
+    _check_padded(q, dim_v, inverse, num_tokens)
     gate_inputs = (keys, pairs, channel_decay.astype(_F32))
   else:
-    vectors = _checked_factors(q, dim_v, inverse, chunk_gates)
+    vectors = _checked_factors(q, dim_v, inverse, chunk_gates, num_tokens)
     gate_inputs = (lightning_mosaic.scaled_causal_mask(scale), vectors)
   dtype = q.dtype
   stages = num_stages(dim_k=dim_k, itemsize=dtype.itemsize, channel_gated=channel_gated)
@@ -1007,9 +1019,10 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, state
   plgpu.wait_smem_to_gmem(0)
 
 
-def tile_gradients(q, k, v, beta, gates, tri, states, d_next, u, du, do, *, scale: float, interpret: bool = False):
-  """`pallas_triton.tile_gradients(..., transposed=True)` for a scalar gate or none on sm90: (dq, dk [B, Tp, H, K],
-  dv [B, Tp, H, Ep] in the input dtype, dbeta [B, H, Tp] float32, dg [B, H, Tp] float32 or None).
+def tile_gradients(q, k, v, beta, gates, tri, states, d_next, u, du, do, *, scale: float, num_tokens=None,
+                   interpret: bool = False):
+  """`pallas_triton.tile_gradients(..., transposed=True)` for a scalar gate or none on sm90: (dq, dk [B, T', H, K],
+  dv [B, T', H, Ep] in the input dtype, dbeta [B, H, Tp] float32, dg [B, H, Tp] float32 or None).
 
   One 64-token chunk a CTA, one warpgroup: T, U^T, dU^T, dO, v and k load
   first (TMA), and the value side (Z = T^T dU, dv = beta Z, dP = dO U^T, dA =
@@ -1020,8 +1033,10 @@ def tile_gradients(q, k, v, beta, gates, tri, states, d_next, u, du, do, *, scal
   algebra; `pallas_triton._tile_gradients_kernel` is the Triton form.
 
   Args:
-    q, k: [B, Tp, H, K]; v, do: [B, Tp, H, Ep]; bf16 or fp16, Tp a multiple
-      of 64, K and Ep 64 or 128.
+    q, k: [B, T', H, K]; v, do: [B, T', H, Ep]; bf16 or fp16, K and Ep 64 or
+      128; Tp (num_tokens; None: T') a multiple of 64, T' <= Tp a multiple of
+      8 or Tp itself: rows past T' read as zeros, and dq, dk and dv have T'
+      rows (TMA drops those past them).
     beta: [B, H, Tp] float32; gates: `pallas_triton.Gates` (g [B, H, Tp]
       float32 natural-log chunk-local cumulative decays, or None; runs [B, Tp]
       int32, or None).
@@ -1029,16 +1044,19 @@ def tile_gradients(q, k, v, beta, gates, tri, states, d_next, u, du, do, *, scal
     states, d_next: S_n^T and G_n^T [B, H, N, Ep, K] (`state_sweep`,
       `state_cotangents`); u, du: U^T and dU^T [B, H, Ep, Tp].
   """
-  b, tp, h, dim_k = q.shape
+  b, key_rows, h, dim_k = q.shape
+  tp = key_rows if num_tokens is None else num_tokens
   dim_v = v.shape[-1]
   c = CHUNK_SIZE
   n = tp // c
-  if (tp % c or dim_k not in (64, 128) or dim_v not in (64, 128) or k.shape != q.shape
+  if (tp % c or key_rows > tp or WarpSpecializedConfig.walked_rows(key_rows, tp) != key_rows or dim_k not in (64, 128)
+      or dim_v not in (64, 128) or k.shape != q.shape or v.shape[:3] != q.shape[:3]
       or do.shape != v.shape or tri.shape != (b, h, tp, c) or states.shape != (b, h, n, dim_v, dim_k)
       or d_next.shape != states.shape or u.shape != (b, h, dim_v, tp) or du.shape != u.shape):
-    raise ValueError(f"padded operands: q, k [B, Tp, H, K], v, do [B, Tp, H, Ep] with Tp a multiple of {c} and K, Ep "
-                     f"64 or 128, T [B, H, Tp, {c}], S_n^T, G_n^T [B, H, N, Ep, K], U^T, dU^T [B, H, Ep, Tp]; got q "
-                     f"{q.shape}, v {v.shape}, T {tri.shape}, S {states.shape}, U {u.shape}")
+    raise ValueError(f"operands: q, k [B, T', H, K], v, do [B, T', H, Ep] with T' <= Tp a multiple of "
+                     f"{WarpSpecializedConfig.TMA_ROWS} (or Tp), Tp a multiple of {c}, K and Ep 64 or 128, T [B, H, "
+                     f"Tp, {c}], S_n^T, G_n^T [B, H, N, Ep, K], U^T, dU^T [B, H, Ep, Tp]; got q {q.shape}, v "
+                     f"{v.shape}, Tp {tp}, T {tri.shape}, S {states.shape}, U {u.shape}")
   rows, gate_row, runs_row = _factor_rows(beta, gates.g, gates.runs)
   dtype = q.dtype
   smem = lightning_mosaic.swizzled_smem
@@ -1053,8 +1071,9 @@ def tile_gradients(q, k, v, beta, gates, tri, states, d_next, u, du, do, *, scal
       (plgpu.Barrier(num_arrivals=8, num_barriers=1), plgpu.Barrier(num_arrivals=3, num_barriers=1)),
   )
   inputs = (q, k, v, do, rows, tri, states, d_next, u, du)
-  out_type = (manual_axes.struct((b, tp, h, dim_k), dtype, *inputs), manual_axes.struct((b, tp, h, dim_k), dtype, *inputs),
-              manual_axes.struct((b, tp, h, dim_v), dtype, *inputs), manual_axes.struct((b, h, tp), _F32, *inputs))
+  out_type = (manual_axes.struct((b, key_rows, h, dim_k), dtype, *inputs),
+              manual_axes.struct((b, key_rows, h, dim_k), dtype, *inputs),
+              manual_axes.struct((b, key_rows, h, dim_v), dtype, *inputs), manual_axes.struct((b, h, tp), _F32, *inputs))
   if gate_row is not None:
     out_type += (manual_axes.struct((b, h, tp), _F32, *inputs),)
   kernel = functools.partial(_tile_gradients_kernel, scale=scale, gate_row=gate_row, runs_row=runs_row,

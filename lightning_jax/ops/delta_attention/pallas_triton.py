@@ -1387,13 +1387,13 @@ def tile_gradients(q, k, v, beta, gates_: Gates, tri, states, d_next, u, du, do,
                                                                    d_next, u, du, do)
 
 
-def padded_operands(q, k, v, beta, segment_starts, g, *, chunk_size, dims=None):
-  """The kernels' operands: q, k, v padded to [B, Tp, H, Dp/Ep], beta [B, H, Tp], `Gates`. dims: (Dp, Ep), by default
-  `lightning_config.padded_dim`'s; g: `gate_logs`' at Dp."""
+def padded_operands(q, k, v, beta, segment_starts, g, *, chunk_size, dims=None, rows=None):
+  """The kernels' operands: q, k, v padded to [B, Tp, H, Dp/Ep] (rows: to that many rows instead, T <= rows <= Tp),
+  beta [B, H, Tp], `Gates`. dims: (Dp, Ep), by default `lightning_config.padded_dim`'s; g: `gate_logs`' at Dp."""
   b, t, h, d = q.shape
   dp, ep = dims or (lightning_config.padded_dim(d), lightning_config.padded_dim(v.shape[-1]))
   tp = -(-t // chunk_size) * chunk_size
-  pad = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp)
+  pad = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp if rows is None else rows)
   beta_rows = jnp.moveaxis(jnp.pad(beta, ((0, 0), (0, tp - t), (0, 0))), 2, 1)
   gates_ = gates(g, segment_starts, batch=b, heads=h, seq_len=t, dim_k=dp, chunk_size=chunk_size)
   return pad(q, dim=dp), pad(k, dim=dp), pad(v, dim=ep), beta_rows, gates_
@@ -1520,30 +1520,36 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   per_sequence = dict(sequences=sequence_bounds(sequences, segment_starts, seq_len=t, chunk_size=c,
                                                  layout_chunk=layout_chunk))
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
-  qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c, dims=(dp, ep))
+  mosaic_gradients = warp_specialized and ep <= 128  # the Mosaic GPU form of `tile_gradients` (K and Ep 64 or 128)
+  # The Mosaic GPU kernels read zeros past T where TMA tiles it (`warp_specialized.walked_rows`): where they alone
+  # run, q, k, v and do go to them with T rows, no copy to whole chunks; the Triton kernels take whole chunks.
+  rows, tp = warp_specialized_forward.walked_rows(t) if mosaic_gradients else (None, -(-t // c) * c)
+  qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c, dims=(dp, ep),
+                                                  rows=rows)
   kernels = dict(scale=scale, config=config, interpret=interpret)
   initial_state = chunk_common.pad_state(initial_state, dp, ep)
   dop = chunk_common.pad_tokens_and_features(do.astype(q.dtype), num_tokens=qp.shape[1], dim=ep)
   d_final = chunk_common.pad_state(d_final, dp, ep)
   if warp_specialized:  # S_n^T and U^T, G_n^T and dU^T from the warp-specialised sweeps
     transpose = lambda x: None if x is None else jnp.swapaxes(x, -1, -2)  # noqa: E731
-    chunk_gates = lightning_mosaic.sweep_gates(decay, segment_starts, num_tokens=qp.shape[1])
+    chunk_gates = lightning_mosaic.sweep_gates(decay, segment_starts, num_tokens=tp)
     if inverses is None:  # T only where the gradient kernel runs
       formed = pallas_mosaic_gpu.inverse(kp, beta_rows, chunk_gates, with_unscaled=not initial_cotangent_only,
-                                         interpret=interpret)
+                                         num_tokens=tp, interpret=interpret)
       inverses = (None, formed) if initial_cotangent_only else formed
     tri, tri_beta = inverses
     if initial_cotangent_only:
       return transpose(pallas_mosaic_gpu.state_cotangents(qp, kp, tri_beta, dop, chunk_gates, transpose(d_final),
-                                                          scale=scale, interpret=interpret,
-                                                          initial_only=True))[:, :, :d, :e]
+                                                          scale=scale, interpret=interpret, initial_only=True,
+                                                          num_tokens=tp))[:, :, :d, :e]
     d_next, d_initial, d_values = pallas_mosaic_gpu.state_cotangents(qp, kp, tri_beta, dop, chunk_gates,
                                                                      transpose(d_final), scale=scale,
-                                                                     interpret=interpret, **per_sequence)
+                                                                     interpret=interpret, num_tokens=tp,
+                                                                     **per_sequence)
     d_initial = transpose(d_initial)
     states, values = states or pallas_mosaic_gpu.state_sweep(kp, vp, tri_beta, chunk_gates,
                                                              transpose(initial_state), interpret=interpret,
-                                                             **per_sequence)
+                                                             num_tokens=tp, **per_sequence)
   else:  # S_n and U, G_n and dU from the Triton sweeps, on prepare's W and U_v (and P, T)
     if split and max(dp, ep) <= 128:  # by whole tiles (`prepare_by_tiles`)
       (w, u, tri), p = prepare_by_tiles(kp, vp, beta_rows, gates_, config=config, interpret=interpret), None
@@ -1556,9 +1562,10 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
                                                    **per_sequence, **kernels)
     _, _, states, values = sweep(qp, kp, w, u, p, gates_, initial_state, with_outputs=False, with_final_state=False,
                                  with_states=True, with_values=split, **per_sequence, **kernels)
-  if warp_specialized and ep <= 128:  # the Mosaic GPU form of `tile_gradients` (K and Ep 64 or 128)
+  if mosaic_gradients:
     dq, dk, dv, d_beta, dg = pallas_mosaic_gpu.tile_gradients(qp, kp, vp, beta_rows, gates_, tri, states, d_next,
-                                                              values, d_values, dop, scale=scale, interpret=interpret)
+                                                              values, d_values, dop, scale=scale, num_tokens=tp,
+                                                              interpret=interpret)
   elif split:
     dq, dk, dv, d_beta, dg = tile_gradients(qp, kp, vp, beta_rows, gates_, tri, states, d_next, values, d_values,
                                             dop, transposed=warp_specialized, **kernels)
