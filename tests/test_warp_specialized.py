@@ -892,7 +892,7 @@ def test_delta_backward_sweeps_lower_for_cuda(dim_k, dim_v, gated, segments, wit
   fn = jax.jit(lambda *args: delta_mosaic.tile_gradients(*args, scale=0.125))
   args = (q, q, do, beta, pallas_triton.Gates(*gates, None), inverse, states, states, values_t, values_t, do)
   if dim_v > 128:
-    with pytest.raises(ValueError, match="K, Ep 64 or 128"):
+    with pytest.raises(ValueError, match="K and Ep 64 or 128"):
       jax.eval_shape(fn, *args)
     return
   exported = jax.export.export(fn, platforms=["cuda"])(*args)
