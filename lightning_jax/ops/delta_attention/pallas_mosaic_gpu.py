@@ -358,7 +358,7 @@ def _check_padded(keys, dim_v: int, inverse, num_tokens=None) -> int:
   b, rows, h, dim_k = keys.shape
   tp = rows if num_tokens is None else num_tokens
   c, be = CHUNK_SIZE, BLOCK_E
-  if (tp % c or rows > tp or WarpSpecializedConfig.walked_rows(rows, tp) != rows or dim_k not in (64, 128)
+  if (tp % c or not WarpSpecializedConfig.takes_rows(rows, tp) or dim_k not in (64, 128)
       or dim_v % be or inverse.shape != (b, h, tp, c)):
     raise ValueError(f"operands: Tp a multiple of {c}, keys [B, T', H, K] with T' <= Tp a multiple of "
                      f"{WarpSpecializedConfig.TMA_ROWS} (or Tp) and K 64 or 128, Ep a multiple of {be}, inverse "
@@ -851,8 +851,8 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   b, key_rows, h, dim_k = k.shape
   tp = key_rows if num_tokens is None else num_tokens
   c = CHUNK_SIZE
-  if (tp % c or key_rows > tp or WarpSpecializedConfig.walked_rows(key_rows, tp) != key_rows
-      or dim_k not in (64, 128) or beta.shape != (b, h, tp)):
+  if (tp % c or not WarpSpecializedConfig.takes_rows(key_rows, tp) or dim_k not in (64, 128)
+      or beta.shape != (b, h, tp)):
     raise ValueError(f"operands: k [B, T', H, K] with K 64 or 128 and T' rows a multiple of "
                      f"{WarpSpecializedConfig.TMA_ROWS} (or all Tp), beta [B, H, Tp], Tp a multiple of {c}; got k "
                      f"{k.shape}, beta {beta.shape}, Tp {tp}")
@@ -1049,7 +1049,7 @@ def tile_gradients(q, k, v, beta, gates, tri, states, d_next, u, du, do, *, scal
   dim_v = v.shape[-1]
   c = CHUNK_SIZE
   n = tp // c
-  if (tp % c or key_rows > tp or WarpSpecializedConfig.walked_rows(key_rows, tp) != key_rows or dim_k not in (64, 128)
+  if (tp % c or not WarpSpecializedConfig.takes_rows(key_rows, tp) or dim_k not in (64, 128)
       or dim_v not in (64, 128) or k.shape != q.shape or v.shape[:3] != q.shape[:3]
       or do.shape != v.shape or tri.shape != (b, h, tp, c) or states.shape != (b, h, n, dim_v, dim_k)
       or d_next.shape != states.shape or u.shape != (b, h, dim_v, tp) or du.shape != u.shape):
@@ -1386,8 +1386,7 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
   tp = key_rows if num_tokens is None else num_tokens
   c = CHUNK_SIZE
   n = tp // c
-  if (tp % c or key_rows > tp or WarpSpecializedConfig.walked_rows(key_rows, tp) != key_rows
-      or dim_k not in (64, 128)
+  if (tp % c or not WarpSpecializedConfig.takes_rows(key_rows, tp) or dim_k not in (64, 128)
       or q.shape != k.shape or rates.shape != k.shape or beta.shape != (b, h, tp)):
     raise ValueError(f"operands: q, k, rates [B, T', H, K] with K 64 or 128 and T' rows a multiple of "
                      f"{WarpSpecializedConfig.TMA_ROWS} (or all Tp), beta [B, H, Tp], Tp a multiple of {c}; got q "

@@ -231,6 +231,12 @@ class WarpSpecializedConfig:
     return num_tokens if cls.tiles_rows(num_tokens) else padded_tokens
 
   @classmethod
+  def takes_rows(cls, num_rows: int, padded_tokens: int) -> bool:
+    """Whether the kernels take an operand of `num_rows` rows for `padded_tokens` (Tp): Tp itself, or fewer rows
+    that TMA tiles (`walked_rows`' choices)."""
+    return num_rows <= padded_tokens and cls.walked_rows(num_rows, padded_tokens) == num_rows
+
+  @classmethod
   def padded_dims(cls, dim_k: int, dim_v: int) -> tuple[int, int]:
     """(K, V) the kernel runs at: K = 64 or 128, V a multiple of `BLOCK_E`."""
     return (64 if dim_k <= 64 else 128), -(-dim_v // cls.BLOCK_E) * cls.BLOCK_E

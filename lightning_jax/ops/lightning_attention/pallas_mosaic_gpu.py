@@ -811,8 +811,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   tp = rows if num_tokens is None else num_tokens
   dim_v, value_rows = v.shape[-1], v.shape[1]
   c, be = CHUNK_SIZE, BLOCK_E
-  if tp % (num_slices * c) or any(n > tp or WarpSpecializedConfig.walked_rows(n, tp) != n
-                                  for n in (rows, k.shape[1], value_rows)):
+  if tp % (num_slices * c) or not all(WarpSpecializedConfig.takes_rows(n, tp) for n in (rows, k.shape[1], value_rows)):
     raise ValueError(f"the padded length {tp} must be a multiple of num_slices * {c} = {num_slices * c} and hold "
                      f"the rows of q, k and v ({rows}, {k.shape[1]}, {value_rows}), each a multiple of "
                      f"{WarpSpecializedConfig.TMA_ROWS} unless all of them")
