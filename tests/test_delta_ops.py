@@ -483,7 +483,7 @@ def test_sequence_pieces_where_measured():
   from lightning_jax.ops.delta_attention import sequence_split
 
   pieces = lambda programs, chunks=1024, ws=False: sequence_split.num_pieces(  # noqa: E731
-      programs=programs, num_chunks=chunks, num_sms=132, warp_specialized_map=ws)
+      programs=programs, num_tokens=chunks * 64 - 3, num_sms=132, warp_specialized_map=ws)
   assert [pieces(p) for p in (8, 16, 32, 33, 34, 64, 128)] == [8, 8, 4, 4, 1, 1, 1]
   assert [pieces(p, ws=True) for p in (4, 8, 9, 16, 32, 33, 34, 64, 66, 67, 128)] == [16, 16, 8, 8, 4, 4, 2, 2, 2,
                                                                                         1, 1]
@@ -498,6 +498,19 @@ def test_sequence_pieces_where_measured():
           call(2, True, True)] == [2, 4, 1, 1, 1]
   assert [call(32, False, kda) for kda in (False, True)] == [1, 1]
   assert [call(16, False, kda) for kda in (False, True)] == [4, 4]
+  # Where the kernels walk rows off whole chunks: the most pieces, down to half the SMs' count, that cut T into
+  # pieces of a multiple of 8 tokens (a reshape); else the power of two, padded.
+  exact = lambda programs, t: sequence_split.num_pieces(  # noqa: E731
+      programs=programs, num_tokens=t, num_sms=132, warp_specialized_map=True, unpadded_rows=True)
+  assert [exact(8, 60000), exact(32, 60000), exact(24, 61440), exact(8, 15360), exact(32, 65528)] == [15, 4, 5, 15, 4]
+  assert exact(8, 8 * 4099) == 16 and exact(8, 8 * 4099 * 3) == 16  # 3 pieces: fewer than half of 16
+  assert sequence_split.num_pieces(programs=8, num_tokens=60000, num_sms=132, warp_specialized_map=True) == 16
+  call_t = lambda t, h, d, e, kda=False: sequence_split.call_pieces(  # noqa: E731
+      (1, t, h, d), e, lj.DeltaConfig(warp_specialized=True), num_sms=132, per_channel_gate=kda)
+  # KDA and E > 128 (the Triton gradient kernel pads its rows) keep whole chunks.
+  assert [call_t(60000, 8, 64, 64), call_t(60000, 2, 64, 256), call_t(60000, 8, 64, 64, kda=True)] == [15, 16, 1]
+  assert [sequence_split.piece_length(60000, p, unpadded_rows=u) for p, u in ((15, True), (16, True), (15, False))
+          ] == [4000, 3776, 4032]
   assert lj.DeltaConfig().sequence_pieces is None
   for bad in (0, 1.5, True):
     with pytest.raises(ValueError, match="sequence_pieces must be None or an int >= 1"):

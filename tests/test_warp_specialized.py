@@ -333,15 +333,18 @@ def test_delta_warp_specialized_gradients_match_oracle(case, dtype, mode):
       assert g.dtype == g_ref.dtype and rel_err(g, g_ref) < 3e-2, (name, rel_err(g, g_ref))
 
 
-@pytest.mark.parametrize("mode", WS_MODES)
-def test_delta_sequence_split_matches_oracle(mode):
+@pytest.mark.parametrize("t,mode", [pytest.param(t, *mode.values, marks=mode.marks, id=f"{t}-{mode.id}")
+                                    for t in (300, 288) for mode in WS_MODES])
+def test_delta_sequence_split_matches_oracle(t, mode):
   """The sequence split (`sequence_split`) on the warp-specialised kernels, forward and backward: 300 tokens in 4
-  pieces of 128 (the third partly, the fourth wholly padding), a segment starting at a piece's first token; without
-  the final state (the last piece's map not formed, the chunks' inverses formed once for both passes)."""
-  case = DeltaCase(b=1, t=300, h=1, d=64, e=48, decay="token", segments=True)
+  pieces of 128 (the third partly, the fourth wholly padding), or 288 in 4 pieces of 72, the row reshaped (each
+  piece a chunk and 8 rows, the kernels reading zeros past them); a segment starting at a piece's first
+  token; without the final state (the last piece's map not formed, the chunks' inverses formed once for both
+  passes)."""
+  case = DeltaCase(b=1, t=t, h=1, d=64, e=48, decay="token", segments=True)
   q, k, v, beta, decay, s0, ids = delta_inputs(case, seed=zlib.crc32(f"{case}ws-split".encode()))
   q, k, v = (x.astype(BF16) for x in (q, k, v))
-  ids = ids.at[:, 128:].add(1000)
+  ids = ids.at[:, 128 if t == 300 else t // 4:].add(1000)
   cot = jax.random.split(jax.random.key(31), 2)
   args = (q, k, v, beta, decay, s0, ids, jax.random.normal(cot[0], v.shape),
           jax.random.normal(cot[1], (case.b, case.h, case.d, case.e)))
@@ -1050,6 +1053,33 @@ def test_delta_warp_specialized_backward_walks_t_unpadded(t, decay):
   else:
     assert whole not in text and not operand_pads, operand_pads
 
+
+@needs_ws_jax
+@pytest.mark.parametrize("t", [288, 300])
+def test_delta_split_reshapes_the_row_into_pieces(t):
+  """The sequence split on the sm90 kernels cuts a row of T = P L tokens, L a multiple of 8 but not of the 64-token
+  chunk, into P rows of L by a reshape: the gradients' program lowered for CUDA pads no [.., H, D] operand and runs
+  the kernels on [P, L, H, D]. At T = 300 (L = 75) the pieces are padded to whole chunks, as before."""
+  from lightning_jax.ops.delta_attention import vjp
+
+  b, h, d, pieces = 1, 2, 64, 4
+  opts = vjp.PallasOptions(scale=0.125, with_final_state=True, interpret=False,
+                           config=lj.DeltaConfig(warp_specialized=True, sequence_pieces=pieces))
+  x = jax.ShapeDtypeStruct((b, t, h, d), BF16)
+  rows = jax.ShapeDtypeStruct((b, t, h), F32)
+
+  def loss(q, k, v, beta, rates):
+    o, final = vjp.delta_attention_pallas(q, k, v, beta, rates, None, None, opts)
+    return jnp.sum(o.astype(F32)) + jnp.sum(final)
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  text = jax.export.export(grads, platforms=["cuda"])(x, x, x, rows, rows).mlir_module()
+  assert "delta_tile_gradients_mosaic" in text
+  operand_pads = [line.strip()[:200] for line in text.splitlines() if "stablehlo.pad" in line and f"x{h}x{d}x" in line]
+  if t % (8 * pieces):
+    assert operand_pads and f"{b * pieces}x128x{h}x{d}" in text
+  else:
+    assert not operand_pads and f"{b * pieces}x{t // pieces}x{h}x{d}" in text, operand_pads
 
 def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
   # The inverse in the ring and U^T beside each published state: at D = 128, 3 stages with 2 published states

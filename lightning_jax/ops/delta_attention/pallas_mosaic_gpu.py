@@ -576,7 +576,7 @@ def _maps_kernel(identity_ref, vectors_ref, k_ref, v_ref, inverse_ref, maps_ref,
       plgpu.wait_smem_to_gmem(0)
 
 
-def piece_maps(k, v, inverse, chunk_gates, *, interpret: bool = False):
+def piece_maps(k, v, inverse, chunk_gates, *, interpret: bool = False, num_tokens=None):
   """Each row's affine map, transposed: [M | L]^T [B, H, K + Ep, K] float32, M [K, K] the product of the row's
   transitions (I - beta_t k_t k_t^T) Diag(a_t) and L [K, Ep] its state from zeros (`sequence_split`).
 
@@ -586,14 +586,15 @@ def piece_maps(k, v, inverse, chunk_gates, *, interpret: bool = False):
   warpgroup loading k, v, T' and the factor rows into a ring and two chain
   warpgroups running the forward's chain step (`delta_pseudo_values`,
   `delta_update`), one from I's 64 rows without values and one from zeros over
-  the 64 value columns. Operands as `state_sweep`'s: k [B, Tp, H, K], v [B,
-  Tp, H, Ep], inverse T' [B, H, Tp, 64], chunk_gates (cumdecay or None, runs
-  or None).
+  the 64 value columns. Operands as `state_sweep`'s: k [B, T', H, K], v [B,
+  T', H, Ep] with T' rows (`_check_padded`; num_tokens Tp, None: T'), inverse
+  T' [B, H, Tp, 64], chunk_gates (cumdecay or None, runs or None).
   """
-  b, tp, h, dim_k = k.shape
+  b, _, h, dim_k = k.shape
   dim_v = v.shape[-1]
   c, be = CHUNK_SIZE, BLOCK_E
-  vectors = _checked_factors(k, dim_v, inverse, chunk_gates)
+  vectors = _checked_factors(k, dim_v, inverse, chunk_gates, num_tokens)
+  tp = inverse.shape[2]  # Tp, as `_check_padded` checked it
   runs = chunk_gates[1]
   identity_blocks, value_blocks = dim_k // be, dim_v // be
   identity = jnp.eye(dim_k, dtype=_F32).reshape(identity_blocks, be, dim_k)  # I^T's rows, 64 a block

@@ -198,6 +198,10 @@ class DeltaConfig:
     return per_channel_gate and bool(self.warp_specialized) and self.forward_states is not False
 
 
+# The Mosaic GPU gradient kernel's widest padded E (K and Ep 64 or 128); wider values take the Triton one.
+MOSAIC_GRADIENTS_MAX_E = 128
+
+
 # What shrinks, by (operand bytes, padded D at least, budget at most), and the largest backward chunk there.
 # Triton's allocation of every kernel, forward and backward, on sm80 to sm120 (`benchmarks/shared_memory.py`,
 # `benchmarks/tuning/delta-shared-memory.json`, over 4 chunks: a loop of one chunk does not pipeline). float32 at
@@ -1520,7 +1524,7 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   per_sequence = dict(sequences=sequence_bounds(sequences, segment_starts, seq_len=t, chunk_size=c,
                                                  layout_chunk=layout_chunk))
   g, gate_vjp = jax.vjp(functools.partial(gate_logs, seq_len=t, dim_k=dp, chunk_size=c), decay)
-  mosaic_gradients = warp_specialized and ep <= 128  # the Mosaic GPU form of `tile_gradients` (K and Ep 64 or 128)
+  mosaic_gradients = warp_specialized and ep <= MOSAIC_GRADIENTS_MAX_E  # `tile_gradients`' Mosaic GPU form
   # The Mosaic GPU kernels read zeros past T where TMA tiles it (`warp_specialized.walked_rows`): where they alone
   # run, q, k, v and do go to them with T rows, no copy to whole chunks; the Triton kernels take whole chunks.
   rows, tp = warp_specialized_forward.walked_rows(t) if mosaic_gradients else (None, -(-t // c) * c)

@@ -97,6 +97,12 @@ def _labelled(q, k, v, beta, decay, segment_starts, initial_state):
           (initial_state, STATE))
 
 
+def _unpadded_pieces(opts, decay, v) -> bool:
+  """`sequence_split.walks_unpadded_pieces` for this call (the forward's and the backward's piece rows alike)."""
+  return sequence_split.walks_unpadded_pieces(opts.config, per_channel_gate=decay is not None and decay.ndim == 4,
+                                              dim_v=v.shape[-1])
+
+
 def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inverses=False, with_states=False,
             with_chunk_terms=False):
   """The forward kernels on each device's block of B and H (see `auto_sharding`): the prepare (or inverse) kernel,
@@ -149,6 +155,7 @@ def _primal(q, k, v, beta, decay, segment_starts, initial_state, opts, with_inve
     else:
       (o, final_state), kept, split = sequence_split.forward(
           run, piece_maps, *args, pieces=pieces, with_final_state=opts.with_final_state,
+          unpadded_rows=_unpadded_pieces(opts, decay, v),
           chunk_inverses=chunk_inverses if ws_scalar else None)
       kept = (*kept, split.starts, split.transitions, split.continues)
     return (o,) + ((final_state,) if opts.with_final_state else ()) + tuple(kept)
@@ -206,7 +213,9 @@ def _backward(opts, residuals, cotangents):
     else:
       starts, transitions, continues = split_arrays
       pieces = sequence_split.Pieces(count=continues.shape[1],
-                                     length=sequence_split.piece_length(q.shape[1], continues.shape[1]),
+                                     length=sequence_split.piece_length(
+                                         q.shape[1], continues.shape[1],
+                                         unpadded_rows=_unpadded_pieces(opts, decay, v)),
                                      starts=starts, transitions=transitions, continues=continues)
       run = functools.partial(pallas_triton.backward, inverses=inverses, states=states, chunk_terms=chunk_terms,
                               **kernels)

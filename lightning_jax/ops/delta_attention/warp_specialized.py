@@ -201,11 +201,11 @@ def piece_maps(k, v, decay, segment_starts, *, inverse, interpret):
   augmented operands. inverse: `chunk_inverses`' T' for these k, beta and gates (beta enters through it alone);
   the rest as `forward`'s."""
   t, d, e = k.shape[1], k.shape[-1], v.shape[-1]
-  tp = -(-t // CHUNK_SIZE) * CHUNK_SIZE
+  rows, tp = walked_rows(t)
   dp, ep = WarpSpecializedConfig.padded_dims(d, e)
   maps_t = delta_mosaic.piece_maps(
-      chunk_common.pad_tokens_and_features(k, num_tokens=tp, dim=dp),
-      chunk_common.pad_tokens_and_features(v, num_tokens=tp, dim=ep), inverse,
-      pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp), interpret=interpret)
+      chunk_common.pad_tokens_and_features(k, num_tokens=rows, dim=dp),
+      chunk_common.pad_tokens_and_features(v, num_tokens=rows, dim=ep), inverse,
+      pallas_mosaic_gpu.sweep_gates(decay, segment_starts, num_tokens=tp), interpret=interpret, num_tokens=tp)
   maps = jnp.swapaxes(maps_t, -1, -2)[:, :, :d]  # [B, H, D, Dp + Ep]
   return jnp.concatenate([maps[..., :d], maps[..., dp:dp + e]], axis=-1)
