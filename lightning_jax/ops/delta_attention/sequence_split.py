@@ -2,8 +2,9 @@
 
 The sweeps run one program per (batch, head, value block), each walking its
 row's chunks in order: with few (batch, head) pairs most SMs idle while the
-chains run. The split cuts every row into P pieces of whole chunks, run as rows
-of their own, each from its true initial state. The delta rule is affine in
+chains run. The split cuts every row into P pieces (`piece_length`: the row
+reshaped where the kernels walk rows off whole chunks, else padded to whole
+chunks), run as rows of their own, each from its true initial state. The delta rule is affine in
 its state (`sequence_parallel`, whose math this is, on one device): a piece
 maps the state before it to S_end = M_p S_start + L_p.
 
