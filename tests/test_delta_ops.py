@@ -498,11 +498,12 @@ def test_sequence_pieces_where_measured():
           call(2, True, True)] == [2, 4, 1, 1, 1]
   assert [call(32, False, kda) for kda in (False, True)] == [1, 1]
   assert [call(16, False, kda) for kda in (False, True)] == [4, 4]
-  # Where the kernels walk rows off whole chunks: the most pieces, down to half the SMs' count, that cut T into
-  # pieces of a multiple of 8 tokens (a reshape); else the power of two, padded.
+  # Where the kernels walk rows off whole chunks: the power of two where it cuts T into pieces of a multiple of 8
+  # tokens (a reshape), else the most pieces that do, down to half the SMs' count; else the power of two, padded.
   exact = lambda programs, t: sequence_split.num_pieces(  # noqa: E731
       programs=programs, num_tokens=t, num_sms=132, warp_specialized_map=True, unpadded_rows=True)
-  assert [exact(8, 60000), exact(32, 60000), exact(24, 61440), exact(8, 15360), exact(32, 65528)] == [15, 4, 5, 15, 4]
+  assert [exact(8, 60000), exact(32, 60000), exact(24, 61440), exact(24, 61720), exact(8, 15360 + 8 * 15),
+          exact(32, 65528)] == [15, 4, 4, 5, 15, 4]
   assert exact(8, 8 * 4099) == 16 and exact(8, 8 * 4099 * 3) == 16  # 3 pieces: fewer than half of 16
   assert sequence_split.num_pieces(programs=8, num_tokens=60000, num_sms=132, warp_specialized_map=True) == 16
   call_t = lambda t, h, d, e, kda=False: sequence_split.call_pieces(  # noqa: E731

@@ -71,9 +71,9 @@ def num_pieces(*, programs: int, num_tokens: int, num_sms: int, warp_specialized
   warp-specialised sweeps), MIN_PIECES_WARP_SPECIALIZED and
   MAX_PIECES_WARP_SPECIALIZED instead (`call_pieces` says where).
 
-  With `unpadded_rows` (`piece_length`), the most pieces of any count, down to
-  half as many as the SMs hold, that cut the row with no copy (T / P tokens a
-  whole number of TMA's rows): on an H200 (Gated DeltaNet, bf16, B1 T60000)
+  With `unpadded_rows` (`piece_length`), where that power of two does not cut
+  the row with no copy (T / P tokens a whole number of TMA's rows), the most
+  pieces of any count that do, down to half as many as the SMs hold: on an H200 (Gated DeltaNet, bf16, B1 T60000)
   copying the row to 4 padded pieces took 66% more time forward and 31% more
   forward+backward than 4 pieces of 15000 at H16 D128, and at H8 D64 16
   padded pieces 41% and 27% more than 15 of 4000 (10 pieces: 0.384 ms
@@ -91,10 +91,13 @@ def num_pieces(*, programs: int, num_tokens: int, num_sms: int, warp_specialized
     pieces *= 2
   if pieces < least:
     return 1
-  if unpadded_rows:
+  def cuts(pieces):
+    return num_tokens % pieces == 0 and WarpSpecializedConfig.tiles_rows(num_tokens // pieces)
+
+  if unpadded_rows and not cuts(pieces):
     widest = max(p for p in range(pieces, 2 * pieces) if fits(p))
     for p in range(widest, max(least, -(-widest // 2)) - 1, -1):
-      if num_tokens % p == 0 and WarpSpecializedConfig.tiles_rows(num_tokens // p):
+      if cuts(p):
         return p
   return pieces
 
