@@ -53,7 +53,7 @@ PACKINGS = [
     Packing(((64, 1, 50, 35), (20, 44, 86)), d=24, e=40),
     Packing(((1, 0, 63, 64, 0, 17, 1),), cu_seqlens=True),
     Packing(((100, 48),), h=3, d=16, e=16, dtype=BF16, decay="head", initial_state=False),
-    Packing(((0, 30, 99, 0),), h=1, d=40, e=8, decay=None, cu_seqlens=True),
+    Packing(((0, 30, 99, 0),), h=1, d=40, e=8, dtype=BF16, decay=None, cu_seqlens=True),
 ]
 
 

@@ -394,7 +394,8 @@ def _run(q, k, v, decay, initial_state, segment_ids, *, return_final_state, cu_s
   if cu_seqlens is not None and (sequence_initial is not None or return_final_state):
     o_extra, final_state = packing.sequence_states(q, k, v, decay, cu_seqlens, scale=scale,
                                                    initial_state=sequence_initial,
-                                                   with_final_state=return_final_state)
+                                                   with_final_state=return_final_state,
+                                                   tensor_cores=device.platform == "gpu")
     if o_extra is not None:
       o = o.astype(jnp.float32) + o_extra
   return o.astype(q.dtype), final_state

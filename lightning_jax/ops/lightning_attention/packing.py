@@ -16,6 +16,8 @@ N T, and every boundary stays a traced value.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -39,7 +41,7 @@ def segment_ids_from_cu_seqlens(cu_seqlens, total_length: int):
   return jnp.searchsorted(cu[1:].astype(jnp.int32), pos, side="right").astype(jnp.int32)[None]
 
 
-def sequence_states(q, k, v, decay, cu_seqlens, *, scale, initial_state, with_final_state):
+def sequence_states(q, k, v, decay, cu_seqlens, *, scale, initial_state, with_final_state, tensor_cores=False):
   """Each sequence's initial state's share of the outputs, and each sequence's final state.
 
   Args:
@@ -48,6 +50,8 @@ def sequence_states(q, k, v, decay, cu_seqlens, *, scale, initial_state, with_fi
     cu_seqlens: int [N + 1].
     initial_state: [N, H, D, E] float32 or None.
     with_final_state: compute the final states.
+    tensor_cores: the call runs on a GPU: 16-bit inputs' products in bfloat16
+      with float32 sums (float32 inputs, and without it: float32 products).
 
   Returns:
     (o_extra [1, T, H, E] float32 or None without initial states, final
@@ -74,21 +78,27 @@ def sequence_states(q, k, v, decay, cu_seqlens, *, scale, initial_state, with_fi
   rates = jnp.pad(rates.astype(jnp.float32), ((0, tp - t), (0, 0)))
   first, last = pos == cu[seq], pos == cu[seq + 1] - 1
   by_pair = lambda x: x.reshape(nc, c, *x.shape[1:])[pair_chunk]  # noqa: E731  [P, C, ...]
-  pad = lambda x: jnp.pad(x[0].astype(jnp.float32), ((0, tp - t), (0, 0), (0, 0)))  # noqa: E731
+  # With tensor_cores, 16-bit inputs' products take bfloat16 operands (the states and the scaled keys rounded to it
+  # once, as the kernels' own products take them) and float32 sums; else float32 products (XLA's CPU backend runs
+  # no bfloat16 product with float32 results in every layout).
+  operand = jnp.bfloat16 if tensor_cores and q.dtype != jnp.float32 else jnp.float32
+  product = functools.partial(jnp.einsum, preferred_element_type=jnp.float32,
+                              precision=_HI if operand == jnp.float32 else None)
+  pad = lambda x: jnp.pad(x[0].astype(operand), ((0, tp - t), (0, 0), (0, 0)))  # noqa: E731
 
   o_extra = final_states = None
   if initial_state is not None:
     from_start = segmented_exp(rates, first, reverse=False)  # exp(-F_t)
-    weights = in_pair * by_pair(from_start)  # [P, C, H]
-    o_pairs = jnp.einsum("pchd,phde->pche", by_pair(pad(q)) * weights[..., None], initial_state[pair_seq],
-                         precision=_HI)
+    weights = in_pair * by_pair(from_start)  # [P, C, H]: a row's factor, applied to its product
+    o_pairs = weights[..., None] * product("pchd,phde->pche", by_pair(pad(q)),
+                                           initial_state.astype(operand)[pair_seq])
     o_extra = scale * jax.ops.segment_sum(o_pairs, pair_chunk, nc).reshape(tp, h, e)[None, :t]
   if with_final_state:
     # R_j: the rates after j, so the token after j's rate, summed backwards within the sequence.
     after = jnp.where(last[:, None], 0.0, jnp.pad(rates[1:], ((0, 1), (0, 0))))
     to_end = segmented_exp(after, last, reverse=True)  # exp(-R_j)
     weights = in_pair * by_pair(to_end)
-    partial = jnp.einsum("pchd,pche->phde", by_pair(pad(k)) * weights[..., None], by_pair(pad(v)), precision=_HI)
+    partial = product("pchd,pche->phde", (by_pair(pad(k)) * weights[..., None]).astype(operand), by_pair(pad(v)))
     final_states = jax.ops.segment_sum(partial, pair_seq, n)
     if initial_state is not None:
       total = jax.ops.segment_sum(jnp.where(pos[:, None] < t, rates, 0.0), seq, n)  # [N, H]; empty: 0
