@@ -1,10 +1,13 @@
-"""Times `delta_attention` with `cu_seqlens` and per-sequence states, beside the same row without them.
+"""Times `delta_attention` (or `lightning_attention`) with `cu_seqlens` and per-sequence states, beside the same
+row without them.
 
-    python -m benchmarks.sequence_states [--cases 32768x16x128x8,32768x8x64x8]
+    python -m benchmarks.sequence_states [--op delta|lightning] [--cases 32768x16x128x8,32768x8x64x8]
         [--paths xla,pallas,pallas-triton,packed,unpacked]
 
 Each case TxHxDxN is one row (B = 1) of T tokens cut into N random-length
-sequences (seed 0), Gated DeltaNet (per-token rates), bf16, D = E. The paths:
+sequences (seed 0), bf16, D = E: Gated DeltaNet (per-token rates), or with
+`--op lightning` the lightning op with ALiBi's per-head rates (held fixed; no
+`pallas-triton` path: its Pallas kernels are the variant rule's). The paths:
 `xla` and `pallas`, per-sequence initial and final states ([N, H, D, E]) on the
 chunked jnp path and on the Pallas kernels (on sm90 the warp-specialised
 forward; `pallas-triton`, the Triton sweeps forced); `packed`, the same cu_seqlens with
@@ -60,7 +63,7 @@ def _median_ms(fn, args, calls):
   return 1e3 * statistics.median(times), first
 
 
-def time_case(case: str, path: str, calls: int) -> str:
+def time_case(case: str, path: str, calls: int, op: str = "delta") -> str:
   """One line: the case, the path, forward and fwd+bwd median ms (and their first calls' seconds)."""
   t, h, d, n = (int(x) for x in case.split("x"))
   q, k, v, beta, rates, cu, s0 = _inputs(t, h, d, n)
@@ -68,12 +71,14 @@ def time_case(case: str, path: str, calls: int) -> str:
   cotangent = jax.random.normal(jax.random.key(9), v.shape, jnp.bfloat16)
 
   def attention(q, k, v, beta, rates, s0):
-    kw = dict(impl=options["impl"], config=options.get("config"))
+    kw = dict(impl=options["impl"])
     if not options.get("unpacked"):
       kw["cu_seqlens"] = cu
     if options["states"]:
       kw.update(initial_state=s0, return_final_state=True)
-    return lj.delta_attention(q, k, v, beta, rates, **kw)
+    if op == "lightning":
+      return lj.lightning_attention(q, k, v, lj.alibi_slopes(h), **kw)
+    return lj.delta_attention(q, k, v, beta, rates, config=options.get("config"), **kw)
 
   def loss(*args):
     out = attention(*args)
@@ -82,7 +87,8 @@ def time_case(case: str, path: str, calls: int) -> str:
 
   args = (q, k, v, beta, rates, s0)
   forward, first_forward = _median_ms(jax.jit(attention), args, calls)
-  argnums = (0, 1, 2, 3, 4, 5) if options["states"] else (0, 1, 2, 3, 4)
+  # The lightning op's rates are ALiBi's, fixed: q, k, v (and the states).
+  argnums = (0, 1, 2) + ((3, 4) if op == "delta" else ()) + ((5,) if options["states"] else ())
   both, first_both = _median_ms(jax.jit(jax.grad(loss, argnums=argnums)), args, calls)
   return (f"{case:18s} {path:13s} fwd {forward:9.3f} ms  fwd+bwd {both:9.3f} ms  "
           f"(first calls {first_forward:.0f} s, {first_both:.0f} s)")
@@ -91,16 +97,18 @@ def time_case(case: str, path: str, calls: int) -> str:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--cases", default="32768x16x128x8,32768x8x64x8", help="TxHxDxN, comma-separated")
-  p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
+  p.add_argument("--paths", help=f"comma-separated, of {', '.join(PATHS)} (default: every path of the op)")
   p.add_argument("--calls", type=int, default=15)
+  p.add_argument("--op", choices=("delta", "lightning"), default="delta")
   args = p.parse_args(argv)
-  paths = args.paths.split(",")
-  if unknown := set(paths) - set(PATHS):
-    raise SystemExit(f"unknown --paths {sorted(unknown)}: choose from {', '.join(PATHS)}")
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
+  choices = [path for path in PATHS if args.op == "delta" or path != "pallas-triton"]
+  paths = args.paths.split(",") if args.paths else choices
+  if unknown := set(paths) - set(choices):
+    raise SystemExit(f"unknown --paths {sorted(unknown)} for --op {args.op}: choose from {', '.join(choices)}")
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {args.op}", flush=True)
   for case in args.cases.split(","):
     for path in paths:
-      print(time_case(case, path, args.calls), flush=True)
+      print(time_case(case, path, args.calls, args.op), flush=True)
 
 
 if __name__ == "__main__":

@@ -618,10 +618,15 @@ def test_sequence_states_times_each_path(capsys):
   from benchmarks import sequence_states  # noqa: PLC0415
 
   sequence_states.main(["--cases", "50x2x8x3", "--paths", "xla", "--calls", "1"])
+  sequence_states.main(["--op", "lightning", "--cases", "50x2x8x3", "--paths", "xla", "--calls", "1"])
   lines = capsys.readouterr().out.splitlines()
-  assert len(lines) == 2 and lines[1].split()[:3] == ["50x2x8x3", "xla", "fwd"] and "fwd+bwd" in lines[1]
+  assert len(lines) == 4 and lines[2].endswith("lightning")
+  for line in (lines[1], lines[3]):
+    assert line.split()[:3] == ["50x2x8x3", "xla", "fwd"] and "fwd+bwd" in line
   with pytest.raises(SystemExit, match="unknown --paths"):
     sequence_states.main(["--paths", "xla,triton"])
+  with pytest.raises(SystemExit, match="unknown --paths"):  # the delta op's alone
+    sequence_states.main(["--op", "lightning", "--paths", "pallas-triton"])
 
 
 @pytest.mark.usefixtures("unoptimized_compiles")  # in-process compiles: most of its time (it checks no values)
