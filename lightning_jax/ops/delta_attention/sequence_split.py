@@ -4,9 +4,9 @@ The sweeps run one program per (batch, head, value block), each walking its
 row's chunks in order: with few (batch, head) pairs most SMs idle while the
 chains run. The split cuts every row into P pieces (`piece_length`: the row
 reshaped where the kernels walk rows off whole chunks, else padded to whole
-chunks), run as rows of their own, each from its true initial state. The delta rule is affine in
-its state (`sequence_parallel`, whose math this is, on one device): a piece
-maps the state before it to S_end = M_p S_start + L_p.
+chunks), run as rows of their own, each from its true initial state. The
+delta rule is affine in its state (`sequence_parallel`, whose math this is, on
+one device): a piece maps the state before it to S_end = M_p S_start + L_p.
 
 Forward:
   1. the forward over every piece with the values [0 | v] from [I | 0]
@@ -73,11 +73,12 @@ def num_pieces(*, programs: int, num_tokens: int, num_sms: int, warp_specialized
 
   With `unpadded_rows` (`piece_length`), where that power of two does not cut
   the row with no copy (T / P tokens a whole number of TMA's rows), the most
-  pieces of any count that do, down to half as many as the SMs hold: on an H200 (Gated DeltaNet, bf16, B1 T60000)
-  copying the row to 4 padded pieces took 66% more time forward and 31% more
-  forward+backward than 4 pieces of 15000 at H16 D128, and at H8 D64 16
-  padded pieces 41% and 27% more than 15 of 4000 (10 pieces: 0.384 ms
-  forward against 0.361; 6: 0.513, level with 16 padded).
+  pieces of any count that do, down to half the most that fit: on an H200
+  (Gated DeltaNet, bf16, B1 T60000) copying the row to 4 padded pieces took
+  66% more time forward and 31% more forward+backward than 4 pieces of 15000
+  at H16 D128, and at H8 D64 16 padded pieces 41% and 27% more than 15 of
+  4000 (10 pieces: 0.384 ms forward against 0.361; 6: 0.513, level with 16
+  padded).
   """
   most, least = ((MAX_PIECES_WARP_SPECIALIZED, MIN_PIECES_WARP_SPECIALIZED) if warp_specialized_map
                  else (MAX_PIECES, MIN_PIECES))
@@ -91,6 +92,7 @@ def num_pieces(*, programs: int, num_tokens: int, num_sms: int, warp_specialized
     pieces *= 2
   if pieces < least:
     return 1
+
   def cuts(pieces):
     return num_tokens % pieces == 0 and WarpSpecializedConfig.tiles_rows(num_tokens // pieces)
 
@@ -152,9 +154,10 @@ def piece_length(t: int, pieces: int, *, unpadded_rows: bool) -> int:
   """Tokens per piece of a row of t tokens cut into `pieces`.
 
   T / P where the kernels walk rows off whole chunks as they are
-  (`unpadded_rows`: the warp-specialised kernels, `WarpSpecializedConfig.walked_rows`) and T / P is a whole number
-  of TMA's rows: the pieces are then the row reshaped, no copy. Else whole PIECE_ALIGN chunks, T padded to P of
-  them: a copy of every operand to the pieces, and of every output back.
+  (`unpadded_rows`: `walks_unpadded_pieces`) and T / P is a whole number of
+  TMA's rows (`WarpSpecializedConfig.tiles_rows`): the pieces are then the row
+  reshaped, no copy. Else whole PIECE_ALIGN chunks, T padded to P of them: a
+  copy of every operand to the pieces, and of every output back.
   """
   if unpadded_rows and t % pieces == 0 and WarpSpecializedConfig.tiles_rows(t // pieces):
     return t // pieces
