@@ -351,7 +351,7 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
       plgpu.barrier_wait(pairs_read.at[lax.rem(i, _PUBLISHED_PAIRS)])
 
 
-def _check_padded(keys, dim_v: int, inverse, num_tokens=None) -> int:
+def _check_operands(keys, dim_v: int, inverse, num_tokens=None) -> int:
   """Tp, of keys [B, T', H, K] with K 64 or 128 and T' <= Tp (num_tokens; None: T') rows, T' a multiple of
   `WarpSpecializedConfig.TMA_ROWS` or Tp itself (rows past T' read as zeros), Tp a multiple of 64, Ep = dim_v a
   multiple of 64, inverse [B, H, Tp, 64]; or a ValueError."""
@@ -368,8 +368,8 @@ def _check_padded(keys, dim_v: int, inverse, num_tokens=None) -> int:
 
 def _checked_factors(keys, dim_v: int, inverse, chunk_gates, num_tokens=None):
   """The chunks' factor rows (`lightning_mosaic.chunk_factors`) for the operands, which it checks
-  (`_check_padded`)."""
-  tp = _check_padded(keys, dim_v, inverse, num_tokens)
+  (`_check_operands`)."""
+  tp = _check_operands(keys, dim_v, inverse, num_tokens)
   b, _, h, _ = keys.shape
   cumdecay, runs = chunk_gates
   if cumdecay is None:
@@ -441,7 +441,7 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
       raise ValueError(f"channel_gates take chunk_gates (None, None), scale 1, and K_g [B, Tp, H, K] = {q.shape}, P "
                        f"[B, H, Tp, {c}], the state's decay [B, H, N, 1, K]; got {chunk_gates}, {scale}, "
                        f"{keys.shape}, {pairs.shape}, {channel_decay.shape}")
-    _check_padded(q, dim_v, inverse, num_tokens)
+    _check_operands(q, dim_v, inverse, num_tokens)
     gate_inputs = (keys, pairs, channel_decay.astype(_F32))
   else:
     vectors = _checked_factors(q, dim_v, inverse, chunk_gates, num_tokens)
@@ -587,14 +587,14 @@ def piece_maps(k, v, inverse, chunk_gates, *, interpret: bool = False, num_token
   warpgroups running the forward's chain step (`delta_pseudo_values`,
   `delta_update`), one from I's 64 rows without values and one from zeros over
   the 64 value columns. Operands as `state_sweep`'s: k [B, T', H, K], v [B,
-  T', H, Ep] with T' rows (`_check_padded`; num_tokens Tp, None: T'), inverse
+  T', H, Ep] with T' rows (`_check_operands`; num_tokens Tp, None: T'), inverse
   T' [B, H, Tp, 64], chunk_gates (cumdecay or None, runs or None).
   """
   b, _, h, dim_k = k.shape
   dim_v = v.shape[-1]
   c, be = CHUNK_SIZE, BLOCK_E
   vectors = _checked_factors(k, dim_v, inverse, chunk_gates, num_tokens)
-  tp = inverse.shape[2]  # Tp, as `_check_padded` checked it
+  tp = inverse.shape[2]  # Tp, as `_check_operands` checked it
   runs = chunk_gates[1]
   identity_blocks, value_blocks = dim_k // be, dim_v // be
   identity = jnp.eye(dim_k, dtype=_F32).reshape(identity_blocks, be, dim_k)  # I^T's rows, 64 a block
