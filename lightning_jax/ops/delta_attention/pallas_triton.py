@@ -1527,9 +1527,10 @@ def backward(q, k, v, beta, decay, segment_starts, initial_state, do, d_final, *
   mosaic_gradients = warp_specialized and ep <= MOSAIC_GRADIENTS_MAX_E  # `tile_gradients`' Mosaic GPU form
   # The Mosaic GPU kernels read zeros past T where TMA tiles it (`warp_specialized.walked_rows`): where they alone
   # run, q, k, v and do go to them with T rows, no copy to whole chunks; the Triton kernels take whole chunks.
-  rows, tp = warp_specialized_forward.walked_rows(t) if mosaic_gradients else (None, -(-t // c) * c)
+  rows = warp_specialized_forward.walked_rows(t)[0] if mosaic_gradients else None
   qp, kp, vp, beta_rows, gates_ = padded_operands(q, k, v, beta, segment_starts, g, chunk_size=c, dims=(dp, ep),
                                                   rows=rows)
+  tp = beta_rows.shape[-1]  # T in whole chunks, as `padded_operands` padded beta
   kernels = dict(scale=scale, config=config, interpret=interpret)
   initial_state = chunk_common.pad_state(initial_state, dp, ep)
   dop = chunk_common.pad_tokens_and_features(do.astype(q.dtype), num_tokens=qp.shape[1], dim=ep)

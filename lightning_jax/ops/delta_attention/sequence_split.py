@@ -93,15 +93,18 @@ def num_pieces(*, programs: int, num_tokens: int, num_sms: int, warp_specialized
   if pieces < least:
     return 1
 
-  def cuts(pieces):
-    return num_tokens % pieces == 0 and WarpSpecializedConfig.tiles_rows(num_tokens // pieces)
-
-  if unpadded_rows and not cuts(pieces):
+  if unpadded_rows and not _reshapes(num_tokens, pieces):
     widest = max(p for p in range(pieces, 2 * pieces) if fits(p))
     for p in range(widest, max(least, -(-widest // 2)) - 1, -1):
-      if cuts(p):
+      if _reshapes(num_tokens, p):
         return p
   return pieces
+
+
+def _reshapes(t: int, pieces: int) -> bool:
+  """Whether a row of t tokens cuts into `pieces` rows of T / P tokens, a whole number of TMA's rows
+  (`WarpSpecializedConfig.tiles_rows`): then the pieces are the row reshaped."""
+  return t % pieces == 0 and WarpSpecializedConfig.tiles_rows(t // pieces)
 
 
 def walks_unpadded_pieces(config, *, per_channel_gate: bool, dim_v: int) -> bool:
@@ -159,7 +162,7 @@ def piece_length(t: int, pieces: int, *, unpadded_rows: bool) -> int:
   reshaped, no copy. Else whole PIECE_ALIGN chunks, T padded to P of them: a
   copy of every operand to the pieces, and of every output back.
   """
-  if unpadded_rows and t % pieces == 0 and WarpSpecializedConfig.tiles_rows(t // pieces):
+  if unpadded_rows and _reshapes(t, pieces):
     return t // pieces
   return math.ceil(math.ceil(t / PIECE_ALIGN) / pieces) * PIECE_ALIGN
 
