@@ -1,13 +1,14 @@
 """Times `delta_attention` (or `lightning_attention`) with `cu_seqlens` and per-sequence states, beside the same
 row without them.
 
-    python -m benchmarks.sequence_states [--op delta|lightning] [--cases 32768x16x128x8,32768x8x64x8]
-        [--paths xla,pallas,pallas-triton,packed,unpacked]
+    python -m benchmarks.sequence_states [--op delta|lightning] [--decay head|token]
+        [--cases 32768x16x128x8,32768x8x64x8] [--paths xla,pallas,pallas-triton,packed,unpacked]
 
 Each case TxHxDxN is one row (B = 1) of T tokens cut into N random-length
 sequences (seed 0), bf16, D = E: Gated DeltaNet (per-token rates), or with
 `--op lightning` the lightning op with ALiBi's per-head rates (held fixed; no
-`pallas-triton` path: its Pallas kernels are the variant rule's). The paths:
+`pallas-triton` path: its Pallas kernels are the variant rule's), or with
+`--decay token` per-token rates in [0, 0.1) (differentiated). The paths:
 `xla` and `pallas`, per-sequence initial and final states ([N, H, D, E]) on the
 chunked jnp path and on the Pallas kernels (on sm90 the warp-specialised
 forward; `pallas-triton`, the Triton sweeps forced); `packed`, the same cu_seqlens with
@@ -63,7 +64,7 @@ def _median_ms(fn, args, calls):
   return 1e3 * statistics.median(times), first
 
 
-def time_case(case: str, path: str, calls: int, op: str = "delta") -> str:
+def time_case(case: str, path: str, calls: int, op: str = "delta", decay: str = "head") -> str:
   """One line: the case, the path, forward and fwd+bwd median ms (and their first calls' seconds)."""
   t, h, d, n = (int(x) for x in case.split("x"))
   q, k, v, beta, rates, cu, s0 = _inputs(t, h, d, n)
@@ -77,7 +78,7 @@ def time_case(case: str, path: str, calls: int, op: str = "delta") -> str:
     if options["states"]:
       kw.update(initial_state=s0, return_final_state=True)
     if op == "lightning":
-      return lj.lightning_attention(q, k, v, lj.alibi_slopes(h), **kw)
+      return lj.lightning_attention(q, k, v, lj.alibi_slopes(h) if decay == "head" else rates, **kw)
     return lj.delta_attention(q, k, v, beta, rates, config=options.get("config"), **kw)
 
   def loss(*args):
@@ -87,8 +88,9 @@ def time_case(case: str, path: str, calls: int, op: str = "delta") -> str:
 
   args = (q, k, v, beta, rates, s0)
   forward, first_forward = _median_ms(jax.jit(attention), args, calls)
-  # The lightning op's rates are ALiBi's, fixed: q, k, v (and the states).
-  argnums = (0, 1, 2) + ((3, 4) if op == "delta" else ()) + ((5,) if options["states"] else ())
+  # The lightning op's ALiBi rates are fixed: q, k, v (and its per-token rates, and the states).
+  argnums = (0, 1, 2) + ((3, 4) if op == "delta" else (4,) if decay == "token" else ()) + (
+      (5,) if options["states"] else ())
   both, first_both = _median_ms(jax.jit(jax.grad(loss, argnums=argnums)), args, calls)
   return (f"{case:18s} {path:13s} fwd {forward:9.3f} ms  fwd+bwd {both:9.3f} ms  "
           f"(first calls {first_forward:.0f} s, {first_both:.0f} s)")
@@ -100,15 +102,17 @@ def main(argv=None):
   p.add_argument("--paths", help=f"comma-separated, of {', '.join(PATHS)} (default: every path of the op)")
   p.add_argument("--calls", type=int, default=15)
   p.add_argument("--op", choices=("delta", "lightning"), default="delta")
+  p.add_argument("--decay", choices=("head", "token"), default="head", help="the lightning op's rates")
   args = p.parse_args(argv)
   choices = [path for path in PATHS if args.op == "delta" or path != "pallas-triton"]
   paths = args.paths.split(",") if args.paths else choices
   if unknown := set(paths) - set(choices):
     raise SystemExit(f"unknown --paths {sorted(unknown)} for --op {args.op}: choose from {', '.join(choices)}")
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {args.op}", flush=True)
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {args.op}"
+        f"{f', {args.decay} rates' if args.op == 'lightning' else ''}", flush=True)
   for case in args.cases.split(","):
     for path in paths:
-      print(time_case(case, path, args.calls, args.op), flush=True)
+      print(time_case(case, path, args.calls, args.op, args.decay), flush=True)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,10 @@ PACKINGS = [
     Packing(((1, 0, 63, 64, 0, 17, 1),), cu_seqlens=True),
     Packing(((100, 48),), h=3, d=16, e=16, dtype=BF16, decay="head", initial_state=False),
     Packing(((0, 30, 99, 0),), h=1, d=40, e=8, dtype=BF16, decay=None, cu_seqlens=True),
+    # A per-head rate over sequences that share chunks (sequence programs run it per token).
+    Packing(((40, 0, 77, 3, 1),), h=2, d=16, e=40, decay="head", cu_seqlens=True),
+    # Final states from zero states: each sequence's first rate scales nothing.
+    Packing(((5, 64, 0, 20),), h=1, d=16, e=16, initial_state=False, cu_seqlens=True),
 ]
 
 

@@ -27,8 +27,8 @@ def load_rows(ref, rows, valid):
 
 
 def store_rows(ref, rows, value, valid):
-  """ref[rows, :] = value, of a [T, D] ref; valid as `load_rows`' (rows past T are not written)."""
+  """ref[rows] = value, of a [T, D] or [T] ref; valid as `load_rows`' (the rows outside it are not written)."""
   if valid is None:
-    ref[rows, :] = value
+    ref[rows] = value
   else:
-    plgpu.store(ref.at[rows, :], value, mask=valid[:, None])
+    plgpu.store(ref.at[rows], value, mask=valid if ref.ndim == 1 else valid[:, None])

@@ -372,8 +372,18 @@ def _run(q, k, v, decay, initial_state, segment_ids, *, return_final_state, cu_s
                                                              segment_ids=segment_ids, cu_seqlens=cu_seqlens)
     return o.astype(q.dtype), final_state
 
-  # cu_seqlens runs as the segments of one row from zero states; each
-  # sequence's own initial and final states come from `packing`.
+  if impl == "pallas" and cu_seqlens is not None and (initial_state is not None or return_final_state):
+    # One chunk-loop program per sequence, from its own initial state to its own final state; a per-head rate
+    # runs as the same rate at every token.
+    rates = decay if decay is None or chunk_common.per_token(decay) else jnp.broadcast_to(decay, (1, t, q.shape[2]))
+    opts = _pallas_options(q, v, scale=scale, per_token=True, return_final_state=return_final_state,
+                           variant="chunk_loop", config=config, interpret=interpret, device=device)
+    out = auto_sharding.lightning_attention_pallas(q, k, v, rates, cu_seqlens.astype(jnp.int32), initial_state, opts)
+    o, final_state = out if return_final_state else (out, None)
+    return o.astype(q.dtype), final_state
+
+  # Otherwise cu_seqlens runs as the segments of one row from zero states; on
+  # the xla path each sequence's own initial and final states come from `packing`.
   sequence_initial = None
   if cu_seqlens is not None:
     sequence_initial, initial_state = initial_state, None

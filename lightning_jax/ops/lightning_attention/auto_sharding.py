@@ -48,6 +48,8 @@ from lightning_jax.ops.lightning_attention.config import PallasOptions
 # [B, H, N, Ep, Dp] (n: chunks; f, k: E and D padded), pseudo-values U^T [B, H, Ep, Tp], and KDA's log decays at
 # each chunk's 16-token blocks' ends [B, H, N, 4, Dp] (j: the blocks).
 ROWS_D, ROWS_E, TOKENS, STATE, STARTS, CHUNK_TILES = "bthd", "bthe", "bth", "bhde", "bt", "bhpc"
+# cu_seqlens run as sequence programs: the bounds [N + 1] (u) and the states [N, H, D, E] (s: the sequences).
+BOUNDS, SEQUENCE_STATE = "u", "shde"
 CHUNK_STATES, CHUNK_VALUES, CHUNK_BLOCKS = "bhnfk", "bhfp", "bhnjk"
 _SPLIT = ("b", "h")  # the factors kept split; the others are gathered if they were split
 
@@ -143,15 +145,22 @@ def _decay_local(decay):
   return decay if decay is None or decay.ndim == 3 else decay[0]
 
 
+def _packing_labels(packing):
+  """(the packing's label, the states'): segment starts [B, T] and states [B, H, D, E], or sequence bounds and
+  states per sequence."""
+  return (STARTS, STATE) if vjp.sequence_bounds(packing) is None else (BOUNDS, SEQUENCE_STATE)
+
+
 def _forward(q, k, v, decay, starts, initial_state, opts):
   """o [B, T, H, E], and with opts.return_final_state (o, final state [B, H, D, E])."""
   def local(q, k, v, decay, starts, initial_state):
     out = vjp._primal(q, k, v, _decay_local(decay), starts, initial_state, opts)
     return out if opts.return_final_state else (out,)
 
-  outs = (ROWS_E, STATE) if opts.return_final_state else (ROWS_E,)
+  packing_label, state = _packing_labels(starts)
+  outs = (ROWS_E, state) if opts.return_final_state else (ROWS_E,)
   out = blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), _decay_in(decay, q.shape[0]),
-                          (starts, STARTS), (initial_state, STATE)), outs)
+                          (starts, packing_label), (initial_state, state)), outs)
   return out if opts.return_final_state else out[0]
 
 
@@ -201,10 +210,11 @@ def _bwd(opts, residuals, cotangents):
   if isinstance(do, SymbolicZero):
     do = jnp.zeros(do.shape, q.dtype)
   decay_in, decay_label = _decay_in(decay, q.shape[0])
+  packing_label, state = _packing_labels(starts)
   # The gradients asked for, each of which `vjp._backward` computes: (index in its result, label).
   wanted = [(i, label) for i, (need, label) in enumerate(
       ((needs.dq, ROWS_D), (needs.dk, ROWS_D), (needs.dv, ROWS_E), (needs.d_decay and decay is not None, decay_label),
-       (False, None), (needs.d_initial and initial_state is not None, STATE))) if need]
+       (False, None), (needs.d_initial and initial_state is not None, state))) if need]
 
   def local(q, k, v, decay, starts, initial_state, final_state, do, d_final):
     # slice_starts is None unless blockwise runs this as it is (as the forward did).
@@ -215,8 +225,8 @@ def _bwd(opts, residuals, cotangents):
       grads = grads[:3] + (jnp.zeros_like(decay).at[0].set(grads[3]),) + grads[4:]
     return tuple(grads[i] for i, _ in wanted)
 
-  out = blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), (decay_in, decay_label), (starts, STARTS),
-                          (initial_state, STATE), (final_state, STATE), (do, ROWS_E), (d_final, STATE)),
+  out = blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), (decay_in, decay_label), (starts, packing_label),
+                          (initial_state, state), (final_state, state), (do, ROWS_E), (d_final, state)),
                   [label for _, label in wanted])
   grads = [None] * 6
   for (i, _), g in zip(wanted, out):

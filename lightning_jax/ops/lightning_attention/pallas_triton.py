@@ -31,6 +31,14 @@ Per-token rates and packed sequences (segment starts) run the same kernels:
 only the decay factors change, loaded per chunk (`chunk_common.token_decay_factors`)
 instead of computed once per program from a per-head rate.
 
+Sequences with states of their own (`cu_seqlens` with initial or final
+states) run the chunk loop with one program per (head, sequence, value
+block): it walks the chunks that hold any of the sequence's tokens, reads and
+writes only its rows (the others of a shared chunk are masked, as rows past T
+are), rebases the chunk's cumulative rates to the sequence's own rows, and
+starts from the sequence's initial state and stores its final state. No copy
+of the operands, and no segment masks.
+
 Optional operands and results are None when absent: a kernel receives None
 refs for them, and each launcher builds the block specs of what is present
 beside the operands (`_present`), so one kernel serves every combination.
@@ -66,6 +74,11 @@ class SweepOperands(NamedTuple):
       `sweep` only (the kernels get chunk_cumdecay).
     segment_starts: [B, T] bool, tokens that start a segment, or None; `sweep`
       only (the kernels get chunk_runs).
+    sequence_bounds: [N + 1] int32 cumulative lengths of N sequences packed in
+      a batch of one (`cu_seqlens`), or None: the chunk loop then runs one
+      program per (head, sequence, value block) over that sequence's chunks,
+      from its own initial state ([N, H, K, V]) to its own final state (module
+      docstring); with per-token rates or none.
     chunk_cumdecay, chunk_runs: [B, H, Tp] float32 and [B, Tp] int32, the
       per-chunk factors' inputs in the sweep's convention
       (`chunk_common.token_chunk_gates`): cumdecay with per-token rates only,
@@ -88,6 +101,7 @@ class SweepOperands(NamedTuple):
   decay: jax.Array | None = None
   token_decay: jax.Array | None = None
   segment_starts: jax.Array | None = None
+  sequence_bounds: jax.Array | None = None
   chunk_cumdecay: jax.Array | None = None
   chunk_runs: jax.Array | None = None
   x: jax.Array | None = None
@@ -111,7 +125,8 @@ class SweepResults(NamedTuple):
       `SweepOperands`); None in what `sweep` returns.
     final_state: [B, H, K, V] float32, the state after the last real token of
       the sweep (with `with_final_state`); in the states kernel of a sequence
-      split [B, H, S, K, V], each slice's state at its end, from zeros.
+      split [B, H, S, K, V], each slice's state at its end, from zeros; with
+      sequence_bounds [N, H, K, V], each sequence's.
     row_dots: [B, H, T] float32 row dots of the decay tangent (with
       `tangent_with`) or of out (with `dot_with`).
     final_tangent: [B, H, K, V] float32 (with `tangent_with` and `with_final_state`).
@@ -154,7 +169,7 @@ def _present(values: NamedTuple, **specs) -> NamedTuple:
 _dot = triton_lowering.dot
 
 
-def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch):
+def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch, bounds=None):
   """Chunk index -> (`ChunkFactors` or None without decay, a pair mask or None).
 
   A per-head rate's exp2 work is done once per program (and masked per chunk
@@ -166,6 +181,8 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch):
   [C, C] products instead (the pair mask, `_scores`): the fused dk/dv sweep
   has two of them, and no per-chunk copy of intra beside them (H200, B4 H32
   T32K D64, 8 packed sequences: fwd+bwd 20% less time, PERFORMANCE.md).
+  With `bounds` (bos, eos), a sequence program's rows, the cumulative rates
+  are rebased to them (`_sequence_cumdecay`).
   """
   def chunk_rows(chunk_idx):
     return pl.ds(pl.multiple_of(chunk_idx * chunk_size, chunk_size), chunk_size)
@@ -179,10 +196,16 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch):
   if ins.chunk_cumdecay is not None:
     def token_factors(chunk_idx):
       runs, run_end = (None, None) if ins.chunk_runs is None else runs_of(chunk_idx)
-      return chunk_common.token_decay_factors(ins.chunk_cumdecay[chunk_rows(chunk_idx)], runs, reverse=reverse,
-                                              branch=branch, cum_end=at_end(ins.chunk_cumdecay, chunk_idx),
+      if bounds is None:
+        cumdecay, cum_end = ins.chunk_cumdecay[chunk_rows(chunk_idx)], at_end(ins.chunk_cumdecay, chunk_idx)
+      else:
+        cumdecay, cum_end = _sequence_cumdecay(ins.chunk_cumdecay, chunk_idx, bounds, chunk_size=chunk_size,
+                                               reverse=reverse)
+      return chunk_common.token_decay_factors(cumdecay, runs, reverse=reverse, branch=branch, cum_end=cum_end,
                                               run_end=run_end), None
     return token_factors
+  if bounds is not None and ins.decay is not None:
+    raise ValueError("sequence programs take per-token rates (a per-head rate broadcast over the tokens)")
   if ins.decay is None and ins.chunk_runs is None:
     return lambda chunk_idx: (None, None)
   lam2 = 0.0 if ins.decay is None else ins.decay[()].astype(_F32) * chunk_common.LOG2_E
@@ -198,6 +221,33 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch):
             functools.partial(chunk_common.same_segment, runs=runs))
 
   return masked_products
+
+
+def _sequence_cumdecay(ref, chunk_idx, bounds, *, chunk_size, reverse):
+  """One chunk's cumulative rates (`token_chunk_gates`, log2 units) rebased to the rows [bos, eos) of a sequence
+  program, and their last value in sweep order: ([C], scalar).
+
+  The chunk's sums start at its first row in sweep order, which may belong to
+  the sequence before (forward) or after (reverse), and a reverse sweep's last
+  token of the sequence took the next sequence's first rate: subtracting the
+  sum through the row before the sequence (forward) or at its last token
+  (reverse) leaves its own rates alone. Rows outside hold the value of the
+  nearest row inside in sweep order (rate 0, as padding past T).
+  """
+  bos, eos = bounds
+  start = chunk_idx * chunk_size
+  row = start + jnp.arange(chunk_size)
+  lo, hi = jnp.maximum(bos, start), jnp.minimum(eos, start + chunk_size)
+  cumdecay = ref[pl.ds(pl.multiple_of(start, chunk_size), chunk_size)]
+  if reverse:
+    base = jnp.where(eos <= start + chunk_size, ref[hi - 1], 0.0)
+    end = ref[lo] - base
+    outside = jnp.where(row >= hi, 0.0, end)
+  else:
+    base = jnp.where(bos > start, ref[jnp.maximum(bos - 1, start)], 0.0)
+    end = ref[hi - 1] - base
+    outside = jnp.where(row < lo, 0.0, end)
+  return jnp.where((row >= lo) & (row < hi), cumdecay - base, outside), end
 
 
 def _scores(a, b, f, pair_mask, *, reverse, exact):
@@ -294,18 +344,33 @@ def _slice_steps(*, num_chunks, slice_chunks, num_slices):
   return first, jnp.minimum(slice_chunks, num_chunks - first)
 
 
+def _sequence_steps(bounds_ref, *, chunk_size, num_chunks, num_sequences, reverse):
+  """(first sweep step, number of steps, (bos, eos)) of this program's sequence: the chunks holding any of its
+  tokens. Programs of one head and value block hold consecutive sequences along grid axis 0; an empty
+  sequence's walks none."""
+  seq = pl.program_id(0) % num_sequences
+  bos, eos = bounds_ref[seq], bounds_ref[seq + 1]
+  first_chunk, end_chunk = bos // chunk_size, (eos + chunk_size - 1) // chunk_size
+  first = num_chunks - end_chunk if reverse else first_chunk
+  return first, jnp.where(eos > bos, end_chunk - first_chunk, 0), (bos, eos)
+
+
 def _chunk_rows(step, *, num_chunks, chunk_size, reverse):
   """Chunk index of sweep step `step` and the slice of its rows."""
   n = num_chunks - 1 - step if reverse else step
   return n, pl.ds(pl.multiple_of(n * chunk_size, chunk_size), chunk_size)
 
 
-def _row_loader(n, rows, *, chunk_size, num_rows):
+def _row_loader(n, rows, *, chunk_size, num_rows, bounds=None):
   """(load, valid) for chunk n's rows of [T, D] refs of num_rows rows: load(ref) -> [C, D] (None -> None), and
   valid [C] bool, the rows that exist, or None where every chunk is whole. Unpadded T (the chunk loop's operands:
   no copy of them to whole chunks) masks the last chunk's loads, which read zeros past T as padding would, and its
-  stores."""
-  valid = None if num_rows % chunk_size == 0 else n * chunk_size + jnp.arange(chunk_size) < num_rows
+  stores; a sequence program's (`bounds`: bos, eos) masks the rows outside its sequence."""
+  row = n * chunk_size + jnp.arange(chunk_size)
+  if bounds is not None:
+    valid = (row >= bounds[0]) & (row < bounds[1])
+  else:
+    valid = None if num_rows % chunk_size == 0 else row < num_rows
 
   def load(ref):
     return None if ref is None else triton_lowering.load_rows(ref, rows, valid)
@@ -323,13 +388,19 @@ def _write_final(outs: SweepResults, state, tangent):
 def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, num_chunks,
                        slice_chunks, num_slices, reverse, exact, dots_with_dual, branch):
   carry = _initial_carry(ins, with_tangent=ins.tangent_with is not None)
-  first, num_steps = _slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices)
-  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch)
+  bounds = None
+  if ins.sequence_bounds is None:
+    first, num_steps = _slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices)
+  else:  # one program per sequence (its slice)
+    first, num_steps, bounds = _sequence_steps(ins.sequence_bounds, chunk_size=chunk_size, num_chunks=num_chunks,
+                                               num_sequences=num_slices, reverse=reverse)
+  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
+                           bounds=bounds)
 
   def body(step, carry):
     state, tangent = carry
     n, rows = _chunk_rows(first + step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
-    load, valid = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.x.shape[0])
+    load, valid = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.x.shape[0], bounds=bounds)
     x, y, z, u = load(ins.x), load(ins.y), load(ins.z), load(ins.dual_with)
     # Loaded before the chunk's products, which hide its latency: Triton's
     # pipeliner leaves a load that feeds no dot blocking.
@@ -352,7 +423,7 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
     if outs.dual is not None:
       triton_lowering.store_rows(outs.dual, rows, dual.astype(outs.dual.dtype), valid)
     if outs.row_dots is not None:
-      outs.row_dots[rows] = _row_dots(ins, weights, out, out_tangent)
+      triton_lowering.store_rows(outs.row_dots, rows, _row_dots(ins, weights, out, out_tangent), valid)
     return next_carry
 
   _write_final(outs, *jax.lax.fori_loop(0, num_steps, body, carry))
@@ -408,12 +479,13 @@ def _call(kernel, grid, ins: SweepOperands, in_specs, results: SweepResults, out
   return outs
 
 
-def _output_structs(ins: SweepOperands, *, n_e, with_final_state, out_dtype, dots_with_dual, tp) -> SweepResults:
+def _output_structs(ins: SweepOperands, *, n_e, with_final_state, out_dtype, dots_with_dual, tp,
+                    num_states=None) -> SweepResults:
   """The shapes of the results a sweep writes (None where not asked for): out and dual of x's T rows, the row
-  dots of tp (whole chunks)."""
+  dots of tp (whole chunks), final states [B, H, K, V] (or num_states of them: one per sequence)."""
   b, t, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
-  state = jax.ShapeDtypeStruct((b, h, dim_k, dim_v), _F32)
+  state = jax.ShapeDtypeStruct((b if num_states is None else num_states, h, dim_k, dim_v), _F32)
   has_tangent = ins.tangent_with is not None
   return SweepResults(
       out=jax.ShapeDtypeStruct((b, t, h, dim_v), out_dtype),
@@ -534,9 +606,14 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   n_e = dim_v // be
   num_chunks = -(-t // c)
   tp = num_chunks * c
-  ns = -(-num_chunks // slice_chunks)
+  sequences = ins.sequence_bounds is not None
+  # With sequence_bounds each sequence is a slice of its own (`_sequence_steps`), from its own initial state.
+  ns = ins.sequence_bounds.shape[0] - 1 if sequences else -(-num_chunks // slice_chunks)
   final_state = final_tangent = None
-  if given_starts is not None:  # another sweep's first pass (see `sweep`), padded to this one's dims
+  if sequences:
+    if b != 1 or ins.tangent_with is not None:
+      raise ValueError("sequence programs run a batch of one, without a decay tangent")
+  elif given_starts is not None:  # another sweep's first pass (see `sweep`), padded to this one's dims
     ins = ins._replace(initial_state=chunk_common.pad_state(given_starts.states, dim_k, dim_v))
   elif ns > 1:
     (states, tangents), (final_state, final_tangent) = slice_starts(
@@ -551,14 +628,18 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
 
   start = pl.BlockSpec((None, None, None, dim_k, be), lambda i, e: (i // ns // h, i // ns % h, i % ns, 0, e))
   state = pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i // h, i % h, 0, e))  # one slice
+  if sequences:  # [N, H, K, V]: each sequence's
+    start = state = pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i % ns, i // ns, 0, e))
   in_specs = _present(ins, decay=pl.BlockSpec((None,), lambda i, e: (i // ns % h,)),
+                      sequence_bounds=pl.BlockSpec((ns + 1,), lambda i, e: (0,)),
                       chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, lambda i, e: (i // ns // h, i // ns % h, 0)),
                       chunk_runs=_gate_rows(ins.chunk_runs, lambda i, e: (i // ns // h, 0)), x=rows(dim_k, False),
                       y=rows(dim_k, False), z=rows(be, True), dual_with=rows(be, True), initial_state=start,
                       initial_tangent=start, tangent_with=rows(be, True), dot_with=rows(be, True))
   # With slices the final state and tangent come from the combine.
-  results = _output_structs(ins, n_e=n_e, with_final_state=with_final_state and ns == 1, out_dtype=out_dtype,
-                            dots_with_dual=dots_with_dual, tp=tp)
+  results = _output_structs(ins, n_e=n_e, with_final_state=with_final_state and (ns == 1 or sequences),
+                            out_dtype=out_dtype, dots_with_dual=dots_with_dual, tp=tp,
+                            num_states=ns if sequences else None)
   out_specs = _present(
       results, out=rows(be, True),
       dual=pl.BlockSpec((None, None, t, None, dim_k), lambda i, e: (e, i // ns // h, 0, i // ns % h, 0)),
@@ -569,7 +650,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
                              slice_chunks=slice_chunks, num_slices=ns, reverse=reverse, exact=ins.x.dtype == _F32,
                              dots_with_dual=dots_with_dual, branch=branch)
   outs = _call(kernel, (b * h * ns, n_e), ins, in_specs, results, out_specs, cfg, "lightning_chunk_loop", interpret)
-  if ns > 1:
+  if ns > 1 and not sequences:
     outs = outs._replace(final_state=final_state, final_tangent=final_tangent,
                          slice_starts=SliceStarts(ins.initial_state, chunk_size=c, slice_chunks=slice_chunks))
   return outs
@@ -698,6 +779,8 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
     `slice_starts` where the sequence was split.
   """
   t, dim_k, dim_v = ins.x.shape[1], ins.x.shape[-1], ins.z.shape[-1]
+  if ins.sequence_bounds is not None and opts.variant != "chunk_loop":
+    raise ValueError(f"sequence programs (sequence_bounds) run the chunk loop, not {opts.variant!r}")
   padded, configs, chunk, slice_chunks, branch = _prepare(ins, reverse=reverse, opts=opts)
   if given_starts is not None and (opts.variant != "chunk_loop" or given_starts.chunk_size != chunk
                                    or given_starts.slice_chunks >= -(-padded.x.shape[1] // chunk)

@@ -66,6 +66,7 @@ from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import manual_axes
+from lightning_jax.ops.lightning_attention import packing as packing_lib
 from lightning_jax.ops.lightning_attention import pallas_mosaic_gpu
 from lightning_jax.ops.lightning_attention import pallas_triton
 from lightning_jax.ops.lightning_attention.config import PallasOptions
@@ -81,17 +82,27 @@ class Needs(NamedTuple):
   d_initial: bool
 
 
-def sweep_gates(decay, segment_starts):
-  """The SweepOperands fields of the decay (per-head or per-token rates) and the segment starts."""
+def sequence_bounds(packing):
+  """The [N + 1] int32 sequence bounds of `packing` (see `lightning_attention_pallas`), or None (segment starts,
+  or no packing)."""
+  return packing if packing is not None and packing.ndim == 1 else None
+
+
+def sweep_gates(decay, packing):
+  """The SweepOperands fields of the decay (per-head or per-token rates) and the packing."""
+  if sequence_bounds(packing) is not None:
+    return dict(token_decay=decay, sequence_bounds=packing)
   if chunk_common.per_token(decay):
-    return dict(token_decay=decay, segment_starts=segment_starts)
-  return dict(decay=decay, segment_starts=segment_starts)
+    return dict(token_decay=decay, segment_starts=packing)
+  return dict(decay=decay, segment_starts=packing)
 
 
 def forward(q, k, v, decay, segment_starts, initial_state, opts):
   """(the op's outputs, the forward's `pallas_triton.SliceStarts` or None): the second is the dq sweep's first
   pass, transposed, where the sequence was split."""
   if opts.variant == "warp_specialized":
+    if sequence_bounds(segment_starts) is not None:
+      raise ValueError("sequence programs (per-sequence states) run the chunk loop, not the warp-specialised kernel")
     o, final_state, starts = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts, segment_starts)
   else:
     res = pallas_triton.sweep(SweepOperands(**sweep_gates(decay, segment_starts), x=q, y=k, z=v,
@@ -108,7 +119,9 @@ def _primal(q, k, v, decay, segment_starts, initial_state, opts):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def lightning_attention_pallas(q, k, v, decay, segment_starts, initial_state, opts: PallasOptions):
   """q, k: [B, T, H, D], v: [B, T, H, E]; decay: [H] or (per-token) [B, T, H] float32 or None;
-  segment_starts: [B, T] bool or None (`chunk_common.segment_starts`);
+  segment_starts: [B, T] bool or None (`chunk_common.segment_starts`), or sequence bounds [N + 1] int32
+  (`cu_seqlens`, B = 1: one chunk-loop program per sequence, with per-token rates or none, and
+  states per sequence, [N, H, D, E]);
   initial_state: [B, H, D, E] float32 or None."""
   return _primal(q, k, v, decay, segment_starts, initial_state, opts)
 
@@ -159,27 +172,51 @@ def dq_sweep_starts(slice_starts, decay, needs):
   return slice_starts if needs.dq and not with_tangent else None
 
 
-def initial_state_factor(decay):
+def initial_state_factor(decay, bounds=None):
   """What turns the state a reverse sweep ends with into dL/d initial_state (over scale).
 
   A per-token reverse sweep ends at G_0, which S_0 reached through token 0's
-  factor; a per-head one already includes it.
+  factor; a per-head one already includes it. With sequence bounds, each
+  sequence's first token's ([N, H, 1, 1]; 1 for an empty sequence, whose
+  initial state is its final one).
   """
-  return jnp.exp(-decay[:, 0])[..., None, None] if chunk_common.per_token(decay) else 1.0
+  if not chunk_common.per_token(decay):
+    return 1.0
+  if bounds is None:
+    return jnp.exp(-decay[:, 0])[..., None, None]
+  starts, ends = bounds[:-1], bounds[1:]
+  first = decay[0, jnp.minimum(starts, decay.shape[1] - 1)]  # [N, H]
+  return jnp.where((ends > starts)[:, None], jnp.exp(-first), 1.0)[..., None, None]
 
 
-def _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state):
-  """dL/d(per-token rates) [B, T, H] from the row dots q.dq, k.dk [B, H, T] (see the module docstring)."""
+def _token_decay_grad(decay, packing, q_dq, k_dk, d_final, final_state, *, with_initial_state):
+  """dL/d(per-token rates) [B, T, H] from the row dots q.dq, k.dk [B, H, T] (see the module docstring).
+
+  With sequence bounds, each sequence is a row of its own: its last token takes
+  its own final state's term, and its first token's rate scales its initial
+  state (a zero one without `with_initial_state`).
+  """
   d_cum = k_dk - q_dq
-  if d_final is not None:
-    d_cum = d_cum.at[..., -1].add(-jnp.sum(d_final * final_state, axis=(-2, -1)))
+  bounds = sequence_bounds(packing)
+  if bounds is None:
+    if d_final is not None:
+      d_cum = d_cum.at[..., -1].add(-jnp.sum(d_final * final_state, axis=(-2, -1)))
+    starts = jnp.zeros(decay.shape[:2], bool) if packing is None else packing
+    zero_state = starts
+  else:
+    t = decay.shape[1]
+    seq_of = packing_lib.segment_ids_from_cu_seqlens(bounds, t)  # [1, T]
+    starts = jnp.pad(seq_of[:, 1:] != seq_of[:, :-1], ((0, 0), (1, 0)))
+    if d_final is not None:  # at each non-empty sequence's last token (an empty one's index drops)
+      last = jnp.where(bounds[1:] > bounds[:-1], bounds[1:] - 1, t)
+      d_cum = d_cum.at[0, :, last].add(-jnp.sum(d_final * final_state, axis=(-2, -1)), mode="drop")
+    zero_state = jnp.zeros_like(starts) if with_initial_state else starts.at[:, 0].set(True)
   d_cum = jnp.swapaxes(d_cum, 1, 2)  # [B, T, H]
-  starts = (jnp.zeros(d_cum.shape[:2], bool) if segment_starts is None else segment_starts)
   # Summed backwards within each segment: a segment ends where the next one starts.
   ends = jnp.pad(starts[:, 1:], ((0, 0), (0, 1)), constant_values=True)
   d_rate = chunk_common.segmented_cumsum(d_cum, ends, axis=1, reverse=True)
   # Rates past the clamp change no factor (chunk_common.MAX_LOG2_RATE); a start's own rate scales a zero state.
-  live = (decay * chunk_common.LOG2_E < chunk_common.MAX_LOG2_RATE) & ~starts[..., None]
+  live = (decay * chunk_common.LOG2_E < chunk_common.MAX_LOG2_RATE) & ~zero_state[..., None]
   return jnp.where(live, d_rate, 0.0)
 
 
@@ -234,7 +271,7 @@ def _backward(opts, residuals, cotangents):
     dv, dk, k_dk = res.out, res.dual, res.row_dots  # row dots only with per-token rates: v . dv = k . dk
     dv_starts = res.slice_starts
     if with_initial:
-      d_initial = scale * initial_state_factor(decay) * res.final_state
+      d_initial = scale * initial_state_factor(decay, sequence_bounds(segment_starts)) * res.final_state
   if (needs.dk and not fuse) or (token_grad and k_dk is None):
     res = sweep(SweepOperands(**gates, x=v, y=do, z=q, initial_state=transpose(d_final_scaled),
                               dot_with=k if token_grad else None),
@@ -242,7 +279,8 @@ def _backward(opts, residuals, cotangents):
                 given_starts=None if dv_starts is None else dv_starts.transposed())
     dk, k_dk = res.out, res.row_dots
   if token_grad:
-    d_decay = _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state)
+    d_decay = _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state,
+                                with_initial_state=initial_state is not None)
   # Inside shard_map, a replicated decay or initial state collects every device's share.
   return (dq, dk, dv, manual_axes.sum_to_type_of(d_decay, decay), None,
           manual_axes.sum_to_type_of(d_initial, initial_state))
