@@ -618,9 +618,10 @@ def test_sequence_states_times_each_path(capsys):
   from benchmarks import sequence_states  # noqa: PLC0415
 
   sequence_states.main(["--cases", "50x2x8x3", "--paths", "xla", "--calls", "1"])
-  sequence_states.main(["--op", "lightning", "--cases", "50x2x8x3", "--paths", "xla", "--calls", "1"])
+  sequence_states.main(["--op", "lightning", "--decay", "token", "--cases", "50x2x8x3", "--paths", "xla", "--calls",
+                        "1"])
   lines = capsys.readouterr().out.splitlines()
-  assert len(lines) == 4 and lines[2].endswith("lightning")
+  assert len(lines) == 4 and lines[2].endswith("lightning, token rates")
   for line in (lines[1], lines[3]):
     assert line.split()[:3] == ["50x2x8x3", "xla", "fwd"] and "fwd+bwd" in line
   with pytest.raises(SystemExit, match="unknown --paths"):

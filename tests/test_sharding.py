@@ -282,6 +282,41 @@ def test_auto_mesh_sharded_inputs_split_the_plain_op(impl, decay_kind):
       assert all(elements(s) <= h for s in found.get("all-reduce", [])), found
 
 
+@pytest.mark.parametrize("decay_kind", ["head", "token"])
+def test_auto_mesh_sharded_cu_seqlens_states_split_the_plain_op(decay_kind):
+  """cu_seqlens with per-sequence states ([N, H, D, E]) over a head-split Auto mesh: each device runs its heads'
+  sequence programs (bounds replicated), forward and backward, and nothing is gathered."""
+  mesh = cpu_mesh((4,), ("model",))
+  h, t = 4, 90
+  keys = jax.random.split(jax.random.key(3), 7)
+  q, k = (jax.random.normal(key, (1, t, h, D)) for key in keys[:2])
+  v = jax.random.normal(keys[2], (1, t, h, E))
+  decay = (jax.random.uniform(keys[3], (h,), minval=0.02, maxval=0.5) if decay_kind == "head"
+           else jax.random.uniform(keys[3], (1, t, h), maxval=0.6))
+  cu = jnp.array([0, 17, 17, 80, 90], jnp.int32)
+  s0, d_final = (jax.random.normal(key, (4, h, D, E)) for key in keys[4:6])
+  do = jax.random.normal(keys[6], (1, t, h, E))
+
+  def call(**kwargs):
+    return lambda q, k, v, decay, s0: lj.lightning_attention(q, k, v, decay, initial_state=s0,
+                                                             return_final_state=True, cu_seqlens=cu, **kwargs)
+
+  (_, want), want_grads = value_and_grads(call(impl="reference"), do, d_final, ARGNUMS)(q, k, v, decay, s0)
+  rows, state = P(None, None, "model"), P(None, "model")
+  place = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  decay = place(decay, P("model") if decay_kind == "head" else rows)
+  q, k, v, do, s0, d_final = (place(x, spec) for x, spec in ((q, rows), (k, rows), (v, rows), (do, rows),
+                                                             (s0, state), (d_final, state)))
+  ours = call(impl="pallas", interpret=True, config=lj.LightningConfig(slice_size=64))  # 2 slices: pieces
+  vg = value_and_grads(ours, do, d_final, ARGNUMS)
+  (_, got), got_grads = vg(q, k, v, decay, s0)
+  check_close(got, want, ("o", "final_state"), tol=2e-4)
+  check_close(got_grads, want_grads, ("q", "k", "v", "decay", "initial_state"), tol=2e-4)
+  assert got[0].sharding.spec[:3] == (None, None, "model") and got[1].sharding.spec[:2] == (None, "model")
+  for fn in (ours, vg):
+    assert set(collectives(fn, q, k, v, decay, s0)) <= {"all-reduce"}  # nothing gathered
+
+
 def test_sequence_parallel_exchanges_only_states():
   """Forward: one all-gather, of the states (and decays, ids); backward: its mirror, plus the [H] decay gradient."""
   devices, t_local = 4, 32

@@ -292,7 +292,11 @@ def sharded_delta_attention(q, k, v, beta, decay=None, *, mesh, batch_axes=None,
     # No state per sequence: the packing is its segment ids', whose T splits.
     b, t = lightning_api.check_qkv(q, k, v)[:2]
     lightning_api.check_packing(segment_ids, cu_seqlens, b, t)
-    segment_ids, cu_seqlens = packing.segment_ids_from_cu_seqlens(cu_seqlens, t), None
+    # Formed whole on every device (a cumulative sum over T, which XLA would gather if it split it), then each
+    # device's slice taken.
+    segment_ids = jax.lax.with_sharding_constraint(packing.segment_ids_from_cu_seqlens(cu_seqlens, t),
+                                                   jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    cu_seqlens = None
   gathered_t = sequence_axis is not None and cu_seqlens is not None
 
   def op(given, sequence_axis):

@@ -258,11 +258,11 @@ def aligned_sequences(cu_seqlens, seq_len: int, chunk_size: int) -> AlignedSeque
   end = jnp.cumsum(-(-(cu[1:] - cu[:-1]) // c)).astype(jnp.int32)
   first = end - (-(-(cu[1:] - cu[:-1]) // c)).astype(jnp.int32)
   pos = jnp.arange(seq_len, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu[1:], pos, side="right").astype(jnp.int32)
+  seq = chunk_common.count_at_most(cu[1:], seq_len)
   num_chunks = -(-seq_len // c) + n - 1
   # Each layout row's sequence: the first whose chunks end after the row's chunk (empty ones end before it).
   row = jnp.arange(num_chunks * c, dtype=jnp.int32)
-  row_seq = jnp.minimum(jnp.searchsorted(end, row // c, side="right"), n - 1).astype(jnp.int32)
+  row_seq = jnp.minimum(chunk_common.count_at_most(end, num_chunks), n - 1)[row // c]
   offset = row - first[row_seq] * c
   sources = jnp.where((offset >= 0) & (offset < cu[row_seq + 1] - cu[row_seq]), cu[row_seq] + offset, seq_len)
   return AlignedSequences(rows=first[seq] * c + pos - cu[seq], sources=sources.astype(jnp.int32), first=first,

@@ -100,7 +100,7 @@ def chunked_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale,
   s0 = jnp.zeros((n, h, d, e), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
   s0 = manual_axes.vary_like(s0, terms.w)
   index = jnp.arange(num_chunks, dtype=jnp.int32)
-  chunk_seq = jnp.minimum(jnp.searchsorted(layout.end, index, side="right"), n - 1).astype(jnp.int32)
+  chunk_seq = jnp.minimum(chunk_common.count_at_most(layout.end, num_chunks), n - 1)
   # Chunks past the last sequence's are all zero rows: they open and close nothing and change no state.
   opens = (index == layout.first[chunk_seq]) & (index < layout.end[-1])
   closes = (index == layout.end[chunk_seq] - 1) & (index < layout.end[-1])

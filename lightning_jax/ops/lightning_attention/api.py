@@ -204,7 +204,10 @@ def lightning_attention(q, k, v, decay=None, *, scale=None, initial_state=None, 
     cu_seqlens: None or int [N + 1]: N sequences packed in a batch of one (B =
       1), sequence n being tokens cu_seqlens[n]:cu_seqlens[n + 1] (empty ones
       allowed; flash-linear-attention's convention). Not with segment_ids.
-      `segment_ids_from_cu_seqlens` converts.
+      `segment_ids_from_cu_seqlens` converts. With initial or final states,
+      impl="pallas" runs one chunk-loop program per sequence (or per piece of
+      one, where few would leave the GPU idle) from its own state, whatever
+      `variant`; without them, the packed row's kernels.
     sequence_axis: None, or the name of a mesh axis over which T is sharded,
       when called inside `jax.shard_map` (sequence parallelism): q, k, v, a
       per-token decay and segment_ids are this device's slice of T (devices in

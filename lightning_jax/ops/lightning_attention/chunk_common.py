@@ -197,6 +197,17 @@ def combine_slice_states(local_states, lengths, decay=None, initial_state=None, 
   return states, tangents
 
 
+def count_at_most(values, size: int):
+  """[size] int32: at each x in 0..size-1, how many of `values` (int, >= 0) are <= x.
+
+  For sorted values this is `jnp.searchsorted(values, x, side="right")` for
+  x = 0, 1, ..., as a scatter and a cumulative sum: searchsorted's default
+  method is a loop, which on a GPU waits for the host at every step.
+  """
+  marks = jnp.zeros(size, jnp.int32).at[values].add(1, mode="drop")
+  return jnp.cumsum(marks, dtype=jnp.int32)
+
+
 def per_token(decay) -> bool:
   """Whether `decay` holds per-token rates [B, T, H] (else None or per-head [H])."""
   return decay is not None and decay.ndim == 3

@@ -1,4 +1,5 @@
-"""Packed sequences given as `cu_seqlens`: segment ids, and each sequence's own initial and final state.
+"""Packed sequences given as `cu_seqlens`: segment ids, the pieces of a sequence split, and each sequence's own
+initial and final state on the chunked jnp path.
 
 The kernels run a `cu_seqlens` call as the segments of one row, every segment
 from a zero state. Each sequence's initial state S0_n is linear in what it adds,
@@ -17,6 +18,7 @@ N T, and every boundary stays a traced value.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,8 @@ from lightning_jax.ops.lightning_attention import chunk_common
 
 PAIR_CHUNK = 256
 _HI = jax.lax.Precision.HIGHEST
+# Most pieces a sequence split cuts sequences into (`SequencePieces`): their combine is O(pieces^2) states.
+MAX_PIECES = 64
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens, total_length: int):
@@ -37,8 +41,7 @@ def segment_ids_from_cu_seqlens(cu_seqlens, total_length: int):
   cu = jnp.asarray(cu_seqlens)
   if cu.ndim != 1 or cu.shape[0] < 2 or not jnp.issubdtype(cu.dtype, jnp.integer):
     raise ValueError(f"cu_seqlens must be an int [N + 1] array with N >= 1, got {cu.dtype} {cu.shape}")
-  pos = jnp.arange(total_length, dtype=jnp.int32)
-  return jnp.searchsorted(cu[1:].astype(jnp.int32), pos, side="right").astype(jnp.int32)[None]
+  return chunk_common.count_at_most(cu[1:].astype(jnp.int32), total_length)[None]
 
 
 def sequence_states(q, k, v, decay, cu_seqlens, *, scale, initial_state, with_final_state, tensor_cores=False):
@@ -65,7 +68,7 @@ def sequence_states(q, k, v, decay, cu_seqlens, *, scale, initial_state, with_fi
   nc = -(-t // c)
   tp = nc * c
   pos = jnp.arange(tp, dtype=jnp.int32)
-  seq = jnp.minimum(jnp.searchsorted(cu[1:], pos, side="right"), n - 1).astype(jnp.int32)  # padding: the last
+  seq = jnp.minimum(chunk_common.count_at_most(cu[1:], tp), n - 1)  # padding: the last
   chunk = pos // c
   pair = chunk + seq  # both non-decreasing along T: one label per (chunk, sequence) pair
   num_pairs = nc + n - 1
@@ -109,3 +112,86 @@ def sequence_states(q, k, v, decay, cu_seqlens, *, scale, initial_state, with_fi
 def segmented_exp(rates, starts, *, reverse):
   """exp(-x) of the segmented inclusive sums x of `rates` [T, H] (restarting where `starts` [T] is True)."""
   return jnp.exp(-chunk_common.segmented_cumsum(rates, starts, axis=0, reverse=reverse))
+
+
+class SequencePieces(NamedTuple):
+  """Sequences cut at the boundaries of a sequence split's slices: the Pallas path's sequence programs.
+
+  Piece p is tokens bounds[p]:bounds[p + 1] of one sequence and one slice, in
+  token order (P = N + S - 1 for N sequences and S slices; a piece is empty
+  where none such exists). Every field is traced but the counts.
+  """
+  bounds: jax.Array  # [P + 1] int32
+  sequence: jax.Array  # [P] int32, the sequence of a non-empty piece
+  starts: jax.Array  # [P] bool, a non-empty piece holding its sequence's first token
+  ends: jax.Array  # [P] bool, ... its last token
+  first: jax.Array  # [N] int32, the piece of each sequence's first token (any, for an empty sequence)
+  last: jax.Array  # [N] int32, ... of its last token
+  label: jax.Array  # [T] int32, each token's piece
+
+
+def sequence_pieces(cu_seqlens, *, seq_len: int, slice_tokens: int) -> SequencePieces:
+  """The pieces of sequences `cu_seqlens` ([N + 1], ending at seq_len) cut at every multiple of slice_tokens."""
+  cu = cu_seqlens.astype(jnp.int32)
+  n = cu.shape[0] - 1
+  num_pieces = n + -(-seq_len // slice_tokens) - 1
+  pos = jnp.arange(seq_len, dtype=jnp.int32)
+  seq = chunk_common.count_at_most(cu[1:], seq_len)
+  label = pos // slice_tokens + seq  # non-decreasing, up by one or more at each cut: one label per piece
+  # bounds[p]: the tokens of labels below p.
+  bounds = jnp.pad(chunk_common.count_at_most(label, num_pieces), (1, 0))
+  lo, hi = bounds[:-1], bounds[1:]
+  sequence = seq[jnp.minimum(lo, seq_len - 1)]
+  at = lambda i: label[jnp.clip(i, 0, seq_len - 1)]  # noqa: E731
+  return SequencePieces(bounds, sequence, (hi > lo) & (lo == cu[sequence]), (hi > lo) & (hi == cu[sequence + 1]),
+                        at(cu[:-1]), at(cu[1:] - 1), label)
+
+
+def piece_rates(rates, pieces: SequencePieces, *, reverse: bool):
+  """Each piece's summed rates [P, H] float32, in a sweep's convention (`chunk_common.token_chunk_gates`): a
+  reverse sweep's token takes the next token's rate, and a sequence's last token none. rates: [1, T, H]."""
+  rates = jnp.minimum(rates[0].astype(jnp.float32), chunk_common.MAX_LOG2_RATE / chunk_common.LOG2_E)
+  if reverse:
+    t = rates.shape[0]
+    last = jnp.zeros(t, bool).at[jnp.where(pieces.ends, pieces.bounds[1:] - 1, t)].set(True, mode="drop")
+    rates = jnp.where(last[:, None], 0.0, jnp.pad(rates[1:], ((0, 1), (0, 0))))
+  return jax.ops.segment_sum(rates, pieces.label, pieces.sequence.shape[0], indices_are_sorted=True)
+
+
+def piece_starts(local_states, pieces: SequencePieces, rates, sequence_states, *, reverse: bool):
+  """The state before each piece of a sweep over sequences: [P, H, K, V] float32.
+
+  `local_states` [P, H, K, V]: each piece's state at its end (in sweep
+  order) from zeros; rates: [1, T, H] per-token rates or None;
+  sequence_states [N, H, K, V] or None (zeros): what each sequence's first
+  piece in sweep order starts from (its initial state forward, its final
+  state's cotangent in reverse). The pieces chain as the slices of a
+  sequence split (`chunk_common.combine_slice_states`, in sweep order), but
+  the piece before a sequence's first passes nothing on (a reset) and hands
+  it the sequence's state as its own.
+  """
+  order = (lambda x: x[::-1]) if reverse else (lambda x: x)  # noqa: E731
+  first = order(pieces.ends if reverse else pieces.starts)
+  local = order(local_states.astype(jnp.float32))
+  num_pieces, h = local.shape[:2]
+  given = (jnp.zeros_like(local) if sequence_states is None
+           else order(sequence_states.astype(jnp.float32)[pieces.sequence]))
+  resets = jnp.pad(first[1:], (0, 1))  # piece q hands on nothing when q + 1 starts a sequence
+  local = jnp.where(resets[:, None, None, None], jnp.roll(given, -1, axis=0), local)
+  slice_decay = None if rates is None else order(piece_rates(rates, pieces, reverse=reverse)).T[None]
+  states, _ = chunk_common.combine_slice_states(
+      jnp.moveaxis(local, 0, 1)[None], (0,) * num_pieces, initial_state=given[:1], slice_decay=slice_decay,
+      slice_resets=resets[None])
+  return order(jnp.moveaxis(states[0, :, :num_pieces], 1, 0))
+
+
+def sequence_ends(piece_states, pieces: SequencePieces, sequence_states, *, reverse: bool):
+  """Each sequence's state at its end in sweep order, [N, H, K, V]: its last piece's (forward; in reverse its first
+  piece's) from `piece_states` [P, H, K, V], or for an empty sequence the state it started from
+  (`sequence_states` [N, H, K, V] or None: zeros)."""
+  index = pieces.first if reverse else pieces.last
+  ends = piece_states[index]
+  # An empty sequence's piece index names a piece of another sequence.
+  nonempty = pieces.sequence[index] == jnp.arange(index.shape[0])
+  start = jnp.zeros_like(ends) if sequence_states is None else sequence_states.astype(jnp.float32)
+  return jnp.where(nonempty[:, None, None, None], ends, start)

@@ -37,7 +37,10 @@ block): it walks the chunks that hold any of the sequence's tokens, reads and
 writes only its rows (the others of a shared chunk are masked, as rows past T
 are), rebases the chunk's cumulative rates to the sequence's own rows, and
 starts from the sequence's initial state and stores its final state. No copy
-of the operands, and no segment masks.
+of the operands, and no segment masks. Where those programs are too few to
+fill the GPU, the sequences are cut at the split's slices into pieces
+(`packing.SequencePieces`): a states pass over the pieces, their combine
+(`packing.piece_starts`), then one program per piece.
 
 Optional operands and results are None when absent: a kernel receives None
 refs for them, and each launcher builds the block specs of what is present
@@ -60,6 +63,7 @@ from lightning_jax.ops.lightning_attention import chunk_common
 from lightning_jax.ops.lightning_attention import config as config_lib
 from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import manual_axes
+from lightning_jax.ops.lightning_attention import packing
 from lightning_jax.ops.lightning_attention.config import PallasOptions, SweepConfigs
 
 _F32 = jnp.float32
@@ -228,10 +232,11 @@ def _sequence_cumdecay(ref, chunk_idx, bounds, *, chunk_size, reverse):
   program, and their last value in sweep order: ([C], scalar).
 
   The chunk's sums start at its first row in sweep order, which may belong to
-  the sequence before (forward) or after (reverse), and a reverse sweep's last
-  token of the sequence took the next sequence's first rate: subtracting the
-  sum through the row before the sequence (forward) or at its last token
-  (reverse) leaves its own rates alone. Rows outside hold the value of the
+  the sequence before (forward) or after (reverse): subtracting the sum
+  through the row before the sequence (forward) or at its last token (reverse:
+  the sequence's last token takes no rate, `_prepare`) leaves its own rates
+  alone. A program's rows end inside a chunk only where its sequence ends (a
+  piece of one is cut at whole slices). Rows outside hold the value of the
   nearest row inside in sweep order (rate 0, as padding past T).
   """
   bos, eos = bounds
@@ -240,7 +245,7 @@ def _sequence_cumdecay(ref, chunk_idx, bounds, *, chunk_size, reverse):
   lo, hi = jnp.maximum(bos, start), jnp.minimum(eos, start + chunk_size)
   cumdecay = ref[pl.ds(pl.multiple_of(start, chunk_size), chunk_size)]
   if reverse:
-    base = jnp.where(eos <= start + chunk_size, ref[hi - 1], 0.0)
+    base = jnp.where(eos < start + chunk_size, ref[hi - 1], 0.0)
     end = ref[lo] - base
     outside = jnp.where(row >= hi, 0.0, end)
   else:
@@ -355,6 +360,15 @@ def _sequence_steps(bounds_ref, *, chunk_size, num_chunks, num_sequences, revers
   return first, jnp.where(eos > bos, end_chunk - first_chunk, 0), (bos, eos)
 
 
+def _program_steps(ins: SweepOperands, *, chunk_size, num_chunks, slice_chunks, num_slices, reverse):
+  """(first sweep step, number of steps, the sequence's (bos, eos) or None) of this program: its slice of the
+  row, or with sequence bounds its sequence (each sequence, or piece of one, a slice of its own)."""
+  if ins.sequence_bounds is None:
+    return *_slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices), None
+  return _sequence_steps(ins.sequence_bounds, chunk_size=chunk_size, num_chunks=num_chunks,
+                         num_sequences=num_slices, reverse=reverse)
+
+
 def _chunk_rows(step, *, num_chunks, chunk_size, reverse):
   """Chunk index of sweep step `step` and the slice of its rows."""
   n = num_chunks - 1 - step if reverse else step
@@ -388,12 +402,8 @@ def _write_final(outs: SweepResults, state, tangent):
 def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, num_chunks,
                        slice_chunks, num_slices, reverse, exact, dots_with_dual, branch):
   carry = _initial_carry(ins, with_tangent=ins.tangent_with is not None)
-  bounds = None
-  if ins.sequence_bounds is None:
-    first, num_steps = _slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices)
-  else:  # one program per sequence (its slice)
-    first, num_steps, bounds = _sequence_steps(ins.sequence_bounds, chunk_size=chunk_size, num_chunks=num_chunks,
-                                               num_sequences=num_slices, reverse=reverse)
+  first, num_steps, bounds = _program_steps(ins, chunk_size=chunk_size, num_chunks=num_chunks,
+                                            slice_chunks=slice_chunks, num_slices=num_slices, reverse=reverse)
   factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
                            bounds=bounds)
 
@@ -432,8 +442,10 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
 def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, seq_len, num_chunks, slice_chunks,
                          num_slices, reverse, exact, branch):
   carry = _initial_carry(ins, with_tangent=outs.chunk_tangents is not None or outs.final_tangent is not None)
-  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch)
-  first, num_steps = _slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices)
+  first, num_steps, bounds = _program_steps(ins, chunk_size=chunk_size, num_chunks=num_chunks,
+                                            slice_chunks=slice_chunks, num_slices=num_slices, reverse=reverse)
+  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
+                           bounds=bounds)
 
   def body(step, carry):
     state, tangent = carry
@@ -442,7 +454,7 @@ def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, 
       outs.chunk_states[n, :, :] = state
     if outs.chunk_tangents is not None:
       outs.chunk_tangents[n, :, :] = tangent
-    load, _ = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.y.shape[0])
+    load, _ = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.y.shape[0], bounds=bounds)
     return _chunk_state(load(ins.y), load(ins.z), state, tangent, factors(n)[0], exact=exact)
 
   _write_final(outs, *jax.lax.fori_loop(0, num_steps, body, carry))
@@ -519,8 +531,8 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   dim_v = ins.z.shape[-1]
   n, ns = -(-t // chunk_size), num_slices
   bd, be = cfg.block_d, cfg.block_e
-  state_ins = SweepOperands(decay=ins.decay, chunk_cumdecay=ins.chunk_cumdecay, chunk_runs=ins.chunk_runs, y=ins.y,
-                            z=ins.z, initial_state=ins.initial_state)
+  state_ins = SweepOperands(decay=ins.decay, sequence_bounds=ins.sequence_bounds, chunk_cumdecay=ins.chunk_cumdecay,
+                            chunk_runs=ins.chunk_runs, y=ins.y, z=ins.z, initial_state=ins.initial_state)
   states_struct = jax.ShapeDtypeStruct((b, h, n, dim_k, dim_v), _F32)
   slice_struct = jax.ShapeDtypeStruct((b, h, ns, dim_k, dim_v), _F32)
   results = SweepResults(chunk_states=states_struct if with_chunk_states else None,
@@ -529,11 +541,19 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
                          final_tangent=slice_struct if with_final_state and with_tangent else None)
   block_state = pl.BlockSpec((None, None, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, d, e))
   block_slice = pl.BlockSpec((None, None, None, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, i % ns, d, e))
+  if ins.sequence_bounds is not None:  # [P, H, K, V]: each sequence's (or piece's), from zeros
+    if with_chunk_states or ins.initial_state is not None:
+      raise ValueError("the states pass over sequences writes each one's own state from zeros")
+    slice_struct = jax.ShapeDtypeStruct((ns, h, dim_k, dim_v), _F32)
+    block_slice = pl.BlockSpec((None, None, bd, be), lambda i, d, e: (i % ns, i // ns, d, e))
+    results = results._replace(final_state=slice_struct if with_final_state else None,
+                               final_tangent=slice_struct if with_final_state and with_tangent else None)
   block_states = pl.BlockSpec((None, None, n, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, 0, d, e))
   kernel = functools.partial(_chunk_states_kernel, chunk_size=chunk_size, seq_len=seq_len,
                              num_chunks=-(-seq_len // chunk_size), slice_chunks=slice_chunks, num_slices=ns,
                              reverse=reverse, exact=ins.y.dtype == _F32, branch=branch)
   specs = _present(state_ins, decay=pl.BlockSpec((None,), lambda i, d, e: (i // ns % h,)),
+                   sequence_bounds=pl.BlockSpec((ns + 1,), lambda i, d, e: (0,)),
                    chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, lambda i, d, e: (i // ns // h, i // ns % h, 0)),
                    chunk_runs=_gate_rows(ins.chunk_runs, lambda i, d, e: (i // ns // h, 0)),
                    y=pl.BlockSpec((None, t, None, bd), lambda i, d, e: (i // ns // h, 0, i // ns % h, d)),
@@ -598,7 +618,8 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
 
 
 def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-                slice_chunks, dots_with_dual, given_starts, transposed_states, branch, interpret) -> SweepResults:
+                slice_chunks, dots_with_dual, given_starts, transposed_states, branch, interpret,
+                token_rates=None) -> SweepResults:
   b, t, h, dim_k = ins.x.shape  # T unpadded, or whole chunks
   dim_v = ins.z.shape[-1]
   cfg = configs.chunk_loop
@@ -607,12 +628,31 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   num_chunks = -(-t // c)
   tp = num_chunks * c
   sequences = ins.sequence_bounds is not None
-  # With sequence_bounds each sequence is a slice of its own (`_sequence_steps`), from its own initial state.
-  ns = ins.sequence_bounds.shape[0] - 1 if sequences else -(-num_chunks // slice_chunks)
-  final_state = final_tangent = None
+  ns = -(-num_chunks // slice_chunks)
+  final_state = final_tangent = pieces = None
   if sequences:
     if b != 1 or ins.tangent_with is not None:
       raise ValueError("sequence programs run a batch of one, without a decay tangent")
+    # Each sequence a slice of its own (`_sequence_steps`) from its own state, or, where the row would be split,
+    # each piece of a sequence within one slice, from the state before it (`packing.piece_starts`).
+    sequence_states = ins.initial_state
+    if given_starts is not None:
+      pieces = packing.sequence_pieces(ins.sequence_bounds, seq_len=seq_len, slice_tokens=slice_chunks * c)
+      ins = ins._replace(sequence_bounds=pieces.bounds,
+                         initial_state=chunk_common.pad_state(given_starts.states, dim_k, dim_v))
+    elif ns > 1 and ins.sequence_bounds.shape[0] - 1 + ns - 1 <= packing.MAX_PIECES:
+      pieces = packing.sequence_pieces(ins.sequence_bounds, seq_len=seq_len, slice_tokens=slice_chunks * c)
+      own = ins._replace(x=None, sequence_bounds=pieces.bounds, initial_state=None)
+      # As `slice_starts`: a sweep carrying another's transposed state runs that sweep's pass, for XLA's CSE.
+      transposed = transposed_states and dim_k == dim_v and configs.slice_states.block_d == configs.slice_states.block_e
+      if transposed:
+        own = own._replace(y=ins.z, z=ins.y)
+      own = _states_pass(own, cfg=configs.slice_states, chunk_size=c, seq_len=seq_len, reverse=reverse,
+                         slice_chunks=slice_chunks, num_slices=pieces.sequence.shape[0], with_chunk_states=False,
+                         with_final_state=True, with_tangent=False, branch=branch, interpret=interpret).final_state
+      ins = ins._replace(sequence_bounds=pieces.bounds, initial_state=packing.piece_starts(
+          jnp.swapaxes(own, -1, -2) if transposed else own, pieces, token_rates, sequence_states, reverse=reverse))
+    ns = ins.sequence_bounds.shape[0] - 1
   elif given_starts is not None:  # another sweep's first pass (see `sweep`), padded to this one's dims
     ins = ins._replace(initial_state=chunk_common.pad_state(given_starts.states, dim_k, dim_v))
   elif ns > 1:
@@ -650,6 +690,11 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
                              slice_chunks=slice_chunks, num_slices=ns, reverse=reverse, exact=ins.x.dtype == _F32,
                              dots_with_dual=dots_with_dual, branch=branch)
   outs = _call(kernel, (b * h * ns, n_e), ins, in_specs, results, out_specs, cfg, "lightning_chunk_loop", interpret)
+  if pieces is not None:
+    outs = outs._replace(
+        final_state=None if outs.final_state is None else packing.sequence_ends(
+            outs.final_state, pieces, sequence_states, reverse=reverse),
+        slice_starts=SliceStarts(ins.initial_state, chunk_size=c, slice_chunks=slice_chunks))
   if ns > 1 and not sequences:
     outs = outs._replace(final_state=final_state, final_tangent=final_tangent,
                          slice_starts=SliceStarts(ins.initial_state, chunk_size=c, slice_chunks=slice_chunks))
@@ -657,8 +702,9 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
 
 
 def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, configs: SweepConfigs, out_dtype,
-              slice_chunks, dots_with_dual, given_starts, transposed_states, branch, interpret) -> SweepResults:
-  del slice_chunks, given_starts, transposed_states  # every chunk runs in parallel already: no split
+              slice_chunks, dots_with_dual, given_starts, transposed_states, branch, interpret,
+              token_rates=None) -> SweepResults:
+  del slice_chunks, given_starts, transposed_states, token_rates  # every chunk runs in parallel already: no split
   b, tp, h, dim_k = ins.x.shape
   dim_v = ins.z.shape[-1]
   exact = ins.x.dtype == _F32
@@ -725,8 +771,10 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
   chunk = (configs.chunk_loop if opts.variant == "chunk_loop" else configs.chunk_output).chunk_size
   tp = math.ceil(t / chunk) * chunk
   b, h = ins.y.shape[0], ins.y.shape[2]
+  # Sequence programs: one per sequence already (their pieces split them further, `_chunk_loop`).
+  sequences = 1 if ins.sequence_bounds is None else ins.sequence_bounds.shape[0] - 1
   slice_chunks = heuristics.slice_chunks(
-      programs=b * h * (vp // configs.chunk_loop.block_e), num_chunks=tp // chunk, chunk_size=chunk,
+      programs=b * h * sequences * (vp // configs.chunk_loop.block_e), num_chunks=tp // chunk, chunk_size=chunk,
       num_sms=opts.num_sms, slice_size=None if opts.config is None else opts.config.slice_size)
   pad_rows = functools.partial(chunk_common.pad_tokens_and_features, num_tokens=tp if opts.variant == "parallel" else t)
   padded = ins._replace(x=pad_rows(ins.x, dim=kp), y=pad_rows(ins.y, dim=kp), z=pad_rows(ins.z, dim=vp),
@@ -736,8 +784,13 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
   if ins.token_decay is not None or ins.segment_starts is not None:
     if ins.decay is not None and ins.token_decay is not None:
       raise ValueError("give decay (per head) or token_decay, not both")
-    cumdecay, runs = chunk_common.token_chunk_gates(ins.token_decay, ins.segment_starts, chunk_size=chunk,
-                                                    num_tokens=tp, reverse=reverse)
+    rates = ins.token_decay
+    if reverse and ins.sequence_bounds is not None and rates is not None:
+      # A reverse sweep's step takes the next token's rate: none at a sequence's last token.
+      starts = jnp.zeros(t, bool).at[ins.sequence_bounds[:-1]].set(True, mode="drop")
+      rates = jnp.where(starts[None, :, None], 0.0, rates)
+    cumdecay, runs = chunk_common.token_chunk_gates(rates, ins.segment_starts, chunk_size=chunk, num_tokens=tp,
+                                                    reverse=reverse)
     # Without segments the counts are all zeros: the kernels skip their masks.
     padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
                              chunk_runs=None if ins.segment_starts is None else runs)
@@ -790,7 +843,8 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
                                 with_final_state=with_final_state, configs=configs, out_dtype=out_dtype,
                                 slice_chunks=slice_chunks if given_starts is None else given_starts.slice_chunks,
                                 dots_with_dual=dots_with_dual, given_starts=given_starts,
-                                transposed_states=transposed_states, branch=branch, interpret=opts.interpret)
+                                transposed_states=transposed_states, branch=branch, interpret=opts.interpret,
+                                token_rates=ins.token_decay if ins.sequence_bounds is not None else None)
 
   def unpad_state(s):
     return None if s is None else s[:, :, :dim_k, :dim_v]
