@@ -1,10 +1,11 @@
 """Packed sequences given as `cu_seqlens`: segment ids, the pieces of a sequence split, and each sequence's own
 initial and final state on the chunked jnp path.
 
-The kernels run a `cu_seqlens` call as the segments of one row, every segment
-from a zero state. Each sequence's initial state S0_n is linear in what it adds,
-so it is added here, with each sequence's final state, in O((T + N C) D E)
-work on (chunk, sequence) pairs: with F_t the rates of t's sequence summed
+The chunked jnp path runs a `cu_seqlens` call as the segments of one row,
+every segment from a zero state (the Pallas path runs per-sequence states in
+its kernels: `SequencePieces`). Each sequence's initial state S0_n is linear in
+what it adds, so `sequence_states` adds it, with each sequence's final state,
+in O((T + N C) D E) work on (chunk, sequence) pairs: with F_t the rates of t's sequence summed
 from its start through t, and R_j those after j through the sequence's end,
 
     o_t      += scale * exp(-F_t) q_t S0_n                      (t in sequence n)
@@ -173,7 +174,7 @@ def piece_starts(local_states, pieces: SequencePieces, rates, sequence_states, *
   order = (lambda x: x[::-1]) if reverse else (lambda x: x)  # noqa: E731
   first = order(pieces.ends if reverse else pieces.starts)
   local = order(local_states.astype(jnp.float32))
-  num_pieces, h = local.shape[:2]
+  num_pieces = local.shape[0]
   given = (jnp.zeros_like(local) if sequence_states is None
            else order(sequence_states.astype(jnp.float32)[pieces.sequence]))
   resets = jnp.pad(first[1:], (0, 1))  # piece q hands on nothing when q + 1 starts a sequence
