@@ -442,3 +442,56 @@ def test_cu_seqlens_programs_wait_for_no_host_loop(op):
     text = jax.export.export(grads, platforms=["cuda"], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
     assert "stablehlo.custom_call" in text and "stablehlo.while" not in text, with_states
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_sequence_pieces_chain_each_sequence_from_its_own_state(reverse):
+  """`packing.sequence_pieces`, `piece_starts` and `sequence_ends` against a walk over the tokens in numpy: empty
+  sequences first, inside and last, a sequence ending on a slice edge, one spanning three slices; both sweep
+  directions (a reverse step takes the next token's rate, none at a sequence's last token)."""
+  from lightning_jax.ops.lightning_attention import packing  # noqa: PLC0415
+
+  cu = np.array([0, 0, 5, 16, 16, 40, 41, 41])
+  t, h, width, n = 41, 2, 3, 7
+  rng = np.random.default_rng(int(reverse))
+  pieces = packing.sequence_pieces(jnp.asarray(cu, jnp.int32), seq_len=t, slice_tokens=8)
+  bounds = np.asarray(pieces.bounds)
+  num_pieces = len(bounds) - 1
+  assert num_pieces == n + 6 - 1 and bounds[0] == 0 and bounds[-1] == t and np.all(np.diff(bounds) >= 0)
+  seq_of = np.searchsorted(cu[1:], np.arange(t), side="right")
+  for lo, hi in zip(bounds[:-1], bounds[1:]):  # each piece within one sequence and one slice
+    assert hi == lo or (seq_of[lo] == seq_of[hi - 1] and lo // 8 == (hi - 1) // 8)
+  assert len({(seq_of[i], i // 8) for i in range(t)}) == int(np.sum(np.diff(bounds) > 0))
+
+  rates = rng.uniform(0.0, 0.5, (1, t, h)).astype(np.float32)
+  local = rng.normal(size=(num_pieces, h, width, width)).astype(np.float32)
+  given = rng.normal(size=(n, h, width, width)).astype(np.float32)
+  # The walk: each piece's state before it, in sweep order, from its sequence's state where the sequence starts.
+  step_rate = rates[0].copy()
+  if reverse:  # token i takes i + 1's rate, and a sequence's last token none
+    step_rate = np.concatenate([rates[0, 1:], np.zeros((1, h), np.float32)])
+    step_rate[cu[1:][cu[1:] > cu[:-1]] - 1] = 0.0
+  want = np.zeros_like(local)
+  want_ends = given.copy()
+  order = range(num_pieces - 1, -1, -1) if reverse else range(num_pieces)
+  state = None
+  for p in order:
+    lo, hi = bounds[p], bounds[p + 1]
+    if hi == lo:
+      continue
+    s = seq_of[lo]
+    if (hi == cu[s + 1]) if reverse else (lo == cu[s]):
+      state = given[s]
+    want[p] = state
+    state = np.exp(-step_rate[lo:hi].sum(0))[:, None, None] * state + local[p]
+    want_ends[s] = state
+  got = packing.piece_starts(jnp.asarray(local), pieces, jnp.asarray(rates), jnp.asarray(given), reverse=reverse)
+  nonempty = np.diff(bounds) > 0
+  np.testing.assert_allclose(np.asarray(got)[nonempty], want[nonempty], rtol=1e-5, atol=1e-5)
+  # The states after each piece (what the sweep's programs end with) give each sequence's end state.
+  after = np.asarray(got) * 0
+  for p in range(num_pieces):
+    lo, hi = bounds[p], bounds[p + 1]
+    after[p] = np.exp(-step_rate[lo:hi].sum(0))[:, None, None] * np.asarray(got)[p] + local[p]
+  ends = packing.sequence_ends(jnp.asarray(after), pieces, jnp.asarray(given), reverse=reverse)
+  np.testing.assert_allclose(np.asarray(ends), want_ends, rtol=1e-5, atol=1e-5)
