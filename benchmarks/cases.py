@@ -9,7 +9,10 @@ Jobs of one *group* run in one subprocess, in the order of `make_jobs` (growing 
 
 A job's `decay` is True (per-head rates [H]), False (none), "token" (per-token
 rates [B, T, H]) or None (softmax attention, which has no decay); its
-`segments` is the number of sequences packed in each row (1: unpacked).
+`segments` is the number of sequences packed in each row (1: unpacked), and
+`states` (packed jobs) whether they run as `cu_seqlens` over the batch's rows
+laid end to end, each sequence with its own initial and final state (serving's
+prefill of several prompts), instead of as segment ids.
 
 Two ops are measured: `lightning_attention` and `delta_attention`. A job of
 the delta op carries its form in `decay`: "deltanet" (no decay),
@@ -51,6 +54,7 @@ class Impl:
   # Why it cannot run per-token decay or packed sequences (None: it can); those jobs are reported skipped.
   no_token_decay: str | None = None
   no_packing: str | None = None
+  no_sequence_states: str | None = None  # why it cannot run packed sequences with states of their own
   op: str = "lightning"  # the op whose settings it runs: "lightning" or "delta" (softmax runs once for any)
 
 
@@ -68,6 +72,8 @@ GROUP_MODULES = {
 }
 
 _SOFTMAX_NO_PACKING = "jax.nn.dot_product_attention takes no segment ids (packed rows not measured)"
+_JLA_NO_SEQUENCE_STATES = ("jax-linear-attention's Mosaic GPU kernels take segment ids with one initial state per "
+                           "row (its cu_seqlens is the reference path's)")
 IMPLS = (
     Impl("lj-pallas-chunk_loop", "lj-pallas", "ours", True, "lightning_jax pallas chunk_loop"),
     Impl("lj-pallas-parallel", "lj-pallas", "ours", True, "lightning_jax pallas parallel"),
@@ -84,7 +90,8 @@ IMPLS = (
     Impl("lightning-attn2", "lightning-attn", "peer", True, "lightning-attn lightning_attn2",
          no_token_decay="lightning_attn2 takes per-head decay rates s [H, 1, 1] only",
          no_packing="lightning_attn2 takes no cu_seqlens or segment ids"),
-    Impl("jla-mosaic", "jla", "peer", True, "jax-linear-attention simple_gla (mosaic_gpu)"),
+    Impl("jla-mosaic", "jla", "peer", True, "jax-linear-attention simple_gla (mosaic_gpu)",
+         no_sequence_states=_JLA_NO_SEQUENCE_STATES),
     # The delta op (last, so that the lightning implementations keep their order and plot colours).
     Impl("lj-delta-pallas", "lj-pallas", "ours", True,
          "lightning_jax delta_attention pallas (Triton; on sm90 the forward's sweep warp-specialised, Mosaic GPU)",
@@ -93,7 +100,8 @@ IMPLS = (
     Impl("fla-delta-chunk", "fla", "peer", True, "fla chunk_delta_rule, chunk_gated_delta_rule, chunk_kda",
          op="delta"),
     Impl("jla-delta-mosaic", "jla", "peer", True,
-         "jax-linear-attention deltanet, gated_deltanet, kda (mosaic_gpu)", op="delta"),
+         "jax-linear-attention deltanet, gated_deltanet, kda (mosaic_gpu)", op="delta",
+         no_sequence_states=_JLA_NO_SEQUENCE_STATES),
 )
 IMPL_BY_NAME = {impl.name: impl for impl in IMPLS}
 IMPL_SETS = {
@@ -263,11 +271,12 @@ def parse_segments(text: str) -> list[int]:
 
 
 def make_jobs(impls: list[str], shapes: list[Shape], decays: list, modes: list[str], dtype: str,
-              segments=(1,)) -> list[dict]:
+              segments=(1,), states: bool = False) -> list[dict]:
   """Jobs ordered by T, then shape, packing, decay and implementation; `tier` 1 marks T > CORE_MAX_SEQ_LEN.
 
   `decays` holds lightning settings and delta forms; each implementation gets those of its op. Softmax attention
-  ignores decay: it gets one job per shape and packing, with decay None.
+  ignores decay: it gets one job per shape and packing, with decay None. With `states`, the packed jobs carry
+  per-sequence states (`states_of`).
   """
   jobs = []
   for shape in sorted(shapes, key=lambda s: s.seq_len):
@@ -281,7 +290,7 @@ def make_jobs(impls: list[str], shapes: list[Shape], decays: list, modes: list[s
             continue
           jobs.append(dict(id=len(jobs), impl=name, group=impl.group, tier=int(shape.seq_len > CORE_MAX_SEQ_LEN),
                            **shape._asdict(), dtype=dtype, decay=decay if impl.decay_aware else None, segments=n,
-                           modes=list(modes)))
+                           states=states and n > 1, modes=list(modes)))
   return jobs
 
 
@@ -290,9 +299,15 @@ def segments_of(case: dict) -> int:
   return case.get("segments", 1)
 
 
+def states_of(case: dict) -> bool:
+  """Whether a job's (or result's) packed sequences carry states of their own (results from before: no)."""
+  return case.get("states", False)
+
+
 def case_key(case: dict, mode: str) -> tuple:
   """Identifies a measurement: a job (or result) and a mode."""
-  return (case["impl"], mode, *(case[f] for f in Shape._fields), case["dtype"], case["decay"], segments_of(case))
+  return (case["impl"], mode, *(case[f] for f in Shape._fields), case["dtype"], case["decay"], segments_of(case),
+          states_of(case))
 
 
 def unsupported(job: dict) -> str | None:
@@ -302,12 +317,14 @@ def unsupported(job: dict) -> str | None:
     return impl.no_token_decay
   if segments_of(job) > 1 and impl.no_packing:
     return impl.no_packing
+  if states_of(job) and impl.no_sequence_states:
+    return impl.no_sequence_states
   return None
 
 
-def setting_label(decay, segments: int) -> str:
+def setting_label(decay, segments: int, states: bool = False) -> str:
   """A setting in words, e.g. "per-token decay, 8 packed sequences"; "" for softmax on unpacked rows."""
-  packing = f"{segments} packed sequences" if segments > 1 else ""
+  packing = f"{segments} packed sequences{' with their own states' if states else ''}" if segments > 1 else ""
   return ", ".join(x for x in (DECAY_LABELS[decay], packing) if x)
 
 
@@ -406,6 +423,15 @@ def segment_ids(job: dict):
   for row, starts in zip(ids, segment_starts(job)):
     row[starts[1:]] = 1
   return np.cumsum(ids, axis=1, dtype=np.int32)
+
+
+def sequence_states(job: dict):
+  """float32 [N, H, D, E] initial states of the packed sequences of all rows, in `cu_seqlens`' order (fixed seed,
+  standard normal times 0.1)."""
+  import numpy as np  # noqa: PLC0415
+
+  b, _, h, d, e = job_shape(job)
+  return (0.1 * np.random.default_rng(1).standard_normal((b * segments_of(job), h, d, e))).astype(np.float32)
 
 
 def cu_seqlens(job: dict) -> list[int]:

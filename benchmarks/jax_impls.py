@@ -110,7 +110,10 @@ def lightning_or_baseline(job: dict):
   """(attn(q, k, v, *extras) -> o, extras) for the implementations of this module.
 
   The extras: the lightning op's decay rates, or a delta form's beta and rates
-  (`cases.delta_gates`), then the segment ids, each where the job has them.
+  (`cases.delta_gates`), then the segment ids, each where the job has them. A
+  job with per-sequence states (`cases.states_of`) runs its rows end to end as
+  one row with `cu_seqlens`, each sequence from its own initial state
+  (`cases.sequence_states`) and returning its final state (o alone is kept).
   """
   impl = job["impl"]
   if impl in ("cudnn-flash", "xla-softmax"):
@@ -123,6 +126,13 @@ def lightning_or_baseline(job: dict):
     op, gates = lightning_jax.lightning_attention, {"decay": cases.decay_array(job)}
     options = (dict(impl="pallas", variant=impl.removeprefix("lj-pallas-")) if impl.startswith("lj-pallas-")
                else dict(impl="xla"))
+  if cases.states_of(job):
+    flat = lambda x: x.reshape(1, -1, *x.shape[2:])  # noqa: E731 -- [B, T, ...] -> [1, B * T, ...]
+    inputs = {**{name: jnp.asarray(flat(x) if x.ndim >= 3 else x) for name, x in gates.items() if x is not None},
+              "cu_seqlens": jnp.asarray(cases.cu_seqlens(job), jnp.int32),
+              "initial_state": jnp.asarray(cases.sequence_states(job))}
+    return bind(lambda q, k, v, **inputs: op(flat(q), flat(k), flat(v), **inputs, return_final_state=True,
+                                             **options)[0].reshape(v.shape), inputs)
   inputs = {name: jnp.asarray(x) for name, x in {**gates, "segment_ids": cases.segment_ids(job)}.items()
             if x is not None}
   return bind(lambda q, k, v, **inputs: op(q, k, v, **inputs, **options), inputs)

@@ -47,9 +47,10 @@ _SAME = object()
 
 
 def _key(r: dict, *, seq_len=None, decay=_SAME, impl=None, segments=None) -> tuple:
-  """r's case key with the fields given replaced (decay None: softmax's)."""
+  """r's case key with the fields given replaced (decay None: softmax's; unpacked rows carry no states)."""
+  segments = segments or cases.segments_of(r)
   return ((impl or r["impl"]), r["mode"], seq_len or r["seq_len"], *(r[k] for k in SHAPE_KEY),
-          r["decay"] if decay is _SAME else decay, segments or cases.segments_of(r))
+          r["decay"] if decay is _SAME else decay, segments, segments > 1 and cases.states_of(r))
 
 
 def derive(results: list[dict], copy_bandwidth_gbps: float | None) -> list[dict]:

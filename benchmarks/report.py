@@ -35,14 +35,15 @@ class Panel(NamedTuple):
   dtype: str
   decay: object  # a job's decay: True, False, "token", None or a delta form
   segments: int
+  states: bool = False
 
   @classmethod
   def of(cls, r: dict, decay) -> Panel:
-    return cls(cases.job_shape(r)._replace(seq_len=0), r["dtype"], decay, cases.segments_of(r))
+    return cls(cases.job_shape(r)._replace(seq_len=0), r["dtype"], decay, cases.segments_of(r), cases.states_of(r))
 
   def title(self) -> str:
-    return ", ".join(x for x in (self.family.family(), self.dtype, cases.setting_label(self.decay, self.segments))
-                     if x)
+    return ", ".join(x for x in (self.family.family(), self.dtype,
+                                 cases.setting_label(self.decay, self.segments, self.states)) if x)
 
 
 class Index:
@@ -549,7 +550,8 @@ def _shapes_label(md: dict) -> str:
     shape = cases.Shape(*shape)
     families.setdefault(shape._replace(seq_len=0).family(), []).append(shape.seq_len)
   segments = plan.get("segments", [1])  # runs before packing have none
-  packing = " and ".join(f"{n} packed sequences" if n > 1 else "unpacked" for n in segments)
+  own_states = " with their own states" if plan.get("states") else ""
+  packing = " and ".join(f"{n} packed sequences{own_states}" if n > 1 else "unpacked" for n in segments)
   return "; ".join([*(f"{name}: T {fmt_t(min(ts))}-{fmt_t(max(ts))} ({len(ts)})" if len(ts) > 1
                       else f"{name}: T {fmt_t(ts[0])}" for name, ts in families.items()),
                     str(plan.get("dtype")), " and ".join(cases.DECAY_LABELS[d] for d in plan.get("decays", [])),

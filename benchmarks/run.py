@@ -78,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--decay", help="comma-separated from on (per-head rates), off, token (per-token rates); "
                                  "the lightning op's settings")
   p.add_argument("--segments", help="sequences packed in each row, comma-separated (1: unpacked; 1,8: both)")
+  p.add_argument("--sequence-states", action="store_true",
+                 help="packed rows as cu_seqlens over the batch's rows end to end, each sequence with its own "
+                      "initial and final state (default: segment ids, no states)")
   p.add_argument("--dtype", choices=sorted(cases.DTYPE_ITEMSIZE))
   p.add_argument("--warmup", type=int, help="warm-up calls per case (after compilation)")
   p.add_argument("--iters", type=int, help="most timed samples per case")
@@ -126,11 +129,12 @@ def make_plan(args) -> Plan:
   # The lightning op runs the --decay settings; a delta form is a setting of its own (see `cases`).
   decays = (decays if "lightning" in ops else []) + [op for op in ops if op != "lightning"]
   segments = cases.parse_segments(args.segments)
-  jobs = cases.make_jobs(impls, shapes, decays, modes, args.dtype, segments)
+  jobs = cases.make_jobs(impls, shapes, decays, modes, args.dtype, segments, states=args.sequence_states)
   impls = [i for i in impls if any(j["impl"] == i for j in jobs)]  # not those of an op left out
   settings = {key: getattr(args, key) for key in SETTINGS}
   description = dict(profile=args.profile, impls=impls, shapes=[list(s) for s in shapes], modes=modes,
-                     decays=decays, segments=segments, dtype=args.dtype, max_seconds=args.max_seconds,
+                     decays=decays, segments=segments, states=args.sequence_states, dtype=args.dtype,
+                     max_seconds=args.max_seconds,
                      repeats=args.repeats)
   return Plan(jobs, settings, description)
 
@@ -161,7 +165,7 @@ def _read_lines(path: pathlib.Path, skip: int) -> list[dict]:
 
 def _progress(r: dict, start: float):
   shape = f"B{r['batch']} T{r['seq_len']} H{r['heads']} D{r['dim_k']}"
-  setting = cases.setting_label(r["decay"], r["segments"])
+  setting = cases.setting_label(r["decay"], r["segments"], cases.states_of(r))
   what = f"{r['time_ms']:10.3f} ms" if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')[:80]}"
   print(f"[{time.time() - start:6.1f}s] {r['impl']:<21} {shape:<24} {setting:<8} {r['mode']:<6} {what}",
         flush=True)

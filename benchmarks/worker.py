@@ -32,7 +32,8 @@ import traceback
 
 from benchmarks import cases
 
-RESULT_FIELDS = ("impl", "group", "batch", "seq_len", "heads", "dim_k", "dim_v", "dtype", "decay", "segments")
+RESULT_FIELDS = ("impl", "group", "batch", "seq_len", "heads", "dim_k", "dim_v", "dtype", "decay", "segments",
+                 "states")
 
 
 def package_versions(names) -> dict:

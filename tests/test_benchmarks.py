@@ -196,6 +196,39 @@ def test_packed_jobs_and_what_each_implementation_takes():
     cases.make_jobs(["lj-xla"], [cases.Shape(1, 65, 1, 16, 16)], [True], ["fwd"], "bf16", [65])
 
 
+def test_sequence_states_jobs_run_cu_seqlens_with_states_of_their_own():
+  """--sequence-states: packed jobs carry per-sequence states (unpacked ones none), which their key, label and plan
+  say; jax-linear-attention is skipped with the reason; ours runs the rows end to end with cu_seqlens, each
+  sequence from its own initial state: its output is the oracle's on those inputs, and not the one without them."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from benchmarks import jax_impls  # noqa: PLC0415
+
+  plan = run.make_plan(run.parse_args(["--smoke", "--shapes", "2x64x2x16", "--segments", "1,3", "--sequence-states",
+                                       "--impls", "lj-xla,jla-mosaic", "--decay", "on,token"]))
+  assert {(j["segments"], j["states"]) for j in plan.jobs} == {(1, False), (3, True)}
+  assert plan.description["states"] is True
+  (jla,) = [j for j in plan.jobs if j["impl"] == "jla-mosaic" and j["states"] and j["decay"] is True]
+  assert cases.unsupported(jla) == cases.IMPL_BY_NAME["jla-mosaic"].no_sequence_states
+  (job,) = [j for j in plan.jobs if j["impl"] == "lj-xla" and j["states"] and j["decay"] == "token"]
+  assert cases.case_key(job, "fwd") != cases.case_key({**job, "states": False}, "fwd")
+  assert cases.setting_label("token", 3, True) == "per-token decay, 3 packed sequences with their own states"
+  attn, extras = jax_impls.lightning_or_baseline(job)
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (2, 64, 2, 16), jnp.bfloat16) for key in keys)
+  o = attn(q, k, v, *extras)
+  flat = lambda x: x.reshape(1, 128, *x.shape[2:])  # noqa: E731
+  cu, states = jnp.asarray(cases.cu_seqlens(job)), jnp.asarray(cases.sequence_states(job))
+  assert cu.shape == (7,) and states.shape == (6, 2, 16, 16)
+  rates = flat(jnp.asarray(cases.decay_array(job)))
+  want, _ = lj.lightning_attention(flat(q), flat(k), flat(v), rates, cu_seqlens=cu, initial_state=states,
+                                   return_final_state=True, impl="reference")
+  without = lj.lightning_attention(flat(q), flat(k), flat(v), rates, cu_seqlens=cu, impl="reference")
+  err = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+  assert o.shape == v.shape and err(o, want.reshape(v.shape)) < 2e-2 < err(o, without.reshape(v.shape))
+
+
 def test_segments_and_per_token_rates():
   """Random sequence lengths and per-token rates: deterministic, each implementation's form of the same values."""
   job = cases.make_jobs(["lj-xla"], [cases.Shape(2, 1000, 3, 16, 16)], ["token"], ["fwd"], "bf16", [8])[0]

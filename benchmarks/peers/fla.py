@@ -17,7 +17,8 @@ The delta forms take `beta` [B, T, H] and `g = -decay` ([B, T, H], KDA
 [B, T, H, K]), not differentiated either (fla computes their gradients anyway).
 Packed rows: the varlen API takes a batch of one with `cu_seqlens` [N + 1]
 (int64), so the B rows are viewed as one row of B * T tokens (a free reshape)
-holding every row's sequences.
+holding every row's sequences; with per-sequence states (`cases.states_of`)
+also `initial_state` [N, H, K, V] and `output_final_state=True`.
 
 fla refuses some cases at run time; those are reported skipped with its message
 (`REFUSALS`), e.g. the backward of the gated kernels on Hopper with Triton
@@ -62,6 +63,8 @@ def make_attention(job: dict, torch):
   flat = lambda x: x.reshape(1, -1, *x.shape[2:])  # noqa: E731 -- [B, T, ...] -> [1, B * T, ...]
   gates = {name: flat(x) if x.ndim >= 3 else x for name, x in gates.items()}  # the per-token gates
   cu_seqlens = torch.tensor(cases.cu_seqlens(job), dtype=torch.long, device="cuda")
+  if cases.states_of(job):
+    gates.update(initial_state=torch.from_numpy(cases.sequence_states(job)).cuda(), output_final_state=True)
   return lambda q, k, v: fn(flat(q), flat(k), flat(v), **gates, scale=scale,
                             cu_seqlens=cu_seqlens)[0].reshape(v.shape)
 
