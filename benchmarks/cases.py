@@ -186,6 +186,10 @@ PROFILES = {
     # A row of 8 packed sequences and the same row unpacked (the report gives their ratio).
     "packed": dict(shapes="packed", impls="lj-pallas-auto,peer", modes="fwd,fwdbwd", decay="on,token",
                    segments="1,8", max_seconds=420.0, **_GPU_SETTINGS),
+    # The same with each packed sequence's own initial and final state (cu_seqlens: serving's prefill).
+    "packed-states": dict(shapes="packed", impls="lj-pallas-auto,fla-chunk,jla-mosaic", modes="fwd,fwdbwd",
+                          decay="on,token", segments="1,8", sequence_states=True, max_seconds=420.0,
+                          **_GPU_SETTINGS),
     # Tiny shapes that run on a CPU in seconds (Pallas in interpret mode).
     "smoke": dict(shapes="smoke", impls="lj-pallas-auto,lj-xla,baseline,peer", modes="fwd,bwd,fwdbwd",
                   decay="on", segments="1", **_SMOKE_SETTINGS),

@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--decay", help="comma-separated from on (per-head rates), off, token (per-token rates); "
                                  "the lightning op's settings")
   p.add_argument("--segments", help="sequences packed in each row, comma-separated (1: unpacked; 1,8: both)")
-  p.add_argument("--sequence-states", action="store_true",
+  p.add_argument("--sequence-states", action="store_true", default=None,
                  help="packed rows as cu_seqlens over the batch's rows end to end, each sequence with its own "
                       "initial and final state (default: segment ids, no states)")
   p.add_argument("--dtype", choices=sorted(cases.DTYPE_ITEMSIZE))
@@ -129,11 +129,12 @@ def make_plan(args) -> Plan:
   # The lightning op runs the --decay settings; a delta form is a setting of its own (see `cases`).
   decays = (decays if "lightning" in ops else []) + [op for op in ops if op != "lightning"]
   segments = cases.parse_segments(args.segments)
-  jobs = cases.make_jobs(impls, shapes, decays, modes, args.dtype, segments, states=args.sequence_states)
+  states = bool(args.sequence_states)
+  jobs = cases.make_jobs(impls, shapes, decays, modes, args.dtype, segments, states=states)
   impls = [i for i in impls if any(j["impl"] == i for j in jobs)]  # not those of an op left out
   settings = {key: getattr(args, key) for key in SETTINGS}
   description = dict(profile=args.profile, impls=impls, shapes=[list(s) for s in shapes], modes=modes,
-                     decays=decays, segments=segments, states=args.sequence_states, dtype=args.dtype,
+                     decays=decays, segments=segments, states=states, dtype=args.dtype,
                      max_seconds=args.max_seconds,
                      repeats=args.repeats)
   return Plan(jobs, settings, description)

@@ -214,6 +214,9 @@ def test_sequence_states_jobs_run_cu_seqlens_with_states_of_their_own():
   (job,) = [j for j in plan.jobs if j["impl"] == "lj-xla" and j["states"] and j["decay"] == "token"]
   assert cases.case_key(job, "fwd") != cases.case_key({**job, "states": False}, "fwd")
   assert cases.setting_label("token", 3, True) == "per-token decay, 3 packed sequences with their own states"
+  profile = run.make_plan(run.parse_args(["--profile", "packed-states"]))
+  assert {(j["segments"], j["states"]) for j in profile.jobs} == {(1, False), (8, True)}
+  assert not any(j["states"] for j in run.make_plan(run.parse_args(["--profile", "packed"])).jobs)
   attn, extras = jax_impls.lightning_or_baseline(job)
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (2, 64, 2, 16), jnp.bfloat16) for key in keys)
