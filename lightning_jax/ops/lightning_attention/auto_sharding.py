@@ -151,16 +151,16 @@ def _packing_labels(packing):
   return (STARTS, STATE) if vjp.sequence_bounds(packing) is None else (BOUNDS, SEQUENCE_STATE)
 
 
-def _forward(q, k, v, decay, starts, initial_state, opts):
+def _forward(q, k, v, decay, packing, initial_state, opts):
   """o [B, T, H, E], and with opts.return_final_state (o, final state [B, H, D, E])."""
-  def local(q, k, v, decay, starts, initial_state):
-    out = vjp._primal(q, k, v, _decay_local(decay), starts, initial_state, opts)
+  def local(q, k, v, decay, packing, initial_state):
+    out = vjp._primal(q, k, v, _decay_local(decay), packing, initial_state, opts)
     return out if opts.return_final_state else (out,)
 
-  packing_label, state = _packing_labels(starts)
+  packing_label, state = _packing_labels(packing)
   outs = (ROWS_E, state) if opts.return_final_state else (ROWS_E,)
   out = blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), _decay_in(decay, q.shape[0]),
-                          (starts, packing_label), (initial_state, state)), outs)
+                          (packing, packing_label), (initial_state, state)), outs)
   return out if opts.return_final_state else out[0]
 
 
@@ -174,58 +174,58 @@ def unpartitioned():
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _lightning_attention_pallas(q, k, v, decay, segment_starts, initial_state, opts: PallasOptions):
-  return _forward(q, k, v, decay, segment_starts, initial_state, opts)
+def _lightning_attention_pallas(q, k, v, decay, packing, initial_state, opts: PallasOptions):
+  return _forward(q, k, v, decay, packing, initial_state, opts)
 
 
-def lightning_attention_pallas(q, k, v, decay, segment_starts, initial_state, opts: PallasOptions):
+def lightning_attention_pallas(q, k, v, decay, packing, initial_state, opts: PallasOptions):
   """`vjp.lightning_attention_pallas` (same arguments), partitioned over B and H outside shard_map."""
   op = vjp.lightning_attention_pallas if inside_shard_map() else _lightning_attention_pallas
-  return op(q, k, v, decay, segment_starts, initial_state, opts)
+  return op(q, k, v, decay, packing, initial_state, opts)
 
 
-def _fwd(q, k, v, decay, segment_starts, initial_state, opts):
+def _fwd(q, k, v, decay, packing, initial_state, opts):
   # symbolic_zeros: the primals arrive wrapped, saying which are differentiated.
   perturbed = lambda x: x is not None and x.perturbed  # noqa: E731
   needs = vjp.Needs(*map(perturbed, (q, k, v, decay, initial_state)))
-  q, k, v, decay, segment_starts, initial_state = vjp.first_order_only("lightning_attention", tuple(
-      None if x is None else x.value for x in (q, k, v, decay, segment_starts, initial_state)))
+  q, k, v, decay, packing, initial_state = vjp.first_order_only("lightning_attention", tuple(
+      None if x is None else x.value for x in (q, k, v, decay, packing, initial_state)))
   slice_starts = None
   if unpartitioned():  # the kernels run as they are: the forward keeps its split's first pass for the dq sweep
-    out, slice_starts = vjp.forward(q, k, v, decay, segment_starts, initial_state, opts)
+    out, slice_starts = vjp.forward(q, k, v, decay, packing, initial_state, opts)
   else:
-    out = _forward(q, k, v, decay, segment_starts, initial_state, opts)
+    out = _forward(q, k, v, decay, packing, initial_state, opts)
   # The per-token decay gradient's last term reads the final state (as in `vjp`).
   final_state = out[1] if opts.return_final_state and needs.d_decay and chunk_common.per_token(decay) else None
-  return out, (q, k, v, decay, segment_starts, initial_state, final_state,
+  return out, (q, k, v, decay, packing, initial_state, final_state,
                vjp.dq_sweep_starts(slice_starts, decay, needs), needs)
 
 
 def _bwd(opts, residuals, cotangents):
   residuals, cotangents = vjp.first_order_only("lightning_attention", (residuals, cotangents))
-  q, k, v, decay, starts, initial_state, final_state, slice_starts, needs = residuals
+  q, k, v, decay, packing, initial_state, final_state, slice_starts, needs = residuals
   do, d_final = cotangents if opts.return_final_state else (cotangents, None)
   if isinstance(d_final, SymbolicZero):
     d_final = None
   if isinstance(do, SymbolicZero):
     do = jnp.zeros(do.shape, q.dtype)
   decay_in, decay_label = _decay_in(decay, q.shape[0])
-  packing_label, state = _packing_labels(starts)
+  packing_label, state = _packing_labels(packing)
   # The gradients asked for, each of which `vjp._backward` computes: (index in its result, label).
   wanted = [(i, label) for i, (need, label) in enumerate(
       ((needs.dq, ROWS_D), (needs.dk, ROWS_D), (needs.dv, ROWS_E), (needs.d_decay and decay is not None, decay_label),
        (False, None), (needs.d_initial and initial_state is not None, state))) if need]
 
-  def local(q, k, v, decay, starts, initial_state, final_state, do, d_final):
+  def local(q, k, v, decay, packing, initial_state, final_state, do, d_final):
     # slice_starts is None unless blockwise runs this as it is (as the forward did).
-    grads = vjp._backward(opts, (q, k, v, _decay_local(decay), starts, initial_state, final_state, slice_starts,
+    grads = vjp._backward(opts, (q, k, v, _decay_local(decay), packing, initial_state, final_state, slice_starts,
                                  needs),
                           (do, d_final) if opts.return_final_state else do)
     if grads[3] is not None and decay.ndim == 2:  # per-head: the block's sum, as its first row
       grads = grads[:3] + (jnp.zeros_like(decay).at[0].set(grads[3]),) + grads[4:]
     return tuple(grads[i] for i, _ in wanted)
 
-  out = blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), (decay_in, decay_label), (starts, packing_label),
+  out = blockwise(local, ((q, ROWS_D), (k, ROWS_D), (v, ROWS_E), (decay_in, decay_label), (packing, packing_label),
                           (initial_state, state), (final_state, state), (do, ROWS_E), (d_final, state)),
                   [label for _, label in wanted])
   grads = [None] * 6

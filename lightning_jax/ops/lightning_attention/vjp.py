@@ -97,33 +97,33 @@ def sweep_gates(decay, packing):
   return dict(decay=decay, segment_starts=packing)
 
 
-def forward(q, k, v, decay, segment_starts, initial_state, opts):
+def forward(q, k, v, decay, packing, initial_state, opts):
   """(the op's outputs, the forward's `pallas_triton.SliceStarts` or None): the second is the dq sweep's first
   pass, transposed, where the sequence was split."""
   if opts.variant == "warp_specialized":
-    if sequence_bounds(segment_starts) is not None:
+    if sequence_bounds(packing) is not None:
       raise ValueError("sequence programs (per-sequence states) run the chunk loop, not the warp-specialised kernel")
-    o, final_state, starts = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts, segment_starts)
+    o, final_state, starts = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts, packing)
   else:
-    res = pallas_triton.sweep(SweepOperands(**sweep_gates(decay, segment_starts), x=q, y=k, z=v,
+    res = pallas_triton.sweep(SweepOperands(**sweep_gates(decay, packing), x=q, y=k, z=v,
                                             initial_state=initial_state),
                               reverse=False, with_final_state=opts.return_final_state, out_dtype=q.dtype, opts=opts)
     o, final_state, starts = res.out, res.final_state, res.slice_starts
   return ((o, final_state) if opts.return_final_state else o), starts
 
 
-def _primal(q, k, v, decay, segment_starts, initial_state, opts):
-  return forward(q, k, v, decay, segment_starts, initial_state, opts)[0]
+def _primal(q, k, v, decay, packing, initial_state, opts):
+  return forward(q, k, v, decay, packing, initial_state, opts)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def lightning_attention_pallas(q, k, v, decay, segment_starts, initial_state, opts: PallasOptions):
+def lightning_attention_pallas(q, k, v, decay, packing, initial_state, opts: PallasOptions):
   """q, k: [B, T, H, D], v: [B, T, H, E]; decay: [H] or (per-token) [B, T, H] float32 or None;
   segment_starts: [B, T] bool or None (`chunk_common.segment_starts`), or sequence bounds [N + 1] int32
   (`cu_seqlens`, B = 1: one chunk-loop program per sequence, with per-token rates or none, and
   states per sequence, [N, H, D, E]);
   initial_state: [B, H, D, E] float32 or None."""
-  return _primal(q, k, v, decay, segment_starts, initial_state, opts)
+  return _primal(q, k, v, decay, packing, initial_state, opts)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -151,18 +151,18 @@ def first_order_only(op: str, tree):
   return jax.tree.unflatten(treedef, leaves)
 
 
-def _forward(q, k, v, decay, segment_starts, initial_state, opts):
+def _forward(q, k, v, decay, packing, initial_state, opts):
   # With symbolic_zeros the primals arrive wrapped, saying whether each one is
   # differentiated: a fixed decay (the usual ALiBi slopes) skips the tangent.
   perturbed = lambda x: x is not None and x.perturbed  # noqa: E731
   needs = Needs(dq=perturbed(q), dk=perturbed(k), dv=perturbed(v), d_decay=perturbed(decay),
                 d_initial=perturbed(initial_state))
-  q, k, v, decay, segment_starts, initial_state = first_order_only("lightning_attention", tuple(
-      None if x is None else x.value for x in (q, k, v, decay, segment_starts, initial_state)))
-  out, slice_starts = forward(q, k, v, decay, segment_starts, initial_state, opts)
+  q, k, v, decay, packing, initial_state = first_order_only("lightning_attention", tuple(
+      None if x is None else x.value for x in (q, k, v, decay, packing, initial_state)))
+  out, slice_starts = forward(q, k, v, decay, packing, initial_state, opts)
   # The per-token decay gradient's last term reads the final state.
   final_state = out[1] if opts.return_final_state and needs.d_decay and chunk_common.per_token(decay) else None
-  return out, (q, k, v, decay, segment_starts, initial_state, final_state, dq_sweep_starts(slice_starts, decay, needs),
+  return out, (q, k, v, decay, packing, initial_state, final_state, dq_sweep_starts(slice_starts, decay, needs),
                needs)
 
 
@@ -223,8 +223,8 @@ def _token_decay_grad(decay, packing, q_dq, k_dk, d_final, final_state, *, with_
 def _backward(opts, residuals, cotangents):
   """The gradients of `_forward`'s residuals and the cotangents (also `auto_sharding`'s backward, which guards its
   own inputs)."""
-  q, k, v, decay, segment_starts, initial_state, final_state, slice_starts, needs = residuals
-  gates = sweep_gates(decay, segment_starts)
+  q, k, v, decay, packing, initial_state, final_state, slice_starts, needs = residuals
+  gates = sweep_gates(decay, packing)
   per_token = chunk_common.per_token(decay)
   if opts.variant == "warp_specialized":  # a forward kernel only: the backward sweeps are chunk_loop's
     opts = dataclasses.replace(opts, variant="chunk_loop")
@@ -271,7 +271,7 @@ def _backward(opts, residuals, cotangents):
     dv, dk, k_dk = res.out, res.dual, res.row_dots  # row dots only with per-token rates: v . dv = k . dk
     dv_starts = res.slice_starts
     if with_initial:
-      d_initial = scale * initial_state_factor(decay, sequence_bounds(segment_starts)) * res.final_state
+      d_initial = scale * initial_state_factor(decay, sequence_bounds(packing)) * res.final_state
   if (needs.dk and not fuse) or (token_grad and k_dk is None):
     res = sweep(SweepOperands(**gates, x=v, y=do, z=q, initial_state=transpose(d_final_scaled),
                               dot_with=k if token_grad else None),
@@ -279,7 +279,7 @@ def _backward(opts, residuals, cotangents):
                 given_starts=None if dv_starts is None else dv_starts.transposed())
     dk, k_dk = res.out, res.row_dots
   if token_grad:
-    d_decay = _token_decay_grad(decay, segment_starts, q_dq, k_dk, d_final, final_state,
+    d_decay = _token_decay_grad(decay, packing, q_dq, k_dk, d_final, final_state,
                                 with_initial_state=initial_state is not None)
   # Inside shard_map, a replicated decay or initial state collects every device's share.
   return (dq, dk, dv, manual_axes.sum_to_type_of(d_decay, decay), None,
