@@ -453,7 +453,7 @@ def test_cu_seqlens_programs_wait_for_no_host_loop(op):
 def test_sequence_pieces_chain_each_sequence_from_its_own_state(reverse):
   """`packing.sequence_pieces`, `piece_starts` and `sequence_ends` against a walk over the tokens in numpy: empty
   sequences first, inside and last, a sequence ending on a slice edge, one spanning three slices; both sweep
-  directions (a reverse step takes the next token's rate, none at a sequence's last token)."""
+  directions (a reverse step takes the next token's rate, none at a sequence's last token: `without_next_rates`)."""
   from lightning_jax.ops.lightning_attention import packing  # noqa: PLC0415
 
   cu = np.array([0, 0, 5, 16, 16, 40, 41, 41])
@@ -490,7 +490,10 @@ def test_sequence_pieces_chain_each_sequence_from_its_own_state(reverse):
     want[p] = state
     state = np.exp(-step_rate[lo:hi].sum(0))[:, None, None] * state + local[p]
     want_ends[s] = state
-  got = packing.piece_starts(jnp.asarray(local), pieces, jnp.asarray(rates), jnp.asarray(given), reverse=reverse)
+  swept = jnp.asarray(rates)
+  if reverse:  # as a reverse sweep takes them
+    swept = packing.without_next_rates(swept, jnp.asarray(cu, jnp.int32))
+  got = packing.piece_starts(jnp.asarray(local), pieces, swept, jnp.asarray(given), reverse=reverse)
   nonempty = np.diff(bounds) > 0
   np.testing.assert_allclose(np.asarray(got)[nonempty], want[nonempty], rtol=1e-5, atol=1e-5)
   # The states after each piece (what the sweep's programs end with) give each sequence's end state.

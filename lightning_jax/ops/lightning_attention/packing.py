@@ -115,6 +115,18 @@ def segmented_exp(rates, starts, *, reverse):
   return jnp.exp(-chunk_common.segmented_cumsum(rates, starts, axis=0, reverse=reverse))
 
 
+def sequence_starts(cu_seqlens, num_tokens: int):
+  """[T] bool: token t is the first of a (non-empty) sequence of `cu_seqlens` [N + 1] (token 0 included)."""
+  return jnp.zeros(num_tokens, bool).at[cu_seqlens[:-1]].set(True, mode="drop")
+
+
+def without_next_rates(rates, cu_seqlens):
+  """[.., T, ...] rates (T the axis after the batch's) with a sequence's first token's rate 0: a reverse sweep,
+  whose token takes the next one's rate, then gives each sequence's last token none."""
+  starts = sequence_starts(cu_seqlens, rates.shape[1])
+  return jnp.where(starts.reshape((1, -1) + (1,) * (rates.ndim - 2)), 0.0, rates)
+
+
 class SequencePieces(NamedTuple):
   """Sequences cut at the boundaries of a sequence split's slices: the Pallas path's sequence programs.
 
@@ -150,12 +162,11 @@ def sequence_pieces(cu_seqlens, *, seq_len: int, slice_tokens: int) -> SequenceP
 
 def piece_rates(rates, pieces: SequencePieces, *, reverse: bool):
   """Each piece's summed rates [P, H] float32, in a sweep's convention (`chunk_common.token_chunk_gates`): a
-  reverse sweep's token takes the next token's rate, and a sequence's last token none. rates: [1, T, H]."""
+  reverse sweep's token takes the next token's rate. rates: [1, T, H], for a reverse sweep as it takes them
+  (`without_next_rates`: a sequence's last token takes none)."""
   rates = jnp.minimum(rates[0].astype(jnp.float32), chunk_common.MAX_LOG2_RATE / chunk_common.LOG2_E)
   if reverse:
-    t = rates.shape[0]
-    last = jnp.zeros(t, bool).at[jnp.where(pieces.ends, pieces.bounds[1:] - 1, t)].set(True, mode="drop")
-    rates = jnp.where(last[:, None], 0.0, jnp.pad(rates[1:], ((0, 1), (0, 0))))
+    rates = jnp.pad(rates[1:], ((0, 1), (0, 0)))
   return jax.ops.segment_sum(rates, pieces.label, pieces.sequence.shape[0], indices_are_sorted=True)
 
 
@@ -163,7 +174,7 @@ def piece_starts(local_states, pieces: SequencePieces, rates, sequence_states, *
   """The state before each piece of a sweep over sequences: [P, H, K, V] float32.
 
   `local_states` [P, H, K, V]: each piece's state at its end (in sweep
-  order) from zeros; rates: [1, T, H] per-token rates or None;
+  order) from zeros; rates: [1, T, H] per-token rates as `piece_rates` takes them, or None;
   sequence_states [N, H, K, V] or None (zeros): what each sequence's first
   piece in sweep order starts from (its initial state forward, its final
   state's cotangent in reverse). The pieces chain as the slices of a

@@ -234,7 +234,7 @@ def _sequence_cumdecay(ref, chunk_idx, bounds, *, chunk_size, reverse):
   The chunk's sums start at its first row in sweep order, which may belong to
   the sequence before (forward) or after (reverse): subtracting the sum
   through the row before the sequence (forward) or at its last token (reverse:
-  the sequence's last token takes no rate, `_prepare`) leaves its own rates
+  the sequence's last token takes no rate, `sweep`) leaves its own rates
   alone. A program's rows end inside a chunk only where its sequence ends (a
   piece of one is cut at whole slices). Rows outside hold the value of the
   nearest row inside in sweep order (rate 0, as padding past T).
@@ -565,17 +565,37 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
                "lightning_chunk_states", interpret)
 
 
+def _own_states(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice_chunks, num_slices, branch,
+                interpret, transposed) -> SweepResults:
+  """Each slice's (or, with sequence bounds, each piece's) state, and tangent with `ins.tangent_with`, at its end
+  from zeros: the states kernel's final_state and final_tangent.
+
+  With `transposed`, where the states and the kernel's blocks are square and
+  no tangent is carried, the kernel runs over (z, y) and its states are
+  transposed: the very pass of the sweep that carries the transposed state
+  over the same operands, which XLA's CSE may then merge with it.
+  """
+  with_tangent = ins.tangent_with is not None
+  own = ins._replace(x=None, initial_state=None)
+  if transposed and not with_tangent and ins.y.shape[-1] == ins.z.shape[-1] and cfg.block_d == cfg.block_e:
+    own = own._replace(y=ins.z, z=ins.y)
+    local = _states_pass(own, cfg=cfg, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse,
+                         slice_chunks=slice_chunks, num_slices=num_slices, with_chunk_states=False,
+                         with_final_state=True, with_tangent=False, branch=branch, interpret=interpret)
+    return local._replace(final_state=jnp.swapaxes(local.final_state, -1, -2))
+  return _states_pass(own, cfg=cfg, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse,
+                      slice_chunks=slice_chunks, num_slices=num_slices, with_chunk_states=False,
+                      with_final_state=True, with_tangent=with_tangent, branch=branch, interpret=interpret)
+
+
 def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice_chunks, with_final_state,
                  branch, interpret, transposed=False):
   """The state (and decay tangent, with `ins.tangent_with`) before each slice of a sequence split.
 
   Pass 1 of the split: the states kernel writes each slice's own state (the
-  last slice's only for the final state), and `combine_slice_states` adds the
-  slices before it. With `transposed`, where the states and the kernel's
-  blocks are square and no tangent is carried, the kernel runs over (z, y) and
-  its states are transposed: the very pass of the sweep that carries the
-  transposed state over the same operands, which XLA's CSE may then merge
-  with it (where no `SliceStarts` could be handed over, see `sweep`).
+  last slice's only for the final state; `_own_states`, `transposed` where no
+  `SliceStarts` could be handed over, see `sweep`), and
+  `combine_slice_states` adds the slices before it.
 
   Returns:
     (states, tangents): [B, H, S, K, V] float32 (tangents None without
@@ -588,17 +608,9 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
                                        reverse=reverse)
   # Without the final state, nothing reads the last slice's own state.
   local_slices = num_slices if with_final_state else num_slices - 1
-  with_tangent = ins.tangent_with is not None
-  own = ins._replace(initial_state=None)
-  transposed = (transposed and not with_tangent and ins.y.shape[-1] == ins.z.shape[-1]
-                and cfg.block_d == cfg.block_e)
-  if transposed:
-    own = own._replace(y=ins.z, z=ins.y)
-  local = _states_pass(own, cfg=cfg, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse,
-                       slice_chunks=slice_chunks, num_slices=local_slices, with_chunk_states=False,
-                       with_final_state=True, with_tangent=with_tangent, branch=branch, interpret=interpret)
-  if transposed:
-    local = local._replace(final_state=jnp.swapaxes(local.final_state, -1, -2))
+  local = _own_states(ins, cfg=cfg, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse,
+                      slice_chunks=slice_chunks, num_slices=local_slices, branch=branch, interpret=interpret,
+                      transposed=transposed)
   slice_decay = slice_resets = None
   if ins.chunk_cumdecay is not None or ins.chunk_runs is not None:  # per-token or packed
     rate, started = chunk_common.chunk_totals(ins.chunk_cumdecay, ins.chunk_runs, chunk_size=chunk_size,
@@ -636,22 +648,17 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
     # Each sequence a slice of its own (`_sequence_steps`) from its own state, or, where the row would be split,
     # each piece of a sequence within one slice, from the state before it (`packing.piece_starts`).
     sequence_states = ins.initial_state
-    if given_starts is not None:
+    if given_starts is not None or (ns > 1 and ins.sequence_bounds.shape[0] - 1 + ns - 1 <= packing.MAX_PIECES):
       pieces = packing.sequence_pieces(ins.sequence_bounds, seq_len=seq_len, slice_tokens=slice_chunks * c)
-      ins = ins._replace(sequence_bounds=pieces.bounds,
-                         initial_state=chunk_common.pad_state(given_starts.states, dim_k, dim_v))
-    elif ns > 1 and ins.sequence_bounds.shape[0] - 1 + ns - 1 <= packing.MAX_PIECES:
-      pieces = packing.sequence_pieces(ins.sequence_bounds, seq_len=seq_len, slice_tokens=slice_chunks * c)
-      own = ins._replace(x=None, sequence_bounds=pieces.bounds, initial_state=None)
-      # As `slice_starts`: a sweep carrying another's transposed state runs that sweep's pass, for XLA's CSE.
-      transposed = transposed_states and dim_k == dim_v and configs.slice_states.block_d == configs.slice_states.block_e
-      if transposed:
-        own = own._replace(y=ins.z, z=ins.y)
-      own = _states_pass(own, cfg=configs.slice_states, chunk_size=c, seq_len=seq_len, reverse=reverse,
-                         slice_chunks=slice_chunks, num_slices=pieces.sequence.shape[0], with_chunk_states=False,
-                         with_final_state=True, with_tangent=False, branch=branch, interpret=interpret).final_state
-      ins = ins._replace(sequence_bounds=pieces.bounds, initial_state=packing.piece_starts(
-          jnp.swapaxes(own, -1, -2) if transposed else own, pieces, token_rates, sequence_states, reverse=reverse))
+      ins = ins._replace(sequence_bounds=pieces.bounds)
+      if given_starts is not None:
+        starts = chunk_common.pad_state(given_starts.states, dim_k, dim_v)
+      else:
+        own = _own_states(ins, cfg=configs.slice_states, chunk_size=c, seq_len=seq_len, reverse=reverse,
+                          slice_chunks=slice_chunks, num_slices=pieces.sequence.shape[0], branch=branch,
+                          interpret=interpret, transposed=transposed_states).final_state
+        starts = packing.piece_starts(own, pieces, token_rates, sequence_states, reverse=reverse)
+      ins = ins._replace(initial_state=starts)
     ns = ins.sequence_bounds.shape[0] - 1
   elif given_starts is not None:  # another sweep's first pass (see `sweep`), padded to this one's dims
     ins = ins._replace(initial_state=chunk_common.pad_state(given_starts.states, dim_k, dim_v))
@@ -784,13 +791,8 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
   if ins.token_decay is not None or ins.segment_starts is not None:
     if ins.decay is not None and ins.token_decay is not None:
       raise ValueError("give decay (per head) or token_decay, not both")
-    rates = ins.token_decay
-    if reverse and ins.sequence_bounds is not None and rates is not None:
-      # A reverse sweep's step takes the next token's rate: none at a sequence's last token.
-      starts = jnp.zeros(t, bool).at[ins.sequence_bounds[:-1]].set(True, mode="drop")
-      rates = jnp.where(starts[None, :, None], 0.0, rates)
-    cumdecay, runs = chunk_common.token_chunk_gates(rates, ins.segment_starts, chunk_size=chunk, num_tokens=tp,
-                                                    reverse=reverse)
+    cumdecay, runs = chunk_common.token_chunk_gates(ins.token_decay, ins.segment_starts, chunk_size=chunk,
+                                                    num_tokens=tp, reverse=reverse)
     # Without segments the counts are all zeros: the kernels skip their masks.
     padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
                              chunk_runs=None if ins.segment_starts is None else runs)
@@ -834,6 +836,9 @@ def sweep(ins: SweepOperands, *, reverse: bool, with_final_state: bool, out_dtyp
   t, dim_k, dim_v = ins.x.shape[1], ins.x.shape[-1], ins.z.shape[-1]
   if ins.sequence_bounds is not None and opts.variant != "chunk_loop":
     raise ValueError(f"sequence programs (sequence_bounds) run the chunk loop, not {opts.variant!r}")
+  if reverse and ins.sequence_bounds is not None and ins.token_decay is not None:
+    # A reverse sweep's step takes the next token's rate: none at a sequence's last token (gates and pieces alike).
+    ins = ins._replace(token_decay=packing.without_next_rates(ins.token_decay, ins.sequence_bounds))
   padded, configs, chunk, slice_chunks, branch = _prepare(ins, reverse=reverse, opts=opts)
   if given_starts is not None and (opts.variant != "chunk_loop" or given_starts.chunk_size != chunk
                                    or given_starts.slice_chunks >= -(-padded.x.shape[1] // chunk)

@@ -205,12 +205,11 @@ def _token_decay_grad(decay, packing, q_dq, k_dk, d_final, final_state, *, with_
     zero_state = starts
   else:
     t = decay.shape[1]
-    seq_of = packing_lib.segment_ids_from_cu_seqlens(bounds, t)  # [1, T]
-    starts = jnp.pad(seq_of[:, 1:] != seq_of[:, :-1], ((0, 0), (1, 0)))
+    starts = packing_lib.sequence_starts(bounds, t)[None]  # [1, T], token 0 included
     if d_final is not None:  # at each non-empty sequence's last token (an empty one's index drops)
       last = jnp.where(bounds[1:] > bounds[:-1], bounds[1:] - 1, t)
       d_cum = d_cum.at[0, :, last].add(-jnp.sum(d_final * final_state, axis=(-2, -1)), mode="drop")
-    zero_state = jnp.zeros_like(starts) if with_initial_state else starts.at[:, 0].set(True)
+    zero_state = jnp.zeros_like(starts) if with_initial_state else starts
   d_cum = jnp.swapaxes(d_cum, 1, 2)  # [B, T, H]
   # Summed backwards within each segment: a segment ends where the next one starts.
   ends = jnp.pad(starts[:, 1:], ((0, 0), (0, 1)), constant_values=True)
