@@ -399,15 +399,40 @@ def _write_final(outs: SweepResults, state, tangent):
     outs.final_tangent[...] = tangent
 
 
+def _factors_by_bounds(ins: SweepOperands, *, bounds, **kwargs):
+  """bounds or None -> `_sweep_factors`' function of a chunk: a sequence program's edge chunks' (rebased to its rows)
+  or every other chunk's, both set up once, before the program's loop."""
+  plain = _sweep_factors(ins, **kwargs)
+  edge = plain if bounds is None else _sweep_factors(ins, bounds=bounds, **kwargs)
+  return lambda chunk_bounds: plain if chunk_bounds is None else edge
+
+
+def _walk(body, carry, *, num_steps, bounds):
+  """The program's loop over its steps, body(step, carry, bounds) -> carry.
+
+  A sequence program's (`bounds`: bos, eos) first and last steps run with
+  them, masked and rebased to its rows; the chunks between them hold its rows
+  alone and run as an unpacked row's (H200, B1 H32 T32K D128, 8 sequences: every
+  chunk masked and rebased took the forward's loop from 0.59 ms without rates to
+  0.91 with them; PERFORMANCE.md, "Per-sequence states").
+  """
+  if bounds is None:
+    return jax.lax.fori_loop(0, num_steps, lambda step, c: body(step, c, None), carry)
+  edge = lambda step, c: body(step, c, bounds)  # noqa: E731
+  carry = jax.lax.fori_loop(0, jnp.minimum(num_steps, 1), edge, carry)
+  carry = jax.lax.fori_loop(1, num_steps - 1, lambda step, c: body(step, c, None), carry)
+  return jax.lax.fori_loop(jnp.maximum(num_steps - 1, 1), num_steps, edge, carry)
+
+
 def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, num_chunks,
                        slice_chunks, num_slices, reverse, exact, dots_with_dual, branch):
   carry = _initial_carry(ins, with_tangent=ins.tangent_with is not None)
   first, num_steps, bounds = _program_steps(ins, chunk_size=chunk_size, num_chunks=num_chunks,
                                             slice_chunks=slice_chunks, num_slices=num_slices, reverse=reverse)
-  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
-                           bounds=bounds)
+  factors = _factors_by_bounds(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
+                               bounds=bounds)
 
-  def body(step, carry):
+  def body(step, carry, bounds):
     state, tangent = carry
     n, rows = _chunk_rows(first + step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
     load, valid = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.x.shape[0], bounds=bounds)
@@ -415,7 +440,7 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
     # Loaded before the chunk's products, which hide its latency: Triton's
     # pipeliner leaves a load that feeds no dot blocking.
     weights = _row_weights(ins, load, u, dots_with_dual=dots_with_dual)
-    f, pair_mask = factors(n)
+    f, pair_mask = factors(bounds)(n)
     if f is not None:
       # The outputs first, reading the carried state only after the scores'
       # product, then the state update (PERFORMANCE.md, "Sweep order").
@@ -436,7 +461,7 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
       triton_lowering.store_rows(outs.row_dots, rows, _row_dots(ins, weights, out, out_tangent), valid)
     return next_carry
 
-  _write_final(outs, *jax.lax.fori_loop(0, num_steps, body, carry))
+  _write_final(outs, *_walk(body, carry, num_steps=num_steps, bounds=bounds))
 
 
 def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, seq_len, num_chunks, slice_chunks,
@@ -444,10 +469,10 @@ def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, 
   carry = _initial_carry(ins, with_tangent=outs.chunk_tangents is not None or outs.final_tangent is not None)
   first, num_steps, bounds = _program_steps(ins, chunk_size=chunk_size, num_chunks=num_chunks,
                                             slice_chunks=slice_chunks, num_slices=num_slices, reverse=reverse)
-  factors = _sweep_factors(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
-                           bounds=bounds)
+  factors = _factors_by_bounds(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
+                               bounds=bounds)
 
-  def body(step, carry):
+  def body(step, carry, bounds):
     state, tangent = carry
     n, rows = _chunk_rows(first + step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
     if outs.chunk_states is not None:
@@ -455,9 +480,9 @@ def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, 
     if outs.chunk_tangents is not None:
       outs.chunk_tangents[n, :, :] = tangent
     load, _ = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.y.shape[0], bounds=bounds)
-    return _chunk_state(load(ins.y), load(ins.z), state, tangent, factors(n)[0], exact=exact)
+    return _chunk_state(load(ins.y), load(ins.z), state, tangent, factors(bounds)(n)[0], exact=exact)
 
-  _write_final(outs, *jax.lax.fori_loop(0, num_steps, body, carry))
+  _write_final(outs, *_walk(body, carry, num_steps=num_steps, bounds=bounds))
 
 
 def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, reverse, exact,
