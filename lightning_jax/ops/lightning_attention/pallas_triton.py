@@ -412,9 +412,9 @@ def _walk(body, carry, *, num_steps, bounds):
 
   A sequence program's (`bounds`: bos, eos) first and last steps run with
   them, masked and rebased to its rows; the chunks between them hold its rows
-  alone and run as an unpacked row's (H200, B1 H32 T32K D128, 8 sequences: every
-  chunk masked and rebased took the forward's loop from 0.59 ms without rates to
-  0.91 with them; PERFORMANCE.md, "Per-sequence states").
+  alone and run as an unpacked row's, with no masks and no rebase (H200, B1 H32
+  T32K D128, 8 sequences: the forward's loop 0.912 -> 0.839 ms; PERFORMANCE.md,
+  "Per-sequence states with `cu_seqlens`").
   """
   if bounds is None:
     return jax.lax.fori_loop(0, num_steps, lambda step, c: body(step, c, None), carry)
