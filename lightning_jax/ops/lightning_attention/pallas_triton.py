@@ -83,6 +83,8 @@ class SweepOperands(NamedTuple):
       program per (head, sequence, value block) over that sequence's chunks,
       from its own initial state ([N, H, K, V]) to its own final state (module
       docstring); with per-token rates or none.
+    sequence_order: [N] int32, the kernels' only: the sequences longest first
+      (`_longest_first`), the order their programs start in.
     chunk_cumdecay, chunk_runs: [B, H, Tp] float32 and [B, Tp] int32, the
       per-chunk factors' inputs in the sweep's convention
       (`chunk_common.token_chunk_gates`): cumdecay with per-token rates only,
@@ -106,6 +108,7 @@ class SweepOperands(NamedTuple):
   token_decay: jax.Array | None = None
   segment_starts: jax.Array | None = None
   sequence_bounds: jax.Array | None = None
+  sequence_order: jax.Array | None = None
   chunk_cumdecay: jax.Array | None = None
   chunk_runs: jax.Array | None = None
   x: jax.Array | None = None
@@ -325,10 +328,12 @@ def _row_dots(ins: SweepOperands, weights, out, out_tangent):
   return jnp.sum((out if ins.tangent_with is None else out_tangent) * weights.astype(_F32), axis=1)
 
 
-def _initial_carry(ins: SweepOperands, *, with_tangent: bool):
-  """(state, tangent) before the program's first chunk: S_0 or zeros, and the decay tangent's or zeros."""
+def _initial_carry(ins: SweepOperands, *, with_tangent: bool, sequence=None):
+  """(state, tangent) before the program's first chunk: S_0 or zeros, and the decay tangent's or zeros. sequence:
+  a sequence program's, whose block holds every sequence's initial state (`_chunk_loop`), or None."""
   shape = (ins.y.shape[-1], ins.z.shape[-1])
-  state = jnp.zeros(shape, _F32) if ins.initial_state is None else ins.initial_state[...]
+  state = (jnp.zeros(shape, _F32) if ins.initial_state is None
+           else ins.initial_state[...] if sequence is None else ins.initial_state[sequence])
   if not with_tangent:
     return state, None
   return state, jnp.zeros(shape, _F32) if ins.initial_tangent is None else ins.initial_tangent[...]
@@ -349,24 +354,45 @@ def _slice_steps(*, num_chunks, slice_chunks, num_slices):
   return first, jnp.minimum(slice_chunks, num_chunks - first)
 
 
-def _sequence_steps(bounds_ref, *, chunk_size, num_chunks, num_sequences, reverse):
-  """(first sweep step, number of steps, (bos, eos)) of this program's sequence: the chunks holding any of its
-  tokens. Programs of one head and value block hold consecutive sequences along grid axis 0; an empty
-  sequence's walks none."""
-  seq = pl.program_id(0) % num_sequences
-  bos, eos = bounds_ref[seq], bounds_ref[seq + 1]
+def _longest_first(bounds):
+  """[N] int32: the sequences of bounds [N + 1], longest first (ties in order)."""
+  return jnp.argsort(bounds[:-1] - bounds[1:], stable=True).astype(jnp.int32)
+
+
+def _program_coords(i, *, h, ns, n_e, sequences):
+  """Program i of grid axis 0 -> (batch, head, slot, value block or None: grid axis 1's).
+
+  Slices of a split run batch-major, then head, then slice. Sequence programs
+  (a batch of one; slot: a sequence's rank in `sequence_order`) run rank-major,
+  then head, then value block (n_e of them folded into axis 0), so that the
+  longest sequences' chains start first and a chunk's q and k tiles serve its
+  value blocks' programs together (from L2): the GPU starts programs in this
+  order, axis 0 first.
+  """
+  if sequences:
+    return 0, i // n_e % h, i // n_e // h, i % n_e if n_e > 1 else None
+  return i // ns // h, i // ns % h, i % ns, None
+
+
+def _sequence_steps(ins: SweepOperands, *, programs_per_rank, chunk_size, num_chunks, reverse):
+  """(first sweep step, number of steps, (bos, eos), sequence) of this program's sequence (`_program_coords`'
+  order): the chunks holding any of its tokens; an empty sequence's walks none."""
+  seq = ins.sequence_order[pl.program_id(0) // programs_per_rank]
+  bos, eos = ins.sequence_bounds[seq], ins.sequence_bounds[seq + 1]
   first_chunk, end_chunk = bos // chunk_size, (eos + chunk_size - 1) // chunk_size
   first = num_chunks - end_chunk if reverse else first_chunk
-  return first, jnp.where(eos > bos, end_chunk - first_chunk, 0), (bos, eos)
+  return first, jnp.where(eos > bos, end_chunk - first_chunk, 0), (bos, eos), seq
 
 
-def _program_steps(ins: SweepOperands, *, chunk_size, num_chunks, slice_chunks, num_slices, reverse):
-  """(first sweep step, number of steps, the sequence's (bos, eos) or None) of this program: its slice of the
-  row, or with sequence bounds its sequence (each sequence, or piece of one, a slice of its own)."""
+def _program_steps(ins: SweepOperands, *, chunk_size, num_chunks, slice_chunks, num_slices, programs_per_rank,
+                   reverse):
+  """(first sweep step, number of steps, the sequence's (bos, eos) or None, its index or None) of this program:
+  its slice of the row, or with sequence bounds its sequence (each sequence, or piece of one, a slice of its own;
+  programs_per_rank: `_program_coords`' programs of one sequence)."""
   if ins.sequence_bounds is None:
-    return *_slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices), None
-  return _sequence_steps(ins.sequence_bounds, chunk_size=chunk_size, num_chunks=num_chunks,
-                         num_sequences=num_slices, reverse=reverse)
+    return *_slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices), None, None
+  return _sequence_steps(ins, programs_per_rank=programs_per_rank, chunk_size=chunk_size, num_chunks=num_chunks,
+                         reverse=reverse)
 
 
 def _chunk_rows(step, *, num_chunks, chunk_size, reverse):
@@ -391,12 +417,14 @@ def _row_loader(n, rows, *, chunk_size, num_rows, bounds=None):
   return load, valid
 
 
-def _write_final(outs: SweepResults, state, tangent):
-  """The final state (and tangent), where the caller asked for them."""
+def _write_final(outs: SweepResults, state, tangent, sequence=None):
+  """The final state (and tangent), where the caller asked for them; a sequence program's into its sequence's
+  (`_initial_carry`)."""
+  at = ... if sequence is None else sequence
   if outs.final_state is not None:
-    outs.final_state[...] = state
+    outs.final_state[at] = state
   if outs.final_tangent is not None:
-    outs.final_tangent[...] = tangent
+    outs.final_tangent[at] = tangent
 
 
 def _factors_by_bounds(ins: SweepOperands, *, bounds, **kwargs):
@@ -425,10 +453,11 @@ def _walk(body, carry, *, num_steps, bounds):
 
 
 def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, num_chunks,
-                       slice_chunks, num_slices, reverse, exact, dots_with_dual, branch):
-  carry = _initial_carry(ins, with_tangent=ins.tangent_with is not None)
-  first, num_steps, bounds = _program_steps(ins, chunk_size=chunk_size, num_chunks=num_chunks,
-                                            slice_chunks=slice_chunks, num_slices=num_slices, reverse=reverse)
+                       slice_chunks, num_slices, programs_per_rank, reverse, exact, dots_with_dual, branch):
+  first, num_steps, bounds, sequence = _program_steps(
+      ins, chunk_size=chunk_size, num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices,
+      programs_per_rank=programs_per_rank, reverse=reverse)
+  carry = _initial_carry(ins, with_tangent=ins.tangent_with is not None, sequence=sequence)
   factors = _factors_by_bounds(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
                                bounds=bounds)
 
@@ -461,14 +490,16 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
       triton_lowering.store_rows(outs.row_dots, rows, _row_dots(ins, weights, out, out_tangent), valid)
     return next_carry
 
-  _write_final(outs, *_walk(body, carry, num_steps=num_steps, bounds=bounds))
+  _write_final(outs, *_walk(body, carry, num_steps=num_steps, bounds=bounds), sequence)
 
 
 def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, seq_len, num_chunks, slice_chunks,
-                         num_slices, reverse, exact, branch):
-  carry = _initial_carry(ins, with_tangent=outs.chunk_tangents is not None or outs.final_tangent is not None)
-  first, num_steps, bounds = _program_steps(ins, chunk_size=chunk_size, num_chunks=num_chunks,
-                                            slice_chunks=slice_chunks, num_slices=num_slices, reverse=reverse)
+                         num_slices, programs_per_rank, reverse, exact, branch):
+  first, num_steps, bounds, sequence = _program_steps(
+      ins, chunk_size=chunk_size, num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices,
+      programs_per_rank=programs_per_rank, reverse=reverse)
+  carry = _initial_carry(ins, with_tangent=outs.chunk_tangents is not None or outs.final_tangent is not None,
+                         sequence=sequence)
   factors = _factors_by_bounds(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
                                bounds=bounds)
 
@@ -482,7 +513,7 @@ def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, 
     load, _ = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.y.shape[0], bounds=bounds)
     return _chunk_state(load(ins.y), load(ins.z), state, tangent, factors(bounds)(n)[0], exact=exact)
 
-  _write_final(outs, *_walk(body, carry, num_steps=num_steps, bounds=bounds))
+  _write_final(outs, *_walk(body, carry, num_steps=num_steps, bounds=bounds), sequence)
 
 
 def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, reverse, exact,
@@ -535,9 +566,10 @@ def _output_structs(ins: SweepOperands, *, n_e, with_final_state, out_dtype, dot
       final_tangent=state if has_tangent and with_final_state else None)
 
 
-def _gate_rows(gates, index_map):
-  """The block of one (batch, head) row of chunk gates ([B, H, Tp] or [B, Tp]; None: None): the whole row."""
-  return None if gates is None else pl.BlockSpec((None,) * (gates.ndim - 1) + (gates.shape[-1],), index_map)
+def _gate_rows(gates, spec, index):
+  """The block of one (batch, head) row of chunk gates ([B, H, Tp] or [B, Tp]; None: None): the whole row, as
+  spec(block, index) makes it."""
+  return None if gates is None else spec((None,) * (gates.ndim - 1) + (gates.shape[-1],), index)
 
 
 def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice_chunks, num_slices,
@@ -556,33 +588,41 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   dim_v = ins.z.shape[-1]
   n, ns = -(-t // chunk_size), num_slices
   bd, be = cfg.block_d, cfg.block_e
-  state_ins = SweepOperands(decay=ins.decay, sequence_bounds=ins.sequence_bounds, chunk_cumdecay=ins.chunk_cumdecay,
-                            chunk_runs=ins.chunk_runs, y=ins.y, z=ins.z, initial_state=ins.initial_state)
+  sequences = ins.sequence_bounds is not None
+  state_ins = SweepOperands(decay=ins.decay, sequence_bounds=ins.sequence_bounds,
+                            sequence_order=_longest_first(ins.sequence_bounds) if sequences else None,
+                            chunk_cumdecay=ins.chunk_cumdecay, chunk_runs=ins.chunk_runs, y=ins.y, z=ins.z,
+                            initial_state=ins.initial_state)
   states_struct = jax.ShapeDtypeStruct((b, h, n, dim_k, dim_v), _F32)
   slice_struct = jax.ShapeDtypeStruct((b, h, ns, dim_k, dim_v), _F32)
   results = SweepResults(chunk_states=states_struct if with_chunk_states else None,
                          chunk_tangents=states_struct if with_chunk_states and with_tangent else None,
                          final_state=slice_struct if with_final_state else None,
                          final_tangent=slice_struct if with_final_state and with_tangent else None)
-  block_state = pl.BlockSpec((None, None, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, d, e))
-  block_slice = pl.BlockSpec((None, None, None, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, i % ns, d, e))
-  if ins.sequence_bounds is not None:  # [P, H, K, V]: each sequence's (or piece's), from zeros
+  def spec(block, index):  # index: (batch, head, slot, d, e) -> the block's
+    return pl.BlockSpec(block, lambda i, d, e: index(*_program_coords(i, h=h, ns=ns, n_e=1,
+                                                                      sequences=sequences)[:3], d, e))
+
+  block_state = spec((None, None, bd, be), lambda bi, hi, si, d, e: (bi, hi, d, e))
+  block_slice = spec((None, None, None, bd, be), lambda bi, hi, si, d, e: (bi, hi, si, d, e))
+  if sequences:  # [P, H, K, V]: each sequence's (or piece's), from zeros, indexed in the kernel
     if with_chunk_states or ins.initial_state is not None:
       raise ValueError("the states pass over sequences writes each one's own state from zeros")
     slice_struct = jax.ShapeDtypeStruct((ns, h, dim_k, dim_v), _F32)
-    block_slice = pl.BlockSpec((None, None, bd, be), lambda i, d, e: (i % ns, i // ns, d, e))
+    block_slice = spec((ns, None, bd, be), lambda bi, hi, si, d, e: (0, hi, d, e))
     results = results._replace(final_state=slice_struct if with_final_state else None,
                                final_tangent=slice_struct if with_final_state and with_tangent else None)
-  block_states = pl.BlockSpec((None, None, n, bd, be), lambda i, d, e: (i // ns // h, i // ns % h, 0, d, e))
+  block_states = spec((None, None, n, bd, be), lambda bi, hi, si, d, e: (bi, hi, 0, d, e))
   kernel = functools.partial(_chunk_states_kernel, chunk_size=chunk_size, seq_len=seq_len,
                              num_chunks=-(-seq_len // chunk_size), slice_chunks=slice_chunks, num_slices=ns,
-                             reverse=reverse, exact=ins.y.dtype == _F32, branch=branch)
-  specs = _present(state_ins, decay=pl.BlockSpec((None,), lambda i, d, e: (i // ns % h,)),
-                   sequence_bounds=pl.BlockSpec((ns + 1,), lambda i, d, e: (0,)),
-                   chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, lambda i, d, e: (i // ns // h, i // ns % h, 0)),
-                   chunk_runs=_gate_rows(ins.chunk_runs, lambda i, d, e: (i // ns // h, 0)),
-                   y=pl.BlockSpec((None, t, None, bd), lambda i, d, e: (i // ns // h, 0, i // ns % h, d)),
-                   z=pl.BlockSpec((None, t, None, be), lambda i, d, e: (i // ns // h, 0, i // ns % h, e)),
+                             programs_per_rank=h, reverse=reverse, exact=ins.y.dtype == _F32, branch=branch)
+  whole = lambda *_: (0,)  # noqa: E731
+  specs = _present(state_ins, decay=spec((None,), lambda bi, hi, si, d, e: (hi,)),
+                   sequence_bounds=spec((ns + 1,), whole), sequence_order=spec((ns,), whole),
+                   chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, spec, lambda bi, hi, si, d, e: (bi, hi, 0)),
+                   chunk_runs=_gate_rows(ins.chunk_runs, spec, lambda bi, hi, si, d, e: (bi, 0)),
+                   y=spec((None, t, None, bd), lambda bi, hi, si, d, e: (bi, 0, hi, d)),
+                   z=spec((None, t, None, be), lambda bi, hi, si, d, e: (bi, 0, hi, e)),
                    initial_state=block_state)
   out_specs = _present(results, chunk_states=block_states, chunk_tangents=block_states, final_state=block_slice,
                        final_tangent=block_slice)
@@ -685,6 +725,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
         starts = packing.piece_starts(own, pieces, token_rates, sequence_states, reverse=reverse)
       ins = ins._replace(initial_state=starts)
     ns = ins.sequence_bounds.shape[0] - 1
+    ins = ins._replace(sequence_order=_longest_first(ins.sequence_bounds))
   elif given_starts is not None:  # another sweep's first pass (see `sweep`), padded to this one's dims
     ins = ins._replace(initial_state=chunk_common.pad_state(given_starts.states, dim_k, dim_v))
   elif ns > 1:
@@ -695,33 +736,44 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   elif ins.initial_state is not None:
     ins = ins._replace(initial_state=ins.initial_state[:, :, None])
 
-  def rows(width, by_column):
-    return pl.BlockSpec((None, t, None, width), lambda i, e: (i // ns // h, 0, i // ns % h, e if by_column else 0))
+  folded = n_e if sequences else 1  # value blocks on grid axis 0 (`_program_coords`)
 
-  start = pl.BlockSpec((None, None, None, dim_k, be), lambda i, e: (i // ns // h, i // ns % h, i % ns, 0, e))
-  state = pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i // h, i % h, 0, e))  # one slice
-  if sequences:  # [N, H, K, V]: each sequence's
-    start = state = pl.BlockSpec((None, None, dim_k, be), lambda i, e: (i % ns, i // ns, 0, e))
-  in_specs = _present(ins, decay=pl.BlockSpec((None,), lambda i, e: (i // ns % h,)),
-                      sequence_bounds=pl.BlockSpec((ns + 1,), lambda i, e: (0,)),
-                      chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, lambda i, e: (i // ns // h, i // ns % h, 0)),
-                      chunk_runs=_gate_rows(ins.chunk_runs, lambda i, e: (i // ns // h, 0)), x=rows(dim_k, False),
-                      y=rows(dim_k, False), z=rows(be, True), dual_with=rows(be, True), initial_state=start,
-                      initial_tangent=start, tangent_with=rows(be, True), dot_with=rows(be, True))
+  def spec(block, index):  # index: (batch, head, slot, value block) -> the block's
+    def index_map(i, e):
+      bi, hi, si, ei = _program_coords(i, h=h, ns=ns, n_e=folded, sequences=sequences)
+      return index(bi, hi, si, e if ei is None else ei)
+    return pl.BlockSpec(block, index_map)
+
+  def rows(width, by_column):
+    return spec((None, t, None, width), lambda bi, hi, si, e: (bi, 0, hi, e if by_column else 0))
+
+  start = spec((None, None, None, dim_k, be), lambda bi, hi, si, e: (bi, hi, si, 0, e))
+  state = spec((None, None, dim_k, be), lambda bi, hi, si, e: (bi, hi, 0, e))  # one slice
+  if sequences:  # [N, H, K, V]: every sequence's, indexed in the kernel
+    start = state = spec((ns, None, dim_k, be), lambda bi, hi, si, e: (0, hi, 0, e))
+  whole = lambda *_: (0,)  # noqa: E731
+  in_specs = _present(ins, decay=spec((None,), lambda bi, hi, si, e: (hi,)),
+                      sequence_bounds=spec((ns + 1,), whole), sequence_order=spec((ns,), whole),
+                      chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, spec, lambda bi, hi, si, e: (bi, hi, 0)),
+                      chunk_runs=_gate_rows(ins.chunk_runs, spec, lambda bi, hi, si, e: (bi, 0)),
+                      x=rows(dim_k, False), y=rows(dim_k, False), z=rows(be, True), dual_with=rows(be, True),
+                      initial_state=start, initial_tangent=start, tangent_with=rows(be, True),
+                      dot_with=rows(be, True))
   # With slices the final state and tangent come from the combine.
   results = _output_structs(ins, n_e=n_e, with_final_state=with_final_state and (ns == 1 or sequences),
                             out_dtype=out_dtype, dots_with_dual=dots_with_dual, tp=tp,
                             num_states=ns if sequences else None)
   out_specs = _present(
       results, out=rows(be, True),
-      dual=pl.BlockSpec((None, None, t, None, dim_k), lambda i, e: (e, i // ns // h, 0, i // ns % h, 0)),
+      dual=spec((None, None, t, None, dim_k), lambda bi, hi, si, e: (e, bi, 0, hi, 0)),
       final_state=state,
-      row_dots=pl.BlockSpec((None, None, None, tp), lambda i, e: (i // ns // h, i // ns % h, e, 0)),
+      row_dots=spec((None, None, None, tp), lambda bi, hi, si, e: (bi, hi, e, 0)),
       final_tangent=state)
   kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len, num_chunks=num_chunks,
-                             slice_chunks=slice_chunks, num_slices=ns, reverse=reverse, exact=ins.x.dtype == _F32,
-                             dots_with_dual=dots_with_dual, branch=branch)
-  outs = _call(kernel, (b * h * ns, n_e), ins, in_specs, results, out_specs, cfg, "lightning_chunk_loop", interpret)
+                             slice_chunks=slice_chunks, num_slices=ns, programs_per_rank=h * folded, reverse=reverse,
+                             exact=ins.x.dtype == _F32, dots_with_dual=dots_with_dual, branch=branch)
+  outs = _call(kernel, (b * h * ns * folded, n_e // folded), ins, in_specs, results, out_specs, cfg,
+               "lightning_chunk_loop", interpret)
   if pieces is not None:
     outs = outs._replace(
         final_state=None if outs.final_state is None else packing.sequence_ends(
