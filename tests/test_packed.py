@@ -423,6 +423,18 @@ def test_cu_seqlens_states_run_a_program_per_sequence_or_piece(slice_size, progr
                                                                                  else []), calls
 
 
+def test_sequence_programs_start_longest_first():
+  """Grid axis 0 enumerates a sequence's rank by length (ties in order), then head, then value block: the GPU starts
+  programs in that order, so the longest chains start first, and one chunk's programs of every value block run
+  together."""
+  from lightning_jax.ops.lightning_attention import pallas_triton  # noqa: PLC0415
+
+  assert pallas_triton._longest_first(jnp.asarray(CU)).tolist() == [2, 0, 3, 1]
+  coords = [pallas_triton._program_coords(i, h=2, ns=4, n_e=3, sequences=True) for i in range(24)]
+  assert coords[:6] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 1, 0, 0), (0, 1, 0, 1), (0, 1, 0, 2)]
+  assert sorted(coords) == [(0, head, rank, e) for head in range(2) for rank in range(4) for e in range(3)]
+
+
 @pytest.mark.parametrize("op", ["lightning", "delta"])
 def test_cu_seqlens_programs_wait_for_no_host_loop(op):
   """Both ops' cu_seqlens paths (with per-sequence states, and the packed row without) lowered for CUDA hold no

@@ -34,10 +34,11 @@ instead of computed once per program from a per-head rate.
 Sequences with states of their own (`cu_seqlens` with initial or final
 states) run the chunk loop with one program per (head, sequence, value
 block): it walks the chunks that hold any of the sequence's tokens, reads and
-writes only its rows (the others of a shared chunk are masked, as rows past T
-are), rebases the chunk's cumulative rates to the sequence's own rows, and
-starts from the sequence's initial state and stores its final state. No copy
-of the operands, and no segment masks. Where those programs are too few to
+writes only its rows (in its first and last chunk, which it may share, the
+others are masked, as rows past T are, and the cumulative rates rebased to its
+own rows: `_walk`), and starts from the sequence's initial state and stores
+its final state. No copy of the operands, and no segment masks. The programs
+start longest sequence first (`_program_coords`). Where those programs are too few to
 fill the GPU, the sequences are cut at the split's slices into pieces
 (`packing.SequencePieces`): a states pass over the pieces, their combine
 (`packing.piece_starts`), then one program per piece.
