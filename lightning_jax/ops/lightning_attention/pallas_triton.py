@@ -340,16 +340,15 @@ def _initial_carry(ins: SweepOperands, *, with_tangent: bool, sequence=None):
   return state, jnp.zeros(shape, _F32) if ins.initial_tangent is None else ins.initial_tangent[...]
 
 
-def _slice_steps(*, num_chunks, slice_chunks, num_slices):
-  """(first sweep step, number of steps) of this program's slice of the sequence.
+def _slice_steps(slot, *, num_chunks, slice_chunks, num_slices):
+  """(first sweep step, number of steps) of the program of slice `slot` (`_program_coords`) of the sequence.
 
-  Programs of one (batch, head) and block hold consecutive slices along grid
-  axis 0. Only the last slice of the sequence can be shorter; its step count
-  is then traced.
+  Only the last slice of the sequence can be shorter; its step count is then
+  traced.
   """
   if num_slices == 1:
     return 0, min(slice_chunks, num_chunks)
-  first = (pl.program_id(0) % num_slices) * slice_chunks
+  first = slot * slice_chunks
   if num_slices * slice_chunks <= num_chunks:
     return first, slice_chunks
   return first, jnp.minimum(slice_chunks, num_chunks - first)
@@ -375,25 +374,24 @@ def _program_coords(i, *, h, ns, n_e, sequences):
   return i // ns // h, i // ns % h, i % ns, None
 
 
-def _sequence_steps(ins: SweepOperands, *, programs_per_rank, chunk_size, num_chunks, reverse):
-  """(first sweep step, number of steps, (bos, eos), sequence) of this program's sequence (`_program_coords`'
-  order): the chunks holding any of its tokens; an empty sequence's walks none."""
-  seq = ins.sequence_order[pl.program_id(0) // programs_per_rank]
+def _sequence_steps(ins: SweepOperands, rank, *, chunk_size, num_chunks, reverse):
+  """(first sweep step, number of steps, (bos, eos), sequence) of the program of the sequence of `rank` in
+  `sequence_order` (`_program_coords`): the chunks holding any of its tokens; an empty sequence's walks none."""
+  seq = ins.sequence_order[rank]
   bos, eos = ins.sequence_bounds[seq], ins.sequence_bounds[seq + 1]
   first_chunk, end_chunk = bos // chunk_size, (eos + chunk_size - 1) // chunk_size
   first = num_chunks - end_chunk if reverse else first_chunk
   return first, jnp.where(eos > bos, end_chunk - first_chunk, 0), (bos, eos), seq
 
 
-def _program_steps(ins: SweepOperands, *, chunk_size, num_chunks, slice_chunks, num_slices, programs_per_rank,
-                   reverse):
+def _program_steps(ins: SweepOperands, *, coords, chunk_size, num_chunks, slice_chunks, num_slices, reverse):
   """(first sweep step, number of steps, the sequence's (bos, eos) or None, its index or None) of this program:
-  its slice of the row, or with sequence bounds its sequence (each sequence, or piece of one, a slice of its own;
-  programs_per_rank: `_program_coords`' programs of one sequence)."""
+  its slice of the row, or with sequence bounds its sequence (each sequence, or piece of one, a slice of its own).
+  coords: grid axis 0's index -> `_program_coords`' (batch, head, slot, value block)."""
+  slot = coords(pl.program_id(0))[2]
   if ins.sequence_bounds is None:
-    return *_slice_steps(num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices), None, None
-  return _sequence_steps(ins, programs_per_rank=programs_per_rank, chunk_size=chunk_size, num_chunks=num_chunks,
-                         reverse=reverse)
+    return *_slice_steps(slot, num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices), None, None
+  return _sequence_steps(ins, slot, chunk_size=chunk_size, num_chunks=num_chunks, reverse=reverse)
 
 
 def _chunk_rows(step, *, num_chunks, chunk_size, reverse):
@@ -454,10 +452,10 @@ def _walk(body, carry, *, num_steps, bounds):
 
 
 def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, num_chunks,
-                       slice_chunks, num_slices, programs_per_rank, reverse, exact, dots_with_dual, branch):
+                       slice_chunks, num_slices, coords, reverse, exact, dots_with_dual, branch):
   first, num_steps, bounds, sequence = _program_steps(
-      ins, chunk_size=chunk_size, num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices,
-      programs_per_rank=programs_per_rank, reverse=reverse)
+      ins, coords=coords, chunk_size=chunk_size, num_chunks=num_chunks, slice_chunks=slice_chunks,
+      num_slices=num_slices, reverse=reverse)
   carry = _initial_carry(ins, with_tangent=ins.tangent_with is not None, sequence=sequence)
   factors = _factors_by_bounds(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
                                bounds=bounds)
@@ -495,10 +493,10 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
 
 
 def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, seq_len, num_chunks, slice_chunks,
-                         num_slices, programs_per_rank, reverse, exact, branch):
+                         num_slices, coords, reverse, exact, branch):
   first, num_steps, bounds, sequence = _program_steps(
-      ins, chunk_size=chunk_size, num_chunks=num_chunks, slice_chunks=slice_chunks, num_slices=num_slices,
-      programs_per_rank=programs_per_rank, reverse=reverse)
+      ins, coords=coords, chunk_size=chunk_size, num_chunks=num_chunks, slice_chunks=slice_chunks,
+      num_slices=num_slices, reverse=reverse)
   carry = _initial_carry(ins, with_tangent=outs.chunk_tangents is not None or outs.final_tangent is not None,
                          sequence=sequence)
   factors = _factors_by_bounds(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
@@ -600,9 +598,10 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
                          chunk_tangents=states_struct if with_chunk_states and with_tangent else None,
                          final_state=slice_struct if with_final_state else None,
                          final_tangent=slice_struct if with_final_state and with_tangent else None)
+  coords = functools.partial(_program_coords, h=h, ns=ns, n_e=1, sequences=sequences)
+
   def spec(block, index):  # index: (batch, head, slot, d, e) -> the block's
-    return pl.BlockSpec(block, lambda i, d, e: index(*_program_coords(i, h=h, ns=ns, n_e=1,
-                                                                      sequences=sequences)[:3], d, e))
+    return pl.BlockSpec(block, lambda i, d, e: index(*coords(i)[:3], d, e))
 
   block_state = spec((None, None, bd, be), lambda bi, hi, si, d, e: (bi, hi, d, e))
   block_slice = spec((None, None, None, bd, be), lambda bi, hi, si, d, e: (bi, hi, si, d, e))
@@ -616,7 +615,7 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   block_states = spec((None, None, n, bd, be), lambda bi, hi, si, d, e: (bi, hi, 0, d, e))
   kernel = functools.partial(_chunk_states_kernel, chunk_size=chunk_size, seq_len=seq_len,
                              num_chunks=-(-seq_len // chunk_size), slice_chunks=slice_chunks, num_slices=ns,
-                             programs_per_rank=h, reverse=reverse, exact=ins.y.dtype == _F32, branch=branch)
+                             coords=coords, reverse=reverse, exact=ins.y.dtype == _F32, branch=branch)
   whole = lambda *_: (0,)  # noqa: E731
   specs = _present(state_ins, decay=spec((None,), lambda bi, hi, si, d, e: (hi,)),
                    sequence_bounds=spec((ns + 1,), whole), sequence_order=spec((ns,), whole),
@@ -737,11 +736,12 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   elif ins.initial_state is not None:
     ins = ins._replace(initial_state=ins.initial_state[:, :, None])
 
-  folded = n_e if sequences else 1  # value blocks on grid axis 0 (`_program_coords`)
+  folded = n_e if sequences else 1  # value blocks on grid axis 0
+  coords = functools.partial(_program_coords, h=h, ns=ns, n_e=folded, sequences=sequences)
 
   def spec(block, index):  # index: (batch, head, slot, value block) -> the block's
     def index_map(i, e):
-      bi, hi, si, ei = _program_coords(i, h=h, ns=ns, n_e=folded, sequences=sequences)
+      bi, hi, si, ei = coords(i)
       return index(bi, hi, si, e if ei is None else ei)
     return pl.BlockSpec(block, index_map)
 
@@ -771,7 +771,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
       row_dots=spec((None, None, None, tp), lambda bi, hi, si, e: (bi, hi, e, 0)),
       final_tangent=state)
   kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len, num_chunks=num_chunks,
-                             slice_chunks=slice_chunks, num_slices=ns, programs_per_rank=h * folded, reverse=reverse,
+                             slice_chunks=slice_chunks, num_slices=ns, coords=coords, reverse=reverse,
                              exact=ins.x.dtype == _F32, dots_with_dual=dots_with_dual, branch=branch)
   outs = _call(kernel, (b * h * ns * folded, n_e // folded), ins, in_specs, results, out_specs, cfg,
                "lightning_chunk_loop", interpret)
