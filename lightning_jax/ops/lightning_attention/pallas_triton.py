@@ -359,6 +359,12 @@ def _longest_first(bounds):
   return jnp.argsort(bounds[:-1] - bounds[1:], stable=True).astype(jnp.int32)
 
 
+def _with_sequences(ins: SweepOperands, bounds) -> SweepOperands:
+  """ins with the sequence bounds [N + 1] its kernels walk and their order (`_longest_first`), formed once for the
+  states pass and the loop over the same sequences or pieces."""
+  return ins._replace(sequence_bounds=bounds, sequence_order=_longest_first(bounds))
+
+
 def _program_coords(i, *, h, ns, n_e, sequences):
   """Program i of grid axis 0 -> (batch, head, slot, value block or None: grid axis 1's).
 
@@ -588,8 +594,7 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   n, ns = -(-t // chunk_size), num_slices
   bd, be = cfg.block_d, cfg.block_e
   sequences = ins.sequence_bounds is not None
-  state_ins = SweepOperands(decay=ins.decay, sequence_bounds=ins.sequence_bounds,
-                            sequence_order=_longest_first(ins.sequence_bounds) if sequences else None,
+  state_ins = SweepOperands(decay=ins.decay, sequence_bounds=ins.sequence_bounds, sequence_order=ins.sequence_order,
                             chunk_cumdecay=ins.chunk_cumdecay, chunk_runs=ins.chunk_runs, y=ins.y, z=ins.z,
                             initial_state=ins.initial_state)
   states_struct = jax.ShapeDtypeStruct((b, h, n, dim_k, dim_v), _F32)
@@ -606,8 +611,9 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   block_state = spec((None, None, bd, be), lambda bi, hi, si, d, e: (bi, hi, d, e))
   block_slice = spec((None, None, None, bd, be), lambda bi, hi, si, d, e: (bi, hi, si, d, e))
   if sequences:  # [P, H, K, V]: each sequence's (or piece's), from zeros, indexed in the kernel
-    if with_chunk_states or ins.initial_state is not None:
-      raise ValueError("the states pass over sequences writes each one's own state from zeros")
+    if with_chunk_states or ins.initial_state is not None or ins.sequence_order is None:
+      raise ValueError("the states pass over sequences writes each one's own state from zeros, in their order "
+                       "(`_with_sequences`)")
     slice_struct = jax.ShapeDtypeStruct((ns, h, dim_k, dim_v), _F32)
     block_slice = spec((ns, None, bd, be), lambda bi, hi, si, d, e: (0, hi, d, e))
     results = results._replace(final_state=slice_struct if with_final_state else None,
@@ -715,7 +721,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
     sequence_states = ins.initial_state
     if given_starts is not None or (ns > 1 and ins.sequence_bounds.shape[0] - 1 + ns - 1 <= packing.MAX_PIECES):
       pieces = packing.sequence_pieces(ins.sequence_bounds, seq_len=seq_len, slice_tokens=slice_chunks * c)
-      ins = ins._replace(sequence_bounds=pieces.bounds)
+      ins = _with_sequences(ins, pieces.bounds)
       if given_starts is not None:
         starts = chunk_common.pad_state(given_starts.states, dim_k, dim_v)
       else:
@@ -724,8 +730,9 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
                           interpret=interpret, transposed=transposed_states).final_state
         starts = packing.piece_starts(own, pieces, token_rates, sequence_states, reverse=reverse)
       ins = ins._replace(initial_state=starts)
+    if pieces is None:
+      ins = _with_sequences(ins, ins.sequence_bounds)
     ns = ins.sequence_bounds.shape[0] - 1
-    ins = ins._replace(sequence_order=_longest_first(ins.sequence_bounds))
   elif given_starts is not None:  # another sweep's first pass (see `sweep`), padded to this one's dims
     ins = ins._replace(initial_state=chunk_common.pad_state(given_starts.states, dim_k, dim_v))
   elif ns > 1:
