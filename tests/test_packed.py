@@ -433,6 +433,10 @@ def test_sequence_programs_start_longest_first():
   coords = [pallas_triton._program_coords(i, h=2, ns=4, n_e=3, sequences=True) for i in range(24)]
   assert coords[:6] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 1, 0, 0), (0, 1, 0, 1), (0, 1, 0, 2)]
   assert sorted(coords) == [(0, head, rank, e) for head in range(2) for rank in range(4) for e in range(3)]
+  # A split's slices: batch, head, slice, each one's value blocks together.
+  coords = [pallas_triton._program_coords(i, h=2, ns=3, n_e=2, sequences=False) for i in range(24)]
+  assert coords[:4] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 0, 1, 1)]
+  assert coords == [(b, head, s, e) for b in range(2) for head in range(2) for s in range(3) for e in range(2)]
 
 
 @pytest.mark.parametrize("op", ["lightning", "delta"])

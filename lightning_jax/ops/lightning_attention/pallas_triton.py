@@ -368,16 +368,18 @@ def _with_sequences(ins: SweepOperands, bounds) -> SweepOperands:
 def _program_coords(i, *, h, ns, n_e, sequences):
   """Program i of grid axis 0 -> (batch, head, slot, value block or None: grid axis 1's).
 
-  Slices of a split run batch-major, then head, then slice. Sequence programs
-  (a batch of one; slot: a sequence's rank in `sequence_order`) run rank-major,
-  then head, then value block (n_e of them folded into axis 0), so that the
-  longest sequences' chains start first and a chunk's q and k tiles serve its
-  value blocks' programs together (from L2): the GPU starts programs in this
-  order, axis 0 first.
+  The GPU starts programs in this order, axis 0 first. Value blocks (n_e of
+  them folded into axis 0) come innermost, so that a chunk's q and k tiles serve
+  its value blocks' programs together (from L2). Outside them, slices of a split
+  run batch-major, then head, then slice; sequence programs (a batch of one;
+  slot: a sequence's rank in `sequence_order`) rank-major, then head, so that
+  the longest sequences' chains start first.
   """
+  e = i % n_e if n_e > 1 else None
+  i = i // n_e
   if sequences:
-    return 0, i // n_e % h, i // n_e // h, i % n_e if n_e > 1 else None
-  return i // ns // h, i // ns % h, i % ns, None
+    return 0, i % h, i // h, e
+  return i // ns // h, i // ns % h, i % ns, e
 
 
 def _sequence_steps(ins: SweepOperands, rank, *, chunk_size, num_chunks, reverse):
@@ -743,8 +745,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   elif ins.initial_state is not None:
     ins = ins._replace(initial_state=ins.initial_state[:, :, None])
 
-  folded = n_e if sequences else 1  # value blocks on grid axis 0
-  coords = functools.partial(_program_coords, h=h, ns=ns, n_e=folded, sequences=sequences)
+  coords = functools.partial(_program_coords, h=h, ns=ns, n_e=n_e, sequences=sequences)
 
   def spec(block, index):  # index: (batch, head, slot, value block) -> the block's
     def index_map(i, e):
@@ -780,7 +781,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len, num_chunks=num_chunks,
                              slice_chunks=slice_chunks, num_slices=ns, coords=coords, reverse=reverse,
                              exact=ins.x.dtype == _F32, dots_with_dual=dots_with_dual, branch=branch)
-  outs = _call(kernel, (b * h * ns * folded, n_e // folded), ins, in_specs, results, out_specs, cfg,
+  outs = _call(kernel, (b * h * ns * n_e, 1), ins, in_specs, results, out_specs, cfg,
                "lightning_chunk_loop", interpret)
   if pieces is not None:
     outs = outs._replace(
