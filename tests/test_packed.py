@@ -200,6 +200,14 @@ def test_pallas_packed_matches_sequences_alone(p, variant, kernel_mode):
   check_packed(p, zlib.crc32(f"{p}{variant}".encode()), impl="pallas", interpret=kernel_mode, **PALLAS[variant])
 
 
+@pytest.mark.parametrize("decay", ["head", "token"])
+def test_split_packed_rows_with_starts_in_every_step_of_a_slice(decay, kernel_mode):
+  """A split of slices of 3 chunks of 16 over segments starting in each of a slice's steps (in both sweep
+  orders), two in one slice, one on a chunk edge: every slice's own state restarts within it."""
+  p = Packing(((20, 13, 30, 5, 28, 40), (7, 60, 41, 28)), h=2, d=16, e=16, decay=decay)
+  check_packed(p, zlib.crc32(f"{p}slices".encode()), impl="pallas", interpret=kernel_mode, **PALLAS["split_small"])
+
+
 @pytest.mark.parametrize("p", PACKINGS[:3], ids=str)
 def test_pallas_packed_matches_sequences_alone_either_way_of_branching(p, kernel_mode, chunk_branches):
   """Chunks with and without segment starts, per-token and per-head rates, in every sweep of both forms."""
