@@ -7,6 +7,7 @@ compiled on an sm90 GPU; the gradients come from the chunk_loop sweeps.
 """
 
 import dataclasses
+import functools
 import zlib
 
 import chex
@@ -426,10 +427,14 @@ def test_delta_inverse_walks_any_chunks_per_cta(mode):
     with pytest.raises(ValueError, match=f"chunks_per_cta must be None or a positive int dividing the 4 chunks, "
                                          f"got {bad!r}"):
       delta_mosaic.inverse(k, beta, chunk_gates, chunks_per_cta=bad, interpret=interpret)
-  assert delta_mosaic.default_chunks_per_cta(batch_heads=16, num_chunks=1024, num_sms=132) == 8
-  # At least 2 CTAs per SM: 8 chunks a CTA give 128 CTAs at one head, 4 give 256, 2 give 512.
-  assert delta_mosaic.default_chunks_per_cta(batch_heads=1, num_chunks=1024, num_sms=132) == 2
-  assert delta_mosaic.default_chunks_per_cta(batch_heads=1, num_chunks=12, num_sms=132) == 1
+  walks = functools.partial(delta_mosaic.default_chunks_per_cta, num_sms=132)
+  assert walks(batch_heads=16, num_chunks=1024) == 16
+  # At least a CTA an SM: 16 chunks a CTA give 64 CTAs at one head, 8 give 128, 4 give 256.
+  assert walks(batch_heads=1, num_chunks=1024) == 4
+  assert walks(batch_heads=1, num_chunks=12) == 1
+  # KDA's kernel: at most 8, and 2 CTAs an SM (4 chunks a CTA give 256 CTAs at one head, 2 give 512).
+  assert walks(batch_heads=16, num_chunks=1024, policy=delta_mosaic.CHANNEL_GATED_WALKS) == 8
+  assert walks(batch_heads=1, num_chunks=1024, policy=delta_mosaic.CHANNEL_GATED_WALKS) == 2
 
 
 @needs_ws_jax

@@ -627,11 +627,24 @@ _SOLVE_BLOCK = 16
 # Float32 padding of the solve's shared-memory rows: a [64, 64] register tile is stored 8 rows a warp instruction,
 # and 256-byte rows put all 8 on the same banks; rows of 72 floats put them on distinct ones.
 _SOLVE_PAD = 8
-# The CTAs per SM below which a CTA of `inverse` walks fewer chunks (at most 8, the next one's keys loading during
-# this one's chain): one chunk's chain is latency-bound, so CTAs sharing an SM fill its waits.
-_INVERSE_CTAS_PER_SM = 2
 # The factor row of beta (`_factor_rows`).
 _BETA_ROW = 0
+
+
+class ChunkWalks(NamedTuple):
+  """How many chunks a CTA of a per-chunk kernel walks by default (the next chunk's loads in flight during this
+  one's chain): the most of `walks` dividing the row's chunks that leave at least `ctas_per_sm` CTAs an SM, else
+  1 (one chunk's chain is latency-bound, so CTAs sharing an SM fill its waits)."""
+  walks: tuple[int, ...]
+  ctas_per_sm: int
+
+
+# `inverse` (171 registers a thread: two CTAs an SM). H200, 2026-11-30, the kernel alone: 16 chunks a CTA took 0.3-3%
+# less time than 8 at B4 H32 D64 (T 2K to 32K) and B2 H32 D128 (T 8K, 32K), also at B4 H32 T2K, where 16 leave 256
+# CTAs (one an SM) and 8 leave 512; 32 were within 1% of 16 from T8K and 1.5x slower at T2K (128 CTAs).
+INVERSE_WALKS = ChunkWalks(walks=(16, 8, 4, 2), ctas_per_sm=1)
+# `channel_gated_chunks` (KDA), as measured before the inverse's longer walks (not since).
+CHANNEL_GATED_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=2)
 
 
 def _solve_diagonal_blocks(neg_upper, upper_ref, solved_ref):
@@ -801,22 +814,22 @@ def _factor_rows(beta, *extra):
   return (jnp.concatenate(rows, axis=3), *indices)
 
 
-def default_chunks_per_cta(*, batch_heads: int, num_chunks: int, num_sms: int) -> int:
-  """Chunks each CTA of `inverse` walks: the most of 8, 4, 2 dividing num_chunks that leave at least
-  `_INVERSE_CTAS_PER_SM` CTAs per SM, else 1."""
-  for chunks in (8, 4, 2):
-    if num_chunks % chunks == 0 and (
-        batch_heads * (num_chunks // chunks) >= _INVERSE_CTAS_PER_SM * num_sms):
+def default_chunks_per_cta(*, batch_heads: int, num_chunks: int, num_sms: int,
+                           policy: ChunkWalks = INVERSE_WALKS) -> int:
+  """Chunks each CTA of a per-chunk kernel walks under `policy` (`ChunkWalks`), over batch_heads rows of num_chunks
+  chunks on num_sms SMs."""
+  for chunks in policy.walks:
+    if num_chunks % chunks == 0 and batch_heads * (num_chunks // chunks) >= policy.ctas_per_sm * num_sms:
       return chunks
   return 1
 
 
-def _checked_chunks_per_cta(chunks_per_cta, *, batch_heads: int, num_chunks: int) -> int:
+def _checked_chunks_per_cta(chunks_per_cta, *, batch_heads: int, num_chunks: int, policy: ChunkWalks) -> int:
   """The chunks each CTA of `inverse` or `channel_gated_chunks` walks: chunks_per_cta, checked, or where None
-  `default_chunks_per_cta`'s."""
+  `default_chunks_per_cta`'s under the kernel's policy."""
   if chunks_per_cta is None:
     return default_chunks_per_cta(batch_heads=batch_heads, num_chunks=num_chunks,
-                                  num_sms=heuristics.num_sms(jax.devices()[0]))
+                                  num_sms=heuristics.num_sms(jax.devices()[0]), policy=policy)
   if (not isinstance(chunks_per_cta, int) or isinstance(chunks_per_cta, bool) or chunks_per_cta < 1
       or num_chunks % chunks_per_cta):
     raise ValueError(f"chunks_per_cta must be None or a positive int dividing the {num_chunks} chunks, "
@@ -859,7 +872,7 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
                      f"{k.shape}, beta {beta.shape}, Tp {tp}")
   rows, cum_row, runs_row = _factor_rows(beta, *chunk_gates)
   n = tp // c
-  per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
+  per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n, policy=INVERSE_WALKS)
   in_registers = not interpret
   dtype = k.dtype
   smem = lightning_mosaic.swizzled_smem
@@ -1392,7 +1405,7 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
     raise ValueError(f"operands: q, k, rates [B, T', H, K] with K 64 or 128 and T' rows a multiple of "
                      f"{WarpSpecializedConfig.TMA_ROWS} (or all Tp), beta [B, H, Tp], Tp a multiple of {c}; got q "
                      f"{q.shape}, k {k.shape}, rates {rates.shape}, beta {beta.shape}, Tp {tp}")
-  per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n)
+  per_cta = _checked_chunks_per_cta(chunks_per_cta, batch_heads=b * h, num_chunks=n, policy=CHANNEL_GATED_WALKS)
   in_registers = not interpret
   dtype = k.dtype
   smem = lightning_mosaic.swizzled_smem
