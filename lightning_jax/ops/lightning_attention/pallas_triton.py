@@ -366,17 +366,16 @@ def _with_sequences(ins: SweepOperands, bounds) -> SweepOperands:
 
 
 def _program_coords(i, *, h, ns, n_e, sequences):
-  """Program i of grid axis 0 -> (batch, head, slot, value block or None: grid axis 1's).
+  """Program i of grid axis 0 -> (batch, head, slot, value block).
 
   The GPU starts programs in this order, axis 0 first. Value blocks (n_e of
-  them folded into axis 0) come innermost, so that a chunk's q and k tiles serve
-  its value blocks' programs together (from L2). Outside them, slices of a split
-  run batch-major, then head, then slice; sequence programs (a batch of one;
-  slot: a sequence's rank in `sequence_order`) rank-major, then head, so that
-  the longest sequences' chains start first.
+  them) come innermost, so that a chunk's q and k tiles serve its value
+  blocks' programs together (from L2). Outside them, slices of a split run
+  batch-major, then head, then slice; sequence programs (a batch of one; slot:
+  a sequence's rank in `sequence_order`) rank-major, then head, so that the
+  longest sequences' chains start first.
   """
-  e = i % n_e if n_e > 1 else None
-  i = i // n_e
+  e, i = i % n_e, i // n_e
   if sequences:
     return 0, i % h, i // h, e
   return i // ns // h, i // ns % h, i % ns, e
@@ -748,10 +747,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   coords = functools.partial(_program_coords, h=h, ns=ns, n_e=n_e, sequences=sequences)
 
   def spec(block, index):  # index: (batch, head, slot, value block) -> the block's
-    def index_map(i, e):
-      bi, hi, si, ei = coords(i)
-      return index(bi, hi, si, e if ei is None else ei)
-    return pl.BlockSpec(block, index_map)
+    return pl.BlockSpec(block, lambda i: index(*coords(i)))
 
   def rows(width, by_column):
     return spec((None, t, None, width), lambda bi, hi, si, e: (bi, 0, hi, e if by_column else 0))
@@ -781,8 +777,8 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   kernel = functools.partial(_chunk_loop_kernel, scale=scale, chunk_size=c, seq_len=seq_len, num_chunks=num_chunks,
                              slice_chunks=slice_chunks, num_slices=ns, coords=coords, reverse=reverse,
                              exact=ins.x.dtype == _F32, dots_with_dual=dots_with_dual, branch=branch)
-  outs = _call(kernel, (b * h * ns * n_e, 1), ins, in_specs, results, out_specs, cfg,
-               "lightning_chunk_loop", interpret)
+  outs = _call(kernel, (b * h * ns * n_e,), ins, in_specs, results, out_specs, cfg, "lightning_chunk_loop",
+               interpret)
   if pieces is not None:
     outs = outs._replace(
         final_state=None if outs.final_state is None else packing.sequence_ends(
