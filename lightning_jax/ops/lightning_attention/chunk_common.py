@@ -274,6 +274,27 @@ def token_chunk_gates(rates, starts, *, chunk_size, num_tokens, reverse):
   return cumdecay, runs.reshape(b, num_tokens)
 
 
+# A chunk's segment-start count sits in its first row's bits from RUN_TOTAL_SHIFT up (`with_run_totals`); the
+# row's own count in the bits below.
+RUN_TOTAL_SHIFT = 16
+RUN_COUNTS = (1 << RUN_TOTAL_SHIFT) - 1
+
+
+def with_run_totals(runs, *, chunk_size, reverse):
+  """`token_chunk_gates`' runs [B, Tp] with each chunk's last count in sweep order (its segment starts) added to the
+  chunk's first row in memory, shifted left by RUN_TOTAL_SHIFT.
+
+  The Triton sweeps read a chunk's total there by one scalar load (`runs & RUN_COUNTS` are the counts): at the
+  chunk's first row, the address of its [C] counts' load, the forward sweeps ran as fast as the reverse ones, which
+  find the total there anyway; a scalar load of the chunk's last row instead made the packed dq sweep 18% slower
+  (H200, B1 H32 T32K D128, per-head rate; PERFORMANCE.md, "Per-token decay and packed sequences").
+  """
+  b, tp = runs.shape
+  chunks = runs.reshape(b, tp // chunk_size, chunk_size)
+  total = chunks[..., 0 if reverse else chunk_size - 1]
+  return chunks.at[..., 0].add(total << RUN_TOTAL_SHIFT).reshape(b, tp)
+
+
 def chunk_totals(cumdecay, runs, *, chunk_size, num_chunks, reverse):
   """Each chunk's summed rates (natural units) [B, H, N] (None without cumdecay) and whether a segment
   starts in it [B, N] (None without runs), in sweep order.
@@ -284,7 +305,7 @@ def chunk_totals(cumdecay, runs, *, chunk_size, num_chunks, reverse):
   in_order = (lambda x: x[..., ::-1]) if reverse else (lambda x: x)  # noqa: E731
   started = None
   if runs is not None:
-    started = in_order(runs.reshape(runs.shape[0], -1, chunk_size)[:, :num_chunks, end] > 0)
+    started = in_order((runs.reshape(runs.shape[0], -1, chunk_size)[:, :num_chunks, end] & RUN_COUNTS) > 0)
   if cumdecay is None:
     return None, started
   rate = cumdecay.reshape(*cumdecay.shape[:2], -1, chunk_size)[:, :, :num_chunks, end] / LOG2_E

@@ -89,7 +89,8 @@ class SweepOperands(NamedTuple):
     chunk_cumdecay, chunk_runs: [B, H, Tp] float32 and [B, Tp] int32, the
       per-chunk factors' inputs in the sweep's convention
       (`chunk_common.token_chunk_gates`): cumdecay with per-token rates only,
-      runs with segments only (a per-head rate is then masked).
+      runs with segments only (a per-head rate is then masked), each chunk's
+      total in its first row's high bits (`chunk_common.with_run_totals`).
     x, y: [B, T, H, K]; z: [B, T, H, V].
     dual_with: [B, T, H, V] u of the dual output, or None.
     initial_state: [B, H, K, V] float32, or None (zeros); in the chunk loop's
@@ -198,8 +199,9 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch, 
   def at_end(ref, chunk_idx):  # the chunk's last value in sweep order, a scalar load
     return ref[chunk_idx * chunk_size + (0 if reverse else chunk_size - 1)]
 
-  def runs_of(chunk_idx):
-    return ins.chunk_runs[chunk_rows(chunk_idx)], at_end(ins.chunk_runs, chunk_idx)
+  def runs_of(chunk_idx):  # the chunk's [C] counts and its total (`chunk_common.with_run_totals`)
+    total = ins.chunk_runs[chunk_idx * chunk_size] >> chunk_common.RUN_TOTAL_SHIFT
+    return ins.chunk_runs[chunk_rows(chunk_idx)] & chunk_common.RUN_COUNTS, total
 
   if ins.chunk_cumdecay is not None:
     def token_factors(chunk_idx):
@@ -876,8 +878,10 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
     cumdecay, runs = chunk_common.token_chunk_gates(ins.token_decay, ins.segment_starts, chunk_size=chunk,
                                                     num_tokens=tp, reverse=reverse)
     # Without segments the counts are all zeros: the kernels skip their masks.
-    padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
-                             chunk_runs=None if ins.segment_starts is None else runs)
+    padded = padded._replace(
+        token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
+        chunk_runs=None if ins.segment_starts is None else chunk_common.with_run_totals(runs, chunk_size=chunk,
+                                                                                          reverse=reverse))
   return padded, configs, chunk, slice_chunks, heuristics.branch_per_chunk(dual=ins.dual_with is not None)
 
 
