@@ -127,6 +127,21 @@ def test_warp_specialized_packed_matches_sequences_alone(p, mode):
                interpret=mode == "interpret", config=config)
 
 
+# Split packed rows: the Triton states pass before the kernel restarts each slice's own state where a segment
+# starts inside one of its chunks (slices of one chunk; starts in the first, second and third).
+WS_SPLIT_PACKINGS = [
+    Packing(((100, 48, 130),), d=64, e=48, dtype=BF16, decay="head"),
+    Packing(((70, 1, 120, 87),), h=1, d=32, e=64, dtype=BF16, decay=None, initial_state=False),
+]
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
+@pytest.mark.parametrize("p", WS_SPLIT_PACKINGS, ids=str)
+def test_warp_specialized_split_packed_row_matches_sequences_alone(p, mode):
+  check_packed(p, zlib.crc32(f"{p}ws-split".encode()), impl="pallas", variant="warp_specialized",
+               interpret=mode == "interpret", config=lj.LightningConfig(slice_size=64))
+
+
 @pytest.mark.parametrize("mode", WS_MODES)
 def test_warp_specialized_extreme_token_rates_in_a_split_sequence(mode):
   """Rates from 0 to 1e4 in one chunk, segments, and 5 slices from the Triton states pass: against the oracle."""
