@@ -128,7 +128,7 @@ def test_warp_specialized_packed_matches_sequences_alone(p, mode):
 
 
 # Split packed rows: the Triton states pass before the kernel restarts each slice's own state where a segment
-# starts inside one of its chunks (slices of one chunk; starts in the first, second and third).
+# starts inside one of its chunks (slices of one 64-token chunk; starts inside the second and third).
 WS_SPLIT_PACKINGS = [
     Packing(((100, 48, 130),), d=64, e=48, dtype=BF16, decay="head"),
     Packing(((70, 1, 120, 87),), h=1, d=32, e=64, dtype=BF16, decay=None, initial_state=False),
