@@ -1,17 +1,20 @@
 """Per-kernel device time of the CLI's cases, from a `jax.profiler` trace (PERFORMANCE.md's per-kernel numbers).
 
     python -m benchmarks.kernel_times --ops deltanet,gated_deltanet --impls lj-delta-pallas,jla-delta-mosaic \
-        --shapes 2x8192x32x128 --modes fwd,fwdbwd [--calls 3] [--top 12]
+        --shapes 2x8192x32x128 --modes fwd,fwdbwd [--calls 3] [--top 12] [--launches]
 
 Each case is built as `benchmarks.run` builds it (the same functions, inputs
 and gates: `jax_impls`, `peers.jla`), compiled and run once; then `--calls`
 calls run under the profiler. Every device event's duration is summed by its
-name and divided by the calls: a kernel's time per call. Each case's first line
-gives their sum, the device's busy time per call (the gaps between kernels, and
-so launch latency, left out: the CLI's times include them). Nsight Compute
-segfaulted on the lent H200's image; the profiler's device activity needs no
-ncu. One process, one case at a time: compare kernels within one run. On a
-CPU there are no device events (XLA runs on the host), and a case says so.
+name and divided by the calls: a kernel's time per call. With `--launches`,
+the last call's launches instead, in order and each apart: XLA gives one name
+to a kernel compiled once and launched twice (the backward's dv and dk sweeps),
+which the sums add up. Each case's first line gives their sum, the device's
+busy time per call (the gaps between kernels, and so launch latency, left out:
+the CLI's times include them). Nsight Compute segfaulted on the lent H200's
+image; the profiler's device activity needs no ncu. One process, one case at a
+time: compare kernels within one run. On a CPU there are no device events (XLA
+runs on the host), and a case says so.
 """
 
 from __future__ import annotations
@@ -38,6 +41,24 @@ def kernel_times(trace: dict, calls: int) -> dict:
     if e.get("ph") == "X" and "GPU" in process:
       times[process][e["name"]] += e["dur"] / 1e3 / calls  # microseconds in the trace
   return {process: dict(sorted(kernels.items(), key=lambda kv: -kv[1])) for process, kernels in times.items()}
+
+
+def launches(trace: dict, calls: int) -> dict:
+  """{device process name: [(kernel, ms), ...]}: the last of `calls` calls' kernels in launch order (GPU processes
+  only), each launch apart: kernels of one name (XLA names a kernel compiled once and launched twice alike, as the
+  dv and dk sweeps of the backward) stay apart."""
+  events = trace["traceEvents"]
+  names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  by_process = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") == "X" and "GPU" in names.get(e.get("pid"), ""):
+      by_process[names[e["pid"]]].append(e)
+  found = {}
+  for process, found_events in by_process.items():
+    found_events.sort(key=lambda e: e["ts"])
+    last = found_events[len(found_events) - len(found_events) // calls:]
+    found[process] = [(e["name"], e["dur"] / 1e3) for e in last]
+  return found
 
 
 def trace_calls(fn, args, calls: int, folder: pathlib.Path | None = None) -> dict:
@@ -77,8 +98,9 @@ def unavailable(job: dict) -> str | None:
   return reason if reason is not None else jax_impls.lightning_unavailable(job)
 
 
-def case_kernel_times(job: dict, mode: str, calls: int) -> dict:
-  """`kernel_times` of one job's mode ("fwd" or "fwdbwd"), on the CLI's function and first input set."""
+def case_kernel_times(job: dict, mode: str, calls: int, *, by_launch: bool = False) -> dict:
+  """`kernel_times` (by_launch: `launches`) of one job's mode ("fwd" or "fwdbwd"), on the CLI's function and first
+  input set."""
   import jax  # noqa: PLC0415
 
   from benchmarks import jax_impls  # noqa: PLC0415
@@ -89,7 +111,8 @@ def case_kernel_times(job: dict, mode: str, calls: int) -> dict:
   fn, args = (fns["fwd"], (q, k, v, *extras)) if mode == "fwd" else (fns["fwdbwd"], (q, k, v, do, *extras))
   fn = jax.jit(fn)
   jax.block_until_ready(fn(*args))  # compiled and warm before the trace
-  return kernel_times(trace_calls(fn, args, calls), calls)
+  trace = trace_calls(fn, args, calls)
+  return launches(trace, calls) if by_launch else kernel_times(trace, calls)
 
 
 def parse_args(argv=None):
@@ -103,6 +126,8 @@ def parse_args(argv=None):
   p.add_argument("--segments", default="1", help="sequences packed in each row, as benchmarks.run's")
   p.add_argument("--calls", type=int, default=3, help="calls traced per case")
   p.add_argument("--top", type=int, default=12, help="kernels listed per case")
+  p.add_argument("--launches", action="store_true",
+                 help="list the last call's kernel launches in order, each apart, instead of sums by name")
   args = p.parse_args(argv)
   if args.calls < 1:
     p.error(f"--calls must be >= 1, got {args.calls}")
@@ -126,13 +151,15 @@ def main(argv=None):
       if reason is not None:
         print(f"== {label}: skipped ({reason})", flush=True)
         continue
-      found = case_kernel_times(job, mode, args.calls)
+      found = case_kernel_times(job, mode, args.calls, by_launch=args.launches)
       if not found:
         print(f"== {label}: no GPU events (XLA ran on the host)", flush=True)
       for process, kernels in found.items():
-        print(f"== {label}, {process}: {sum(kernels.values()):.3f} ms of kernels per call", flush=True)
-        for name, ms in list(kernels.items())[:args.top]:
-          print(f"   {ms:8.3f} ms  {name[:100]}", flush=True)
+        rows = kernels if args.launches else list(kernels.items())[:args.top]
+        total = sum(ms for _, ms in kernels) if args.launches else sum(kernels.values())
+        print(f"== {label}, {process}: {total:.3f} ms of kernels per call", flush=True)
+        for i, (name, ms) in enumerate(rows):
+          print(f"   {f'{i:3d}.' if args.launches else ''}{ms:8.3f} ms  {name[:100]}", flush=True)
 
 
 if __name__ == "__main__":

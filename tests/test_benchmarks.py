@@ -693,3 +693,16 @@ def test_kernel_times_per_device_from_a_perfetto_trace():
   found = kernel_times.kernel_times(trace, calls=2)
   assert found == {"/device:GPU:0": {"loop": 1.5, "states": 1.0}, "/device:GPU:1": {"all-gather": 0.25}}
   assert list(found["/device:GPU:0"]) == ["loop", "states"]
+
+
+def test_kernel_launches_of_the_last_call_in_order():
+  """`--launches`: the last call's kernels in launch order, two launches of one name apart, per GPU process."""
+  from benchmarks import kernel_times  # noqa: PLC0415
+
+  meta = lambda pid, name: {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}  # noqa: E731
+  event = lambda pid, name, ts, dur: {"ph": "X", "pid": pid, "tid": 1, "ts": ts, "dur": dur, "name": name}  # noqa: E731
+  first = [event(2, "states", 0.0, 900.0), event(2, "loop", 1000.0, 3000.0), event(2, "loop", 4000.0, 2500.0)]
+  second = [event(2, "states", 7000.0, 1000.0), event(2, "loop", 8000.0, 3100.0), event(2, "loop", 11200.0, 2400.0)]
+  trace = {"traceEvents": [meta(1, "/host:CPU"), meta(2, "/device:GPU:0"), event(1, "PjitFunction", 0.0, 9e3),
+                           *second[::-1], *first]}
+  assert kernel_times.launches(trace, calls=2) == {"/device:GPU:0": [("states", 1.0), ("loop", 3.1), ("loop", 2.4)]}
