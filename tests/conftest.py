@@ -203,11 +203,14 @@ GPU_QUICK = [
     "decay_token-s0_1-chunk_loop]",
     "tests/test_sequence_split.py::test_split_chunk_loop_matches_oracle[gpu-B1T130H2D128E128-bfloat16-decay_random-s0_1-"
     "scale_None-final_1-64]",
-    # the warp-specialised forward (sm90): per-head rates, packed per-token rows, the split on it
+    # the warp-specialised forward (sm90): per-head rates, packed per-token rows, the split on it (and on a packed row
+    # with a per-head rate: the states pass's segment counts built beside the kernel's)
     "tests/test_warp_specialized.py::test_warp_specialized_matches_oracle[B2T300H3D128E96-bfloat16-decay_random-s0_1-"
     "scale_None-final_1-gpu]",
     "tests/test_warp_specialized.py::test_warp_specialized_packed_matches_sequences_alone[seg[[64, 1, 50, 35], "
     "[20, 44, 86]]H2D64E48-bfloat16-decay_token-s0_1-gpu]",
+    "tests/test_warp_specialized.py::test_warp_specialized_split_packed_row_matches_sequences_alone[seg[[100, 48, 130]]"
+    "H2D64E48-bfloat16-decay_head-s0_1-gpu]",
     "tests/test_sequence_split.py::test_split_warp_specialized_matches_oracle[B1T300H2D64E64-bfloat16-decay_random-s0_1-"
     "scale_None-final_1-128-gpu]",
     # delta_attention's Triton kernels: KDA packed forward and gradients, Gated DeltaNet's gradients, cu_seqlens with
