@@ -30,34 +30,38 @@ import tempfile
 from benchmarks import cases
 
 
-def kernel_times(trace: dict, calls: int) -> dict:
-  """{device process name: {kernel: ms per call}} from a Perfetto trace of `calls` calls (GPU processes only),
-  largest first."""
+def _device_events(trace: dict) -> dict:
+  """{device process name: [complete events]} of a Perfetto trace, GPU processes only (host events left out)."""
   events = trace["traceEvents"]
   names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-  times = collections.defaultdict(lambda: collections.defaultdict(float))
+  found = collections.defaultdict(list)
   for e in events:
     process = names.get(e.get("pid"), "")
     if e.get("ph") == "X" and "GPU" in process:
-      times[process][e["name"]] += e["dur"] / 1e3 / calls  # microseconds in the trace
-  return {process: dict(sorted(kernels.items(), key=lambda kv: -kv[1])) for process, kernels in times.items()}
+      found[process].append(e)
+  return found
+
+
+def kernel_times(trace: dict, calls: int) -> dict:
+  """{device process name: {kernel: ms per call}} from a Perfetto trace of `calls` calls (GPU processes only),
+  largest first."""
+  found = {}
+  for process, events in _device_events(trace).items():
+    times = collections.defaultdict(float)
+    for e in events:
+      times[e["name"]] += e["dur"] / 1e3 / calls  # microseconds in the trace
+    found[process] = dict(sorted(times.items(), key=lambda kv: -kv[1]))
+  return found
 
 
 def launches(trace: dict, calls: int) -> dict:
   """{device process name: [(kernel, ms), ...]}: the last of `calls` calls' kernels in launch order (GPU processes
   only), each launch apart: kernels of one name (XLA names a kernel compiled once and launched twice alike, as the
   dv and dk sweeps of the backward) stay apart."""
-  events = trace["traceEvents"]
-  names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-  by_process = collections.defaultdict(list)
-  for e in events:
-    if e.get("ph") == "X" and "GPU" in names.get(e.get("pid"), ""):
-      by_process[names[e["pid"]]].append(e)
   found = {}
-  for process, found_events in by_process.items():
-    found_events.sort(key=lambda e: e["ts"])
-    last = found_events[len(found_events) - len(found_events) // calls:]
-    found[process] = [(e["name"], e["dur"] / 1e3) for e in last]
+  for process, events in _device_events(trace).items():
+    events = sorted(events, key=lambda e: e["ts"])
+    found[process] = [(e["name"], e["dur"] / 1e3) for e in events[len(events) - len(events) // calls:]]
   return found
 
 
