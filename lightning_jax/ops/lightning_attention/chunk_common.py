@@ -291,8 +291,10 @@ def with_run_totals(runs, *, chunk_size, reverse):
   """
   b, tp = runs.shape
   chunks = runs.reshape(b, tp // chunk_size, chunk_size)
-  total = chunks[..., 0 if reverse else chunk_size - 1]
-  return chunks.at[..., 0].add(total << RUN_TOTAL_SHIFT).reshape(b, tp)
+  total = chunks[..., (0 if reverse else chunk_size - 1), None]
+  # Elementwise (no scatter into a copy): XLA fuses it into one loop.
+  first_row = np.arange(chunk_size) == 0
+  return (chunks + jnp.where(first_row, total << RUN_TOTAL_SHIFT, 0)).reshape(b, tp)
 
 
 def chunk_totals(cumdecay, runs, *, chunk_size, num_chunks, reverse):

@@ -482,7 +482,14 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     # the chain waits for chunk n+1's k and v (PERFORMANCE.md, change 9 of "Per-token decay
     # and packed sequences": H100, B2 H32 T32K D128 per-token rates, 2% less time than
     # publishing during the update's product).
-    def body(n, state_t, head_factors):
+    def body(n, carry, head_factors):
+      # Packed rows with a per-head rate carry the next chunk's total segment starts, read from HBM a chunk
+      # ahead: a chunk where none starts (most) then keeps the head's factors, and the chain, which bounds
+      # the kernel, neither waits for the counts nor masks (PERFORMANCE.md, change 13 of "Per-token decay and
+      # packed sequences").
+      state_t, runs_end = carry if head_segments else (carry, None)
+      if head_segments:
+        runs_next = runs_ref[batch, first_chunk + jnp.minimum(n + 1, num_chunks - 1), 0, c - 1]
       slot = slot_of(n)
       plgpu.barrier_wait(loaded.at[slot])
       if not per_chunk:
@@ -497,10 +504,11 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
           key, state_decay = head_factors
           if head_segments:  # zero for rows before the chunk's last segment; no state past a start
             # (counts, non-decreasing along the chunk: arithmetic masks, as warpgroup lowering broadcasts no scalar)
-            runs = chunk_factor_rows(n)[0]
-            runs_end = runs_smem[slot, 0, c - 1]
-            key = key * reaches_chunk_end(runs, runs_end)
-            state_decay = state_decay * sees_prior_state(runs_end)
+            def masked(key=key, state_decay=state_decay):
+              return (key * reaches_chunk_end(chunk_factor_rows(n)[0], runs_end),
+                      state_decay * sees_prior_state(runs_end))
+
+            key, state_decay = lax.cond(runs_end > 0, masked, lambda: (key, state_decay))
           state_decay = state_decay[:, None]
         if register_state:  # in registers
           values = (values[...].astype(_F32) * lax.broadcast_in_dim(key, (be, c), (1,))).astype(v_smem.dtype)
@@ -515,7 +523,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         @pl.when(n + 1 < num_chunks)
         def _():
           publish(n + 1, new_state)
-      return new_state
+      return (new_state, runs_next) if head_segments else new_state
 
     staging = None if register_state else (state_in_smem, vk_smem)
 
@@ -568,10 +576,12 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     else:
       if per_chunk:
         publish(0, state)
-      state = lax.fori_loop(0, split, lambda n, s: body(n, s, head_factors), state)
-    if last_apart:
-      last_factors = vectors_smem[_LAST_KEY], vectors_smem[_LAST_STATE]
-      state = lax.fori_loop(split, num_chunks, lambda n, s: body(n, s, last_factors), state)
+      carry = (state, runs_ref[batch, first_chunk, 0, c - 1]) if head_segments else state
+      carry = lax.fori_loop(0, split, lambda n, s: body(n, s, head_factors), carry)
+      if last_apart:
+        last_factors = vectors_smem[_LAST_KEY], vectors_smem[_LAST_STATE]
+        carry = lax.fori_loop(split, num_chunks, lambda n, s: body(n, s, last_factors), carry)
+      state = carry[0] if head_segments else carry
 
     @pl.loop(last_chunks(num_chunks, published), num_chunks)
     def _drain(n):
@@ -631,18 +641,18 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       # tensor cores: they depend on the chunk's rates alone.
       if head_segments:
         # Pairs within a segment, in a chunk where one starts; rows past the chunk's first segment start do
-        # not see S_n.
-        runs = chunk_factor_rows(n)[0]
+        # not see S_n. A chunk where none starts reads no counts.
+        started = runs_smem[slot, 0, c - 1] > 0
 
         def weights():
           def within_segments():
-            same_segment = (lax.broadcast_in_dim(runs, (c, c), (0,))
+            same_segment = (lax.broadcast_in_dim(runs_smem[slot, 0], (c, c), (0,))
                             == lax.broadcast_in_dim(runs_by_column[slot, 0], (c, c), (1,)))
             return jnp.where(same_segment, intra, 0.0)
 
-          return lax.cond(runs_smem[slot, 0, c - 1] > 0, within_segments, lambda: intra)
+          return lax.cond(started, within_segments, lambda: intra)
 
-        chunk_row = row * sees_prior_state(runs)
+        chunk_row = lax.cond(started, lambda: row * sees_prior_state(runs_smem[slot, 0]), lambda: row)
       elif not per_chunk:
         weights = lambda: intra  # noqa: E731
       else:
