@@ -336,34 +336,31 @@ def test_segmented_cumsum_matches_a_float64_loop(length, reverse):
     assert np.all(np.abs(got - want) <= 1e-6 * bound), start_rate
 
 
-@pytest.mark.parametrize("chunk_size", [16, 64, 128])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_chunk_start_bits_give_each_rows_count(reverse, chunk_size):
-  """The Triton sweeps' segment starts: each chunk's as bits (`chunk_start_bits`), counted per row in registers
-  (`counts_from_start_bits`), against a Python loop over the rows in sweep order; `chunk_totals` agrees."""
-  c, t = chunk_size, 200
-  tp = -(-t // c) * c
+def test_chunk_segment_counts_carry_each_chunks_total_in_its_first_row(reverse):
+  """The Triton sweeps' counts: each row's segment starts from its chunk's first row in sweep order in the low bits,
+  the chunk's total in its first row's high bits (where a kernel reads it), and `chunk_totals` agrees."""
+  c, t, tp = 64, 200, 256
   starts = np.random.default_rng(3).random((2, t)) < 0.05
-  starts[1, [31, 32, 63, 64, 127, 128]] = True  # on a word's and a chunk's edges
-  starts[0, 96:128] = True  # a full word
-  bits = chunk_common.chunk_start_bits(jnp.asarray(starts), chunk_size=c, num_tokens=tp, reverse=reverse)
-  words = np.asarray(bits).reshape(2, tp // c, chunk_common.start_words(c))
-  count = functools.partial(chunk_common.counts_from_start_bits, chunk_size=c, reverse=reverse)
-  counts, totals = jax.vmap(jax.vmap(lambda w: count([w[i] for i in range(w.shape[0])])))(jnp.asarray(words))
+  starts[1, 64] = starts[1, 127] = starts[1, 128] = True  # on a chunk's edges
+  _, runs = chunk_common.token_chunk_gates(None, jnp.asarray(starts), chunk_size=c, num_tokens=tp, reverse=reverse)
+  packed = np.asarray(chunk_common.with_run_totals(runs, chunk_size=c, reverse=reverse))
   # A reverse sweep's step t takes the start of token t + 1.
   steps = np.pad(starts[:, 1:] if reverse else starts, ((0, 0), (0, tp - t + reverse)))
   want = np.zeros((2, tp), np.int64)
   for chunk in range(tp // c):
     rows = range(chunk * c + c - 1, chunk * c - 1, -1) if reverse else range(chunk * c, chunk * c + c)
-    seen = 0
+    count = 0
     for row in rows:
-      seen += steps[:, row]
-      want[:, row] = seen
-  assert np.array_equal(np.asarray(counts).reshape(2, tp), want)
-  assert np.array_equal(np.asarray(totals), steps.reshape(2, -1, c).sum(-1))
-  _, started = chunk_common.chunk_totals(None, bits, chunk_size=c, num_chunks=tp // c, reverse=reverse)
-  in_order = (lambda x: x[..., ::-1]) if reverse else (lambda x: x)  # noqa: E731
-  assert np.array_equal(np.asarray(started), in_order(steps.reshape(2, -1, c).any(-1)))
+      count += steps[:, row]
+      want[:, row] = count
+  totals = steps.reshape(2, -1, c).sum(-1)
+  assert np.array_equal(packed & chunk_common.RUN_COUNTS, want)
+  high = packed.reshape(2, -1, c) >> chunk_common.RUN_TOTAL_SHIFT
+  assert np.array_equal(high[..., 0], totals) and not high[..., 1:].any()
+  _, started = chunk_common.chunk_totals(None, jnp.asarray(packed), chunk_size=c, num_chunks=tp // c,
+                                         reverse=reverse)
+  assert np.array_equal(np.asarray(started), (totals > 0)[:, ::-1] if reverse else totals > 0)
 
 
 # --- one compilation, helper, errors -------------------------------------------------

@@ -274,73 +274,40 @@ def token_chunk_gates(rates, starts, *, chunk_size, num_tokens, reverse):
   return cumdecay, runs.reshape(b, num_tokens)
 
 
-# The Triton sweeps take a chunk's segment starts as bits (`chunk_start_bits`): START_BITS rows a word.
-START_BITS = 32
+# A chunk's segment-start count sits in its first row's bits from RUN_TOTAL_SHIFT up (`with_run_totals`); the
+# row's own count in the bits below.
+RUN_TOTAL_SHIFT = 16
+RUN_COUNTS = (1 << RUN_TOTAL_SHIFT) - 1
 
 
-def start_words(chunk_size: int) -> int:
-  """The int32 words that hold one chunk's segment starts, a bit a row."""
-  return -(-chunk_size // START_BITS)
+def with_run_totals(runs, *, chunk_size, reverse):
+  """`token_chunk_gates`' runs [B, Tp] with each chunk's last count in sweep order (its segment starts) added to the
+  chunk's first row in memory, shifted left by RUN_TOTAL_SHIFT.
 
-
-def chunk_start_bits(starts, *, chunk_size, num_tokens, reverse):
-  """Each chunk's segment starts in a sweep's convention as bits, [B, N * W] int32 (W = `start_words`).
-
-  Row r of chunk n (in memory order) is bit r % 32 of word n W + r // 32. A
-  reverse sweep's step t takes the start of token t + 1 (`token_chunk_gates`).
-  The Triton sweeps read a chunk's W words by scalar loads and count its
-  starts in registers (`counts_from_start_bits`): no [C] counts to load per
-  chunk, which cost each packed sweep 9% (PERFORMANCE.md, change 14 of
-  "Per-token decay and packed sequences").
-
-  Args:
-    starts: [B, T] bool segment starts (`segment_starts`).
-    chunk_size: static; num_tokens: Tp, a multiple of it (T padded).
+  The Triton sweeps read a chunk's total there by one scalar load (`runs & RUN_COUNTS` are the counts): at the
+  chunk's first row, the address of its [C] counts' load, the forward sweeps ran as fast as the reverse ones, which
+  find the total there anyway; a scalar load of the chunk's last row instead made the packed dq sweep 18% slower
+  (H200, B1 H32 T32K D128, per-head rate; PERFORMANCE.md, "Per-token decay and packed sequences").
   """
-  b, t = starts.shape
-  starts = starts.astype(jnp.int32)
-  if reverse:
-    starts = jnp.pad(starts[:, 1:], ((0, 0), (0, 1)))
-  words = start_words(chunk_size)
-  chunks = jnp.pad(starts, ((0, 0), (0, num_tokens - t))).reshape(b, num_tokens // chunk_size, chunk_size)
-  chunks = jnp.pad(chunks, ((0, 0), (0, 0), (0, words * START_BITS - chunk_size)))
-  bits = chunks.reshape(b, -1, words, START_BITS) << np.arange(START_BITS, dtype=np.int32)
-  return jnp.sum(bits, axis=-1).reshape(b, -1)  # distinct bits: the sum is their union
+  b, tp = runs.shape
+  chunks = runs.reshape(b, tp // chunk_size, chunk_size)
+  total = chunks[..., (0 if reverse else chunk_size - 1), None]
+  # Elementwise (no scatter into a copy): XLA fuses it into one loop.
+  first_row = np.arange(chunk_size) == 0
+  return (chunks + jnp.where(first_row, total << RUN_TOTAL_SHIFT, 0)).reshape(b, tp)
 
 
-def counts_from_start_bits(words, *, chunk_size, reverse):
-  """A chunk's segment-start counts [C] int32 (`token_chunk_gates`' runs) and their total, from its words.
-
-  words: the chunk's `start_words` int32 scalars (`chunk_start_bits`). The
-  count of row i is the starts among the chunk's rows from its first in sweep
-  order through i: the population count of each word masked to those rows.
-  """
-  i = jnp.arange(chunk_size, dtype=jnp.int32)
-  counts, total = jnp.zeros((chunk_size,), jnp.int32), jnp.int32(0)
-  for w, word in enumerate(words):
-    bit = i - w * START_BITS  # row i's bit in this word (outside [0, 31]: another word's row)
-    shift = jnp.clip(bit + (0 if reverse else 1), 0, START_BITS - 1)  # shifts stay below the word's width
-    if reverse:  # bits bit..31
-      mask = jnp.where(bit <= 0, -1, jnp.where(bit >= START_BITS, 0, -(jnp.int32(1) << shift)))
-    else:  # bits 0..bit
-      mask = jnp.where(bit >= START_BITS - 1, -1, jnp.where(bit < 0, 0, (jnp.int32(1) << shift) - 1))
-    counts = counts + jax.lax.population_count(word & mask)
-    total = total + jax.lax.population_count(word)
-  return counts, total
-
-
-def chunk_totals(cumdecay, start_bits, *, chunk_size, num_chunks, reverse):
+def chunk_totals(cumdecay, runs, *, chunk_size, num_chunks, reverse):
   """Each chunk's summed rates (natural units) [B, H, N] (None without cumdecay) and whether a segment
-  starts in it [B, N] (None without start_bits), in sweep order.
+  starts in it [B, N] (None without runs), in sweep order.
 
-  From `token_chunk_gates`' cumdecay and `chunk_start_bits`; the first `num_chunks` chunks are real.
+  From `token_chunk_gates`' outputs; the first `num_chunks` chunks are real.
   """
   end = 0 if reverse else chunk_size - 1  # the chunk's last row in sweep order
   in_order = (lambda x: x[..., ::-1]) if reverse else (lambda x: x)  # noqa: E731
   started = None
-  if start_bits is not None:
-    words = start_bits.reshape(start_bits.shape[0], -1, start_words(chunk_size))[:, :num_chunks]
-    started = in_order((words != 0).any(-1))
+  if runs is not None:
+    started = in_order((runs.reshape(runs.shape[0], -1, chunk_size)[:, :num_chunks, end] & RUN_COUNTS) > 0)
   if cumdecay is None:
     return None, started
   rate = cumdecay.reshape(*cumdecay.shape[:2], -1, chunk_size)[:, :, :num_chunks, end] / LOG2_E

@@ -78,7 +78,7 @@ class SweepOperands(NamedTuple):
     token_decay: [B, T, H] float32 per-token rates (each token's own), or None;
       `sweep` only (the kernels get chunk_cumdecay).
     segment_starts: [B, T] bool, tokens that start a segment, or None; `sweep`
-      only (the kernels get chunk_start_bits).
+      only (the kernels get chunk_runs).
     sequence_bounds: [N + 1] int32 cumulative lengths of N sequences packed in
       a batch of one (`cu_seqlens`), or None: the chunk loop then runs one
       program per (head, sequence, value block) over that sequence's chunks,
@@ -86,11 +86,11 @@ class SweepOperands(NamedTuple):
       docstring); with per-token rates or none.
     sequence_order: [N] int32, the kernels' only: the sequences longest first
       (`_longest_first`), the order their programs start in.
-    chunk_cumdecay: [B, H, Tp] float32, per-token rates summed in each chunk in
-      the sweep's convention (`chunk_common.token_chunk_gates`), or None.
-    chunk_start_bits: [B, N * W] int32, each chunk's segment starts in the
-      sweep's convention, a bit a row (`chunk_common.chunk_start_bits`), or
-      None (no segments; a per-head rate with segments is masked by them).
+    chunk_cumdecay, chunk_runs: [B, H, Tp] float32 and [B, Tp] int32, the
+      per-chunk factors' inputs in the sweep's convention
+      (`chunk_common.token_chunk_gates`): cumdecay with per-token rates only,
+      runs with segments only (a per-head rate is then masked), each chunk's
+      total in its first row's high bits (`chunk_common.with_run_totals`).
     x, y: [B, T, H, K]; z: [B, T, H, V].
     dual_with: [B, T, H, V] u of the dual output, or None.
     initial_state: [B, H, K, V] float32, or None (zeros); in the chunk loop's
@@ -112,7 +112,7 @@ class SweepOperands(NamedTuple):
   sequence_bounds: jax.Array | None = None
   sequence_order: jax.Array | None = None
   chunk_cumdecay: jax.Array | None = None
-  chunk_start_bits: jax.Array | None = None
+  chunk_runs: jax.Array | None = None
   x: jax.Array | None = None
   y: jax.Array | None = None
   z: jax.Array | None = None
@@ -199,14 +199,13 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch, 
   def at_end(ref, chunk_idx):  # the chunk's last value in sweep order, a scalar load
     return ref[chunk_idx * chunk_size + (0 if reverse else chunk_size - 1)]
 
-  def runs_of(chunk_idx):  # the chunk's [C] counts and their total, from its words (scalar loads)
-    words = chunk_common.start_words(chunk_size)
-    return chunk_common.counts_from_start_bits([ins.chunk_start_bits[chunk_idx * words + w] for w in range(words)],
-                                               chunk_size=chunk_size, reverse=reverse)
+  def runs_of(chunk_idx):  # the chunk's [C] counts and its total (`chunk_common.with_run_totals`)
+    total = ins.chunk_runs[chunk_idx * chunk_size] >> chunk_common.RUN_TOTAL_SHIFT
+    return ins.chunk_runs[chunk_rows(chunk_idx)] & chunk_common.RUN_COUNTS, total
 
   if ins.chunk_cumdecay is not None:
     def token_factors(chunk_idx):
-      runs, run_end = (None, None) if ins.chunk_start_bits is None else runs_of(chunk_idx)
+      runs, run_end = (None, None) if ins.chunk_runs is None else runs_of(chunk_idx)
       if bounds is None:
         cumdecay, cum_end = ins.chunk_cumdecay[chunk_rows(chunk_idx)], at_end(ins.chunk_cumdecay, chunk_idx)
       else:
@@ -217,11 +216,11 @@ def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch, 
     return token_factors
   if bounds is not None and ins.decay is not None:
     raise ValueError("sequence programs take per-token rates (a per-head rate broadcast over the tokens)")
-  if ins.decay is None and ins.chunk_start_bits is None:
+  if ins.decay is None and ins.chunk_runs is None:
     return lambda chunk_idx: (None, None)
   lam2 = 0.0 if ins.decay is None else ins.decay[()].astype(_F32) * chunk_common.LOG2_E
   factors = chunk_common.sweep_decay_factors(lam2, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse)
-  if ins.chunk_start_bits is None:
+  if ins.chunk_runs is None:
     return lambda chunk_idx: (factors(chunk_idx), None)
   if branch:
     return lambda chunk_idx: (chunk_common.mask_started_segments(factors(chunk_idx), *runs_of(chunk_idx)), None)
@@ -599,7 +598,7 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   bd, be = cfg.block_d, cfg.block_e
   sequences = ins.sequence_bounds is not None
   state_ins = SweepOperands(decay=ins.decay, sequence_bounds=ins.sequence_bounds, sequence_order=ins.sequence_order,
-                            chunk_cumdecay=ins.chunk_cumdecay, chunk_start_bits=ins.chunk_start_bits, y=ins.y, z=ins.z,
+                            chunk_cumdecay=ins.chunk_cumdecay, chunk_runs=ins.chunk_runs, y=ins.y, z=ins.z,
                             initial_state=ins.initial_state)
   states_struct = jax.ShapeDtypeStruct((b, h, n, dim_k, dim_v), _F32)
   slice_struct = jax.ShapeDtypeStruct((b, h, ns, dim_k, dim_v), _F32)
@@ -630,7 +629,7 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   specs = _present(state_ins, decay=spec((None,), lambda bi, hi, si, d, e: (hi,)),
                    sequence_bounds=spec((ns + 1,), whole), sequence_order=spec((ns,), whole),
                    chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, spec, lambda bi, hi, si, d, e: (bi, hi, 0)),
-                   chunk_start_bits=_gate_rows(ins.chunk_start_bits, spec, lambda bi, hi, si, d, e: (bi, 0)),
+                   chunk_runs=_gate_rows(ins.chunk_runs, spec, lambda bi, hi, si, d, e: (bi, 0)),
                    y=spec((None, t, None, bd), lambda bi, hi, si, d, e: (bi, 0, hi, d)),
                    z=spec((None, t, None, be), lambda bi, hi, si, d, e: (bi, 0, hi, e)),
                    initial_state=block_state)
@@ -687,8 +686,8 @@ def slice_starts(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
                       slice_chunks=slice_chunks, num_slices=local_slices, branch=branch, interpret=interpret,
                       transposed=transposed)
   slice_decay = slice_resets = None
-  if ins.chunk_cumdecay is not None or ins.chunk_start_bits is not None:  # per-token or packed
-    rate, started = chunk_common.chunk_totals(ins.chunk_cumdecay, ins.chunk_start_bits, chunk_size=chunk_size,
+  if ins.chunk_cumdecay is not None or ins.chunk_runs is not None:  # per-token or packed
+    rate, started = chunk_common.chunk_totals(ins.chunk_cumdecay, ins.chunk_runs, chunk_size=chunk_size,
                                               num_chunks=num_chunks, reverse=reverse)
     pad = num_slices * slice_chunks - num_chunks
     by_slice = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(  # noqa: E731
@@ -763,7 +762,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
   in_specs = _present(ins, decay=spec((None,), lambda bi, hi, si, e: (hi,)),
                       sequence_bounds=spec((ns + 1,), whole), sequence_order=spec((ns,), whole),
                       chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, spec, lambda bi, hi, si, e: (bi, hi, 0)),
-                      chunk_start_bits=_gate_rows(ins.chunk_start_bits, spec, lambda bi, hi, si, e: (bi, 0)),
+                      chunk_runs=_gate_rows(ins.chunk_runs, spec, lambda bi, hi, si, e: (bi, 0)),
                       x=rows(dim_k, False), y=rows(dim_k, False), z=rows(be, True), dual_with=rows(be, True),
                       initial_state=start, initial_tangent=start, tangent_with=rows(be, True),
                       dot_with=rows(be, True))
@@ -826,8 +825,7 @@ def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, 
       kernel, (b * h, n, n_e), out_ins,
       _present(out_ins, decay=pl.BlockSpec((None,), lambda i, j, e: (i % h,)),
                chunk_cumdecay=pl.BlockSpec((None, None, tp), lambda i, j, e: (i // h, i % h, 0)),
-               chunk_start_bits=_gate_rows(ins.chunk_start_bits, pl.BlockSpec, lambda i, j, e: (i // h, 0)),
-               x=chunk(dim_k, False),
+               chunk_runs=pl.BlockSpec((None, tp), lambda i, j, e: (i // h, 0)), x=chunk(dim_k, False),
                y=chunk(dim_k, False), z=chunk(be, True), dual_with=chunk(be, True), chunk_states=chunk_state,
                chunk_tangents=chunk_state, tangent_with=chunk(be, True), dot_with=chunk(be, True)),
       results, _present(results, out=chunk(be, True),
@@ -877,12 +875,13 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
   if ins.token_decay is not None or ins.segment_starts is not None:
     if ins.decay is not None and ins.token_decay is not None:
       raise ValueError("give decay (per head) or token_decay, not both")
-    cumdecay = None if ins.token_decay is None else chunk_common.token_chunk_gates(
-        ins.token_decay, None, chunk_size=chunk, num_tokens=tp, reverse=reverse)[0]
-    start_bits = None if ins.segment_starts is None else chunk_common.chunk_start_bits(
-        ins.segment_starts, chunk_size=chunk, num_tokens=tp, reverse=reverse)
-    padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
-                             chunk_start_bits=start_bits)
+    cumdecay, runs = chunk_common.token_chunk_gates(ins.token_decay, ins.segment_starts, chunk_size=chunk,
+                                                    num_tokens=tp, reverse=reverse)
+    # Without segments the counts are all zeros: the kernels skip their masks.
+    padded = padded._replace(
+        token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
+        chunk_runs=None if ins.segment_starts is None else chunk_common.with_run_totals(runs, chunk_size=chunk,
+                                                                                          reverse=reverse))
   return padded, configs, chunk, slice_chunks, heuristics.branch_per_chunk(dual=ins.dual_with is not None)
 
 
