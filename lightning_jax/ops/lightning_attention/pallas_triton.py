@@ -877,7 +877,7 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
       raise ValueError("give decay (per head) or token_decay, not both")
     cumdecay, runs = chunk_common.token_chunk_gates(ins.token_decay, ins.segment_starts, chunk_size=chunk,
                                                     num_tokens=tp, reverse=reverse)
-    # Without segments the counts are all zeros: the kernels skip their masks.
+    # Without segments the kernels get no counts, and mask nothing.
     padded = padded._replace(
         token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
         chunk_runs=None if ins.segment_starts is None else chunk_common.with_run_totals(runs, chunk_size=chunk,
