@@ -958,16 +958,16 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   initial_state = chunk_common.pad_state(initial_state, kp, vp)
   # The states pass takes the gates as the chunk loop's sweeps do (a per-head rate stays one, masked by the
   # segments): the per-head kernels, which the dq sweep would run for the same states. Its counts carry each
-  # chunk's total (`chunk_common.with_run_totals`); this kernel's are the counts alone.
+  # chunk's total (`pallas_triton.segment_fields`); this kernel's are the counts alone.
   gates, chunk_gates, chunk_runs = dict(decay=decay), None, None
   per_token = chunk_common.per_token(decay)
   if per_token or segment_starts is not None:
     cumdecay, runs = sweep_gates(decay if per_token else None, segment_starts, num_tokens=tp)
-    counts = None if runs is None else chunk_common.with_run_totals(runs, chunk_size=c, reverse=False)
+    segments = pallas_triton.segment_fields(runs, chunk_size=c, num_chunks=num_chunks, reverse=False)
     if per_token:
-      gates, chunk_gates = dict(chunk_cumdecay=cumdecay, chunk_runs=counts), (cumdecay, runs)
+      gates, chunk_gates = dict(chunk_cumdecay=cumdecay, **segments), (cumdecay, runs)
     else:
-      gates, chunk_runs = dict(decay=decay, chunk_runs=counts), runs
+      gates, chunk_runs = dict(decay=decay, **segments), runs
   final_state = starts = None
   if num_slices > 1:
     configs = heuristics.resolve(opts.config, dim_k=kp, dim_v=vp, itemsize=q.dtype.itemsize,

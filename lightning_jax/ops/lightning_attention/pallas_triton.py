@@ -91,6 +91,11 @@ class SweepOperands(NamedTuple):
       (`chunk_common.token_chunk_gates`): cumdecay with per-token rates only,
       runs with segments only (a per-head rate is then masked), each chunk's
       total in its first row's high bits (`chunk_common.with_run_totals`).
+    chunk_next_start: [B, N] int32 with segments (else None): for each sweep
+      step, the first step at or after it whose chunk holds a segment start
+      (N where none does; `segment_fields`). The chunk loop and the states
+      pass walk the chunks between two such steps without the segments'
+      counts and masks (`_segment_walk`).
     x, y: [B, T, H, K]; z: [B, T, H, V].
     dual_with: [B, T, H, V] u of the dual output, or None.
     initial_state: [B, H, K, V] float32, or None (zeros); in the chunk loop's
@@ -113,6 +118,7 @@ class SweepOperands(NamedTuple):
   sequence_order: jax.Array | None = None
   chunk_cumdecay: jax.Array | None = None
   chunk_runs: jax.Array | None = None
+  chunk_next_start: jax.Array | None = None
   x: jax.Array | None = None
   y: jax.Array | None = None
   z: jax.Array | None = None
@@ -176,6 +182,18 @@ def _present(values: NamedTuple, **specs) -> NamedTuple:
 
 
 _dot = triton_lowering.dot
+
+
+def segment_fields(runs, *, chunk_size, num_chunks, reverse) -> dict:
+  """`SweepOperands`' chunk_runs and chunk_next_start of a packed row (None: of an unpacked one), from
+  `chunk_common.token_chunk_gates`' runs [B, Tp] in the sweep's convention; num_chunks: the real chunks."""
+  if runs is None:
+    return dict(chunk_runs=None, chunk_next_start=None)
+  counts = chunk_common.with_run_totals(runs, chunk_size=chunk_size, reverse=reverse)
+  _, started = chunk_common.chunk_totals(None, counts, chunk_size=chunk_size, num_chunks=num_chunks, reverse=reverse)
+  steps = jnp.arange(num_chunks, dtype=jnp.int32)
+  next_start = jax.lax.cummin(jnp.where(started, steps, num_chunks), axis=1, reverse=True)
+  return dict(chunk_runs=counts, chunk_next_start=next_start)
 
 
 def _sweep_factors(ins: SweepOperands, *, chunk_size, seq_len, reverse, branch, bounds=None):
@@ -435,28 +453,45 @@ def _write_final(outs: SweepResults, state, tangent, sequence=None):
     outs.final_tangent[at] = tangent
 
 
-def _factors_by_bounds(ins: SweepOperands, *, bounds, **kwargs):
-  """bounds or None -> `_sweep_factors`' function of a chunk: a sequence program's edge chunks' (rebased to its rows)
-  or every other chunk's, both set up once, before the program's loop."""
-  plain = _sweep_factors(ins, **kwargs)
+def _factors_by_kind(ins: SweepOperands, *, bounds, **kwargs):
+  """A chunk's kind -> `_sweep_factors`' function of a chunk, each set up once, before the program's loop: "plain"
+  (a chunk of an unpacked row, a packed row's chunk where no segment starts, the middle of a sequence program),
+  "edge" (a sequence program's first and last chunks, rebased to its rows: `bounds`) or "segments" (a packed row's
+  chunk where a segment starts, masked by its counts)."""
+  segments = _sweep_factors(ins, **kwargs)
+  plain = segments if ins.chunk_next_start is None else _sweep_factors(ins._replace(chunk_runs=None), **kwargs)
   edge = plain if bounds is None else _sweep_factors(ins, bounds=bounds, **kwargs)
-  return lambda chunk_bounds: plain if chunk_bounds is None else edge
+  return {"plain": plain, "edge": edge, "segments": segments}.__getitem__
 
 
-def _walk(body, carry, *, num_steps, bounds):
-  """The program's loop over its steps, body(step, carry, bounds) -> carry.
+def _walk(body, carry, *, num_steps, bounds, first, next_start):
+  """The program's loop over its steps, body(step, carry, kind) -> carry (kind: `_factors_by_kind`'s).
 
   A sequence program's (`bounds`: bos, eos) first and last steps run with
   them, masked and rebased to its rows; the chunks between them hold its rows
   alone and run as an unpacked row's, with no masks and no rebase (H200, B1 H32
   T32K D128, 8 sequences: the forward's loop 0.912 -> 0.839 ms; PERFORMANCE.md,
-  "Per-sequence states with `cu_seqlens`").
+  "Per-sequence states with `cu_seqlens`"). A packed row's program (`next_start`:
+  the row's `chunk_next_start`; first: the program's first sweep step) walks the
+  chunks between two where a segment starts as an unpacked row's, and each of
+  those apart, masked: loaded and masked in every chunk, the counts cost each
+  sweep 9% (PERFORMANCE.md, change 14 of "Per-token decay and packed sequences").
   """
+  plain = lambda step, c: body(step, c, "plain")  # noqa: E731
+  if next_start is not None:
+    def run(state):  # the plain steps up to the next chunk where a segment starts, then that chunk
+      step, c = state
+      start = jnp.minimum(next_start[first + step] - first, num_steps)
+      c = jax.lax.fori_loop(step, start, plain, c)
+      c = jax.lax.cond(start < num_steps, lambda c: body(start, c, "segments"), lambda c: c, c)
+      return start + 1, c
+
+    return jax.lax.while_loop(lambda state: state[0] < num_steps, run, (jnp.int32(0), carry))[1]
   if bounds is None:
-    return jax.lax.fori_loop(0, num_steps, lambda step, c: body(step, c, None), carry)
-  edge = lambda step, c: body(step, c, bounds)  # noqa: E731
+    return jax.lax.fori_loop(0, num_steps, plain, carry)
+  edge = lambda step, c: body(step, c, "edge")  # noqa: E731
   carry = jax.lax.fori_loop(0, jnp.minimum(num_steps, 1), edge, carry)
-  carry = jax.lax.fori_loop(1, num_steps - 1, lambda step, c: body(step, c, None), carry)
+  carry = jax.lax.fori_loop(1, num_steps - 1, plain, carry)
   return jax.lax.fori_loop(jnp.maximum(num_steps - 1, 1), num_steps, edge, carry)
 
 
@@ -466,18 +501,19 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
       ins, coords=coords, chunk_size=chunk_size, num_chunks=num_chunks, slice_chunks=slice_chunks,
       num_slices=num_slices, reverse=reverse)
   carry = _initial_carry(ins, with_tangent=ins.tangent_with is not None, sequence=sequence)
-  factors = _factors_by_bounds(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
-                               bounds=bounds)
+  factors = _factors_by_kind(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
+                             bounds=bounds)
 
-  def body(step, carry, bounds):
+  def body(step, carry, kind):
     state, tangent = carry
     n, rows = _chunk_rows(first + step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
-    load, valid = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.x.shape[0], bounds=bounds)
+    load, valid = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.x.shape[0],
+                              bounds=bounds if kind == "edge" else None)
     x, y, z, u = load(ins.x), load(ins.y), load(ins.z), load(ins.dual_with)
     # Loaded before the chunk's products, which hide its latency: Triton's
     # pipeliner leaves a load that feeds no dot blocking.
     weights = _row_weights(ins, load, u, dots_with_dual=dots_with_dual)
-    f, pair_mask = factors(bounds)(n)
+    f, pair_mask = factors(kind)(n)
     if f is not None:
       # The outputs first, reading the carried state only after the scores'
       # product, then the state update (PERFORMANCE.md, "Sweep order").
@@ -498,7 +534,8 @@ def _chunk_loop_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_s
       triton_lowering.store_rows(outs.row_dots, rows, _row_dots(ins, weights, out, out_tangent), valid)
     return next_carry
 
-  _write_final(outs, *_walk(body, carry, num_steps=num_steps, bounds=bounds), sequence)
+  _write_final(outs, *_walk(body, carry, num_steps=num_steps, bounds=bounds, first=first,
+                            next_start=ins.chunk_next_start), sequence)
 
 
 def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, seq_len, num_chunks, slice_chunks,
@@ -508,20 +545,22 @@ def _chunk_states_kernel(ins: SweepOperands, outs: SweepResults, *, chunk_size, 
       num_slices=num_slices, reverse=reverse)
   carry = _initial_carry(ins, with_tangent=outs.chunk_tangents is not None or outs.final_tangent is not None,
                          sequence=sequence)
-  factors = _factors_by_bounds(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
-                               bounds=bounds)
+  factors = _factors_by_kind(ins, chunk_size=chunk_size, seq_len=seq_len, reverse=reverse, branch=branch,
+                             bounds=bounds)
 
-  def body(step, carry, bounds):
+  def body(step, carry, kind):
     state, tangent = carry
     n, rows = _chunk_rows(first + step, num_chunks=num_chunks, chunk_size=chunk_size, reverse=reverse)
     if outs.chunk_states is not None:
       outs.chunk_states[n, :, :] = state
     if outs.chunk_tangents is not None:
       outs.chunk_tangents[n, :, :] = tangent
-    load, _ = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.y.shape[0], bounds=bounds)
-    return _chunk_state(load(ins.y), load(ins.z), state, tangent, factors(bounds)(n)[0], exact=exact)
+    load, _ = _row_loader(n, rows, chunk_size=chunk_size, num_rows=ins.y.shape[0],
+                          bounds=bounds if kind == "edge" else None)
+    return _chunk_state(load(ins.y), load(ins.z), state, tangent, factors(kind)(n)[0], exact=exact)
 
-  _write_final(outs, *_walk(body, carry, num_steps=num_steps, bounds=bounds), sequence)
+  _write_final(outs, *_walk(body, carry, num_steps=num_steps, bounds=bounds, first=first,
+                            next_start=ins.chunk_next_start), sequence)
 
 
 def _chunk_output_kernel(ins: SweepOperands, outs: SweepResults, *, scale, chunk_size, seq_len, reverse, exact,
@@ -598,7 +637,8 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
   bd, be = cfg.block_d, cfg.block_e
   sequences = ins.sequence_bounds is not None
   state_ins = SweepOperands(decay=ins.decay, sequence_bounds=ins.sequence_bounds, sequence_order=ins.sequence_order,
-                            chunk_cumdecay=ins.chunk_cumdecay, chunk_runs=ins.chunk_runs, y=ins.y, z=ins.z,
+                            chunk_cumdecay=ins.chunk_cumdecay, chunk_runs=ins.chunk_runs,
+                            chunk_next_start=ins.chunk_next_start, y=ins.y, z=ins.z,
                             initial_state=ins.initial_state)
   states_struct = jax.ShapeDtypeStruct((b, h, n, dim_k, dim_v), _F32)
   slice_struct = jax.ShapeDtypeStruct((b, h, ns, dim_k, dim_v), _F32)
@@ -630,6 +670,7 @@ def _states_pass(ins: SweepOperands, *, cfg, chunk_size, seq_len, reverse, slice
                    sequence_bounds=spec((ns + 1,), whole), sequence_order=spec((ns,), whole),
                    chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, spec, lambda bi, hi, si, d, e: (bi, hi, 0)),
                    chunk_runs=_gate_rows(ins.chunk_runs, spec, lambda bi, hi, si, d, e: (bi, 0)),
+                   chunk_next_start=_gate_rows(ins.chunk_next_start, spec, lambda bi, hi, si, d, e: (bi, 0)),
                    y=spec((None, t, None, bd), lambda bi, hi, si, d, e: (bi, 0, hi, d)),
                    z=spec((None, t, None, be), lambda bi, hi, si, d, e: (bi, 0, hi, e)),
                    initial_state=block_state)
@@ -763,6 +804,7 @@ def _chunk_loop(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state
                       sequence_bounds=spec((ns + 1,), whole), sequence_order=spec((ns,), whole),
                       chunk_cumdecay=_gate_rows(ins.chunk_cumdecay, spec, lambda bi, hi, si, e: (bi, hi, 0)),
                       chunk_runs=_gate_rows(ins.chunk_runs, spec, lambda bi, hi, si, e: (bi, 0)),
+                      chunk_next_start=_gate_rows(ins.chunk_next_start, spec, lambda bi, hi, si, e: (bi, 0)),
                       x=rows(dim_k, False), y=rows(dim_k, False), z=rows(be, True), dual_with=rows(be, True),
                       initial_state=start, initial_tangent=start, tangent_with=rows(be, True),
                       dot_with=rows(be, True))
@@ -816,7 +858,8 @@ def _parallel(ins: SweepOperands, *, scale, seq_len, reverse, with_final_state, 
     return pl.BlockSpec((None, c, None, width), lambda i, j, e: (i // h, j, i % h, e if by_column else 0))
 
   chunk_state = pl.BlockSpec((None, None, None, dim_k, be), lambda i, j, e: (i // h, i % h, j, 0, e))
-  out_ins = ins._replace(initial_state=None, chunk_states=states.chunk_states, chunk_tangents=states.chunk_tangents)
+  out_ins = ins._replace(initial_state=None, chunk_next_start=None, chunk_states=states.chunk_states,
+                         chunk_tangents=states.chunk_tangents)
   results = _output_structs(ins, n_e=n_e, with_final_state=False, out_dtype=out_dtype, dots_with_dual=dots_with_dual,
                             tp=tp)
   kernel = functools.partial(_chunk_output_kernel, scale=scale, chunk_size=c, seq_len=seq_len, reverse=reverse,
@@ -878,10 +921,9 @@ def _prepare(ins: SweepOperands, *, reverse: bool, opts: PallasOptions):
     cumdecay, runs = chunk_common.token_chunk_gates(ins.token_decay, ins.segment_starts, chunk_size=chunk,
                                                     num_tokens=tp, reverse=reverse)
     # Without segments the kernels get no counts, and mask nothing.
-    padded = padded._replace(
-        token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
-        chunk_runs=None if ins.segment_starts is None else chunk_common.with_run_totals(runs, chunk_size=chunk,
-                                                                                          reverse=reverse))
+    padded = padded._replace(token_decay=None, segment_starts=None, chunk_cumdecay=cumdecay,
+                             **segment_fields(runs if ins.segment_starts is not None else None, chunk_size=chunk,
+                                              num_chunks=tp // chunk, reverse=reverse))
   return padded, configs, chunk, slice_chunks, heuristics.branch_per_chunk(dual=ins.dual_with is not None)
 
 
