@@ -208,6 +208,24 @@ def test_split_packed_rows_with_starts_in_every_step_of_a_slice(decay, kernel_mo
   check_packed(p, zlib.crc32(f"{p}slices".encode()), impl="pallas", interpret=kernel_mode, **PALLAS["split_small"])
 
 
+@pytest.fixture(params=["walk", "mask"])
+def segment_walks(request, monkeypatch):
+  """Every packed Triton sweep program walking its chunks between segment starts (or masking every chunk's counts),
+  however many starts it has (`heuristics.walked_segment_starts`)."""
+  monkeypatch.setattr(heuristics, "walked_segment_starts", (lambda n: n) if request.param == "walk" else (lambda n: -1))
+  return request.param
+
+
+@pytest.mark.parametrize("variant", ["chunk_loop", "split_small"])
+@pytest.mark.parametrize("decay", ["head", "token"])
+def test_packed_programs_walk_their_chunks_or_mask_every_one(decay, variant, kernel_mode, segment_walks):
+  """The two forms of a packed program, in every sweep: one program a row, and a split whose slices hold zero to
+  two segment starts, one on a chunk edge."""
+  p = Packing(((20, 13, 30, 5, 28, 40), (7, 60, 41, 28)), h=2, d=16, e=16, decay=decay)
+  check_packed(p, zlib.crc32(f"{p}{variant}{segment_walks}".encode()), impl="pallas", interpret=kernel_mode,
+               **PALLAS[variant])
+
+
 @pytest.mark.parametrize("p", PACKINGS[:3], ids=str)
 def test_pallas_packed_matches_sequences_alone_either_way_of_branching(p, kernel_mode, chunk_branches):
   """Chunks with and without segment starts, per-token and per-head rates, in every sweep of both forms."""

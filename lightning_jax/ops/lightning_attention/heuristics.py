@@ -258,6 +258,19 @@ def branch_per_chunk(*, dual: bool) -> bool:
   return not dual
 
 
+def walked_segment_starts(num_steps):
+  """The most chunks with a segment start that a packed row's Triton sweep program walks past (`pallas_triton._walk`);
+  one with more loads and masks every chunk's segment counts instead. num_steps: its chunks (traced ok).
+
+  Walked, a chunk where a segment starts runs apart, masked and unpipelined, and the plain chunks' loop restarts after
+  it: about 3.5 chunks' time each; masking every chunk costs a program 9% of its chunks (H200, B1 H32 T32K D128, a
+  per-head rate, the backward's three chunk loops: no start 0.377-0.383 ms walked against 0.416-0.420 masked, the
+  unpacked row's 0.383; 1-2 starts per 128-chunk program 0.404-0.410 walked; 3 per program in two of four slices
+  0.413-0.418 against 0.416-0.419; PERFORMANCE.md, change 14 of "Per-token decay and packed sequences").
+  """
+  return num_steps // 40
+
+
 # Devices on which a per-head rate at D <= 64 leaves chunk_loop's one program per
 # SM latency-bound where the warp-specialised forward overlaps it: on an H200
 # (bf16, 2026-11-26, `benchmarks/results/nvidia-h200-d64-variants`) WS took 11%
