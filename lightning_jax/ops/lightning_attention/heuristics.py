@@ -263,10 +263,11 @@ def walked_segment_starts(num_steps):
   one with more loads and masks every chunk's segment counts instead. num_steps: its chunks (traced ok).
 
   Walked, a chunk where a segment starts runs apart, masked and unpipelined, and the plain chunks' loop restarts after
-  it: about 3.5 chunks' time each; masking every chunk costs a program 9% of its chunks (H200, B1 H32 T32K D128, a
-  per-head rate, the backward's three chunk loops: no start 0.377-0.383 ms walked against 0.416-0.420 masked, the
-  unpacked row's 0.383; 1-2 starts per 128-chunk program 0.404-0.410 walked; 3 per program in two of four slices
-  0.413-0.418 against 0.416-0.419; PERFORMANCE.md, change 14 of "Per-token decay and packed sequences").
+  it: about 3.5 chunks' time each; masking every chunk costs a program 9% of its chunks' time, so the two break even
+  near one start per 40 chunks. Measured on an H200 (B1 H32 T32K D128, a per-head rate, 128-chunk programs, the
+  backward's chunk loops, ms): no start 0.377-0.386 walked against 0.416-0.422 masked (unpacked 0.380-0.386); 1-2
+  starts a program 0.404-0.411 against 0.415-0.422; 3 starts in two of four slices 0.413-0.422 against 0.416-0.421
+  (PERFORMANCE.md, change 14 of "Per-token decay and packed sequences").
   """
   return num_steps // 40
 

@@ -93,9 +93,9 @@ class SweepOperands(NamedTuple):
       total in its first row's high bits (`chunk_common.with_run_totals`).
     chunk_next_start: [B, N] int32 with segments (else None): for each sweep
       step, the first step at or after it whose chunk holds a segment start
-      (N where none does; `segment_fields`). The chunk loop and the states
-      pass walk the chunks between two such steps without the segments'
-      counts and masks (`_segment_walk`).
+      (N where none does; `segment_fields`). A chunk loop or states pass
+      program with few such steps walks the chunks between two of them
+      without the segments' counts and masks (`_walk`).
     x, y: [B, T, H, K]; z: [B, T, H, V].
     dual_with: [B, T, H, V] u of the dual output, or None.
     initial_state: [B, H, K, V] float32, or None (zeros); in the chunk loop's
