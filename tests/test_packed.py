@@ -220,7 +220,7 @@ def segment_walks(request, monkeypatch):
 @pytest.mark.parametrize("decay", ["head", "token"])
 def test_packed_programs_walk_their_chunks_or_mask_every_one(decay, variant, kernel_mode, segment_walks):
   """The two forms of a packed program, in every sweep: one program a row, and a split whose slices hold zero to
-  two segment starts, one on a chunk edge."""
+  three segment starts (in either sweep's order), one on a chunk edge."""
   p = Packing(((20, 13, 30, 5, 28, 40), (7, 60, 41, 28)), h=2, d=16, e=16, decay=decay)
   check_packed(p, zlib.crc32(f"{p}{variant}{segment_walks}".encode()), impl="pallas", interpret=kernel_mode,
                **PALLAS[variant])
