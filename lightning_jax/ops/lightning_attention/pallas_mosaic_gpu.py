@@ -956,20 +956,21 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
                                num_tokens=WarpSpecializedConfig.walked_rows(t, tp))
   q, k, v = pad_rows(q, dim=kp), pad_rows(k, dim=kp), pad_rows(v, dim=vp)
   initial_state = chunk_common.pad_state(initial_state, kp, vp)
-  # The states pass takes the gates as the chunk loop's sweeps do (a per-head rate stays one, masked by the
-  # segments): the per-head kernels, which the dq sweep would run for the same states. Its counts carry each
-  # chunk's total (`pallas_triton.segment_fields`); this kernel's are the counts alone.
-  gates, chunk_gates, chunk_runs = dict(decay=decay), None, None
+  cumdecay = runs = chunk_gates = chunk_runs = None
   per_token = chunk_common.per_token(decay)
   if per_token or segment_starts is not None:
     cumdecay, runs = sweep_gates(decay if per_token else None, segment_starts, num_tokens=tp)
-    segments = pallas_triton.segment_fields(runs, chunk_size=c, num_chunks=num_chunks, reverse=False)
     if per_token:
-      gates, chunk_gates = dict(chunk_cumdecay=cumdecay, **segments), (cumdecay, runs)
+      chunk_gates = (cumdecay, runs)
     else:
-      gates, chunk_runs = dict(decay=decay, **segments), runs
+      chunk_runs = runs
   final_state = starts = None
   if num_slices > 1:
+    # The states pass takes the gates as the chunk loop's sweeps do (a per-head rate stays one, masked by the
+    # segments): the per-head kernels, which the dq sweep would run for the same states. Its counts carry each
+    # chunk's total (`pallas_triton.segment_fields`); this kernel's are the counts alone.
+    gates = dict(decay=None if per_token else decay, chunk_cumdecay=cumdecay,
+                 **pallas_triton.segment_fields(runs, chunk_size=c, num_chunks=num_chunks, reverse=False))
     configs = heuristics.resolve(opts.config, dim_k=kp, dim_v=vp, itemsize=q.dtype.itemsize,
                                  compute_capability=opts.compute_capability, split_chunk_size=c)
     (initial_state, _), (final_state, _) = pallas_triton.slice_starts(
