@@ -493,7 +493,7 @@ def test_sequence_pieces_where_measured():
   # programs; 4 at B1 H16); KDA's is the Triton sweep's, so KDA there never splits; on the Triton sweeps both take
   # the Triton rule (none at 64 programs, 4 pieces at 32).
   call = lambda h, ws, kda: sequence_split.call_pieces(  # noqa: E731
-      (1, 8192, h, 128), 128, lj.DeltaConfig(warp_specialized=ws), num_sms=132, per_channel_gate=kda)
+      (1, 8192, h, 128), 128, lj.DeltaConfig(warp_specialized=ws, block_e=64), num_sms=132, per_channel_gate=kda)
   assert [call(32, True, False), call(16, True, False), call(32, True, True), call(16, True, True),
           call(2, True, True)] == [2, 4, 1, 1, 1]
   assert [call(32, False, kda) for kda in (False, True)] == [1, 1]
@@ -507,7 +507,7 @@ def test_sequence_pieces_where_measured():
   assert exact(8, 8 * 4099) == 16 and exact(8, 8 * 4099 * 3) == 16  # 3 pieces: fewer than half of 16
   assert sequence_split.num_pieces(programs=8, num_tokens=60000, num_sms=132, warp_specialized_map=True) == 16
   call_t = lambda t, h, d, e, kda=False: sequence_split.call_pieces(  # noqa: E731
-      (1, t, h, d), e, lj.DeltaConfig(warp_specialized=True), num_sms=132, per_channel_gate=kda)
+      (1, t, h, d), e, lj.DeltaConfig(warp_specialized=True, block_e=64), num_sms=132, per_channel_gate=kda)
   # KDA and E > 128 (the Triton gradient kernel pads its rows) keep whole chunks.
   assert [call_t(60000, 8, 64, 64), call_t(60000, 2, 64, 256), call_t(60000, 8, 64, 64, kda=True)] == [15, 16, 1]
   assert [sequence_split.piece_length(60000, p, unpadded_rows=u) for p, u in ((15, True), (16, True), (15, False))
@@ -548,10 +548,49 @@ def test_default_config_fits_every_device():
   # Where the H200's blocks overflow a smaller device (float32, D = 256 on sm80) the defaults differ.
   assert any(r["role"] == "h200" and r["max_bytes"] > r["budget"] for r in rows)
   for bad in (24, 48, 8):
-    with pytest.raises(ValueError, match="backward_chunk_size must be a power of two"):
+    with pytest.raises(ValueError, match="backward_chunk_size must be None or a power of two"):
       lj.DeltaConfig(backward_chunk_size=bad)
   with pytest.raises(TypeError, match="split_backward must be None or a bool"):
     lj.DeltaConfig(split_backward=1)
+
+
+@pytest.mark.parametrize("form", ["deltanet", "kda"])
+def test_config_fields_left_none_are_the_calls_own(form, monkeypatch):
+  """A DeltaConfig with a few fields set runs the call's own blocks for the others, as config=None does: setting
+  sequence_pieces (or forward_states) must not reset the chunks and blocks `default_config` tuned per form (KDA's
+  Triton backward at 16-token chunks: at 64, its gradient kernel's code grows fivefold, and compiles for most of a
+  minute). A field set stays as set."""
+  from lightning_jax.ops.delta_attention import vjp as delta_vjp
+
+  class Ran(Exception):
+    pass
+
+  configs = []
+
+  def record(*args):  # the configs the op would run with, before any kernel
+    configs.append(args[-1].config)
+    raise Ran
+
+  monkeypatch.setattr(delta_vjp, "delta_attention_pallas", record)
+  b, t, h, d = 1, 40, 2, 16
+  x = jnp.ones((b, t, h, d), F32)
+  beta = jnp.full((b, t, h), 0.5, F32)
+  decay = jnp.full((b, t, h, d) if form == "kda" else (b, t, h), 0.1, F32)
+  for config in (None, lj.DeltaConfig(sequence_pieces=1), lj.DeltaConfig(block_e=16, sequence_pieces=1)):
+    with pytest.raises(Ran):
+      lj.delta_attention(x, x, x, beta, decay, impl="pallas", config=config, interpret=True)
+  own, pieces, narrow = configs
+  assert pieces == dataclasses.replace(own, sequence_pieces=1)
+  assert narrow == dataclasses.replace(own, sequence_pieces=1, block_e=16) and own.block_e != 16
+  # The per-form defaults the docstring gives: KDA's chunks are 16 tokens in both passes, the others' 32 and 64.
+  assert (own.chunk_size, own.backward_chunk_size) == ((16, 16) if form == "kda" else (32, 64))
+  assert all(getattr(lj.DeltaConfig(), field.name) is None for field in dataclasses.fields(lj.DeltaConfig))
+  with pytest.raises(ValueError, match="num_warps must be None or a power of two"):
+    lj.DeltaConfig(num_warps=True)
+  with pytest.raises(ValueError, match="num_stages must be None or an int >= 1"):
+    lj.DeltaConfig(num_stages=0)
+  with pytest.raises(ValueError, match="takes a filled DeltaConfig"):
+    lj.DeltaConfig(warp_specialized=True).warp_specializes_backward(per_channel_gate=False)
 
 
 def test_default_config_fills_the_sweeps_grid():

@@ -64,6 +64,9 @@ CASES = [
 # buffer; why is not known. So the interpreted cases with a state run 2 stages
 # at K = 128; the GPU runs the default 3.
 INTERPRETED_STATE_CONFIG = lj.LightningConfig(warp_specialized=lj.WarpSpecializedConfig(num_stages=2))
+# The delta rule's internal functions take a config with every block set (`delta_attention` fills a DeltaConfig's
+# unset fields per call, `DeltaConfig.filled`): these tests call them with a scalar gate's blocks.
+DELTA_BLOCKS = lj.DeltaConfig(chunk_size=32, backward_chunk_size=64, block_e=64, block_d=64, num_warps=4, num_stages=2)
 
 
 @pytest.mark.parametrize("mode", WS_MODES)
@@ -812,7 +815,7 @@ def test_delta_backward_takes_what_the_forward_kept(mode):
   starts = jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
   do = jax.random.normal(jax.random.key(12), v.shape).astype(BF16)
   d_final = jax.random.normal(jax.random.key(13), s0.shape)
-  config = lj.DeltaConfig(warp_specialized=True)
+  config = dataclasses.replace(DELTA_BLOCKS, warp_specialized=True)
   assert config.warp_specializes_backward(per_channel_gate=False)
   options = dict(scale=case.d ** -0.5, config=config, interpret=mode == "interpret")
   forward_options = dict(scale=options["scale"], interpret=options["interpret"])
@@ -864,7 +867,7 @@ def test_delta_state_sweep_matches_the_triton_sweep(gated, segments, with_initia
   starts = jnp.asarray(np.isin(np.arange(t), [0, 70, 130])[None], bool) if segments else None
   s0 = jnp.asarray(0.3 * rng.normal(size=(b, h, d, e)), F32) if with_initial else None
   interpret = mode == "interpret"
-  config = lj.DeltaConfig(chunk_size=64)
+  config = dataclasses.replace(DELTA_BLOCKS, chunk_size=64)
   gates = pallas_triton.gates(pallas_triton.gate_logs(rates, seq_len=t, dim_k=d, chunk_size=64), starts, batch=b,
                               heads=h, seq_len=t, dim_k=d, chunk_size=64)
   w, u_v, _ = pallas_triton.prepare_by_tiles(k, v, beta, gates, config=config, interpret=interpret)
@@ -1056,7 +1059,7 @@ def test_delta_warp_specialized_backward_walks_t_unpadded(t, decay):
 
   b, h, d = 1, 2, 64
   opts = vjp.PallasOptions(scale=0.125, with_final_state=False, interpret=False,
-                           config=lj.DeltaConfig(warp_specialized=True, sequence_pieces=1))
+                           config=dataclasses.replace(DELTA_BLOCKS, warp_specialized=True, sequence_pieces=1))
   x = jax.ShapeDtypeStruct((b, t, h, d), BF16)
   rows = jax.ShapeDtypeStruct((b, t, h), F32)
 
@@ -1084,7 +1087,7 @@ def test_delta_split_reshapes_the_row_into_pieces(t):
 
   b, h, d, pieces = 1, 2, 64, 4
   opts = vjp.PallasOptions(scale=0.125, with_final_state=True, interpret=False,
-                           config=lj.DeltaConfig(warp_specialized=True, sequence_pieces=pieces))
+                           config=dataclasses.replace(DELTA_BLOCKS, warp_specialized=True, sequence_pieces=pieces))
   x = jax.ShapeDtypeStruct((b, t, h, d), BF16)
   rows = jax.ShapeDtypeStruct((b, t, h), F32)
 
@@ -1115,7 +1118,7 @@ def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
       num_stages=3)
   q, k, v, beta, _, _, _ = delta_inputs(DeltaCase(b=1, t=40, h=2, d=32, e=32, decay=None), seed=3)
   rates = jnp.full(q.shape, 0.1, F32)  # per key channel: KDA
-  forced = lj.DeltaConfig(warp_specialized=True)
+  forced = dataclasses.replace(DELTA_BLOCKS, warp_specialized=True)
   keep = lj.DeltaConfig(forward_states=True)
   bf16 = (q.astype(BF16), k.astype(BF16), v.astype(BF16), beta)
   for args, config, match in [
@@ -1135,8 +1138,9 @@ def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
   # The forward keeps the states where the backward's sweeps are warp-specialised, unless told not to.
   assert forced.keeps_forward_states(per_channel_gate=False)
   assert not forced.keeps_forward_states(per_channel_gate=True)
-  assert not lj.DeltaConfig(warp_specialized=True, forward_states=False).keeps_forward_states(per_channel_gate=False)
-  assert not lj.DeltaConfig(warp_specialized=False, forward_states=True).keeps_forward_states(per_channel_gate=False)
+  assert not dataclasses.replace(forced, forward_states=False).keeps_forward_states(per_channel_gate=False)
+  assert not dataclasses.replace(forced, warp_specialized=False, forward_states=True).keeps_forward_states(
+      per_channel_gate=False)
   # KDA's warp-specialised forward keeps its chunk terms, unless told not to.
   assert forced.keeps_chunk_terms(per_channel_gate=True) and not forced.keeps_chunk_terms(per_channel_gate=False)
   assert not lj.DeltaConfig(warp_specialized=True, forward_states=False).keeps_chunk_terms(per_channel_gate=True)
@@ -1191,7 +1195,7 @@ def test_delta_cu_seqlens_states_warp_specialized_lowers_for_cuda():
   from lightning_jax.ops.delta_attention import vjp
 
   t, h, d, e, s = 256, 2, 64, 128, 3
-  config = lj.DeltaConfig(warp_specialized=True, sequence_pieces=1)
+  config = dataclasses.replace(DELTA_BLOCKS, warp_specialized=True, sequence_pieces=1)
   opts = vjp.PallasOptions(scale=0.125, with_final_state=True, config=config, interpret=False)
   spec = jax.ShapeDtypeStruct
   args = (spec((1, t, h, d), BF16), spec((1, t, h, d), BF16), spec((1, t, h, e), BF16), spec((1, t, h), F32),

@@ -22,6 +22,7 @@ from lightning_jax.ops.lightning_attention import heuristics
 from lightning_jax.ops.lightning_attention import manual_axes
 from lightning_jax.ops.lightning_attention import packing
 from lightning_jax.ops.lightning_attention import sharding
+from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
 
 IMPLS = ("auto", "pallas", "xla", "reference")
 MAX_HEAD_DIM = lightning_api.MAX_HEAD_DIM  # q, k, v are checked by the lightning op's `check_qkv`
@@ -132,9 +133,10 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
       states run a sweep program per sequence, the sequences chunk-aligned).
     config: a `DeltaConfig` (the Pallas kernels' blocks; on sm90 whether the
       differentiated forward keeps each chunk's states for the backward,
-      `forward_states`) or None (`pallas_triton.default_config`; with few
-      (batch, head) pairs and long T, the sequence split of
-      `sequence_split.num_pieces`: each row cut into pieces run in parallel).
+      `forward_states`) or None. Its fields left None are chosen for the call
+      (`pallas_triton.default_config`; with few (batch, head) pairs and long
+      T, the sequence split of `sequence_split.num_pieces`: each row cut into
+      pieces run in parallel), so setting one keeps the others' tuned blocks.
     interpret: force (True) or forbid (False) Pallas interpret mode.
 
   Every array argument is differentiable (beta, decay and initial_state
@@ -195,7 +197,7 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
     if impl == "pallas":
       per_channel_gate = decay is not None and decay.ndim == 4
       interpret = lightning_api.pallas_interpret(interpret, cc, q)
-      config = _resolve_warp_specialized(config or _default_config(q, v, decay, device), q, v, cc=cc,
+      config = _resolve_warp_specialized(_filled_config(config, q, v, decay, device), q, v, cc=cc,
                                          interpret=interpret)
       if config.forward_states and not (config.warp_specializes_backward(per_channel_gate=per_channel_gate)
                                         or config.keeps_chunk_terms(per_channel_gate=per_channel_gate)):
@@ -219,12 +221,15 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
   return (o, final_state) if return_final_state else o
 
 
-def _default_config(q, v, decay, device):
-  """`pallas_triton.default_config` for a call on device."""
-  return pallas_triton.default_config(
+def _filled_config(config, q, v, decay, device):
+  """config (None: every field) filled from `pallas_triton.default_config` for a call on device; where config forces
+  the warp-specialised kernels (sm90's alone, also interpreted), for an sm90 device."""
+  config = config or pallas_triton.DeltaConfig()
+  cc = (WarpSpecializedConfig.COMPUTE_CAPABILITY if config.warp_specialized
+        else heuristics.compute_capability(device))
+  return config.filled(pallas_triton.default_config(
       per_channel_gate=decay is not None and decay.ndim == 4, dtype=q.dtype, dim_k=q.shape[-1], dim_v=v.shape[-1],
-      compute_capability=heuristics.compute_capability(device), batch_heads=q.shape[0] * q.shape[2],
-      num_sms=heuristics.num_sms(device))
+      compute_capability=cc, batch_heads=q.shape[0] * q.shape[2], num_sms=heuristics.num_sms(device)))
 
 
 def _resolve_warp_specialized(config, q, v, *, cc, interpret):
@@ -245,7 +250,7 @@ def _pallas_sequences(q, k, v, beta, decay, cu_seqlens, initial_state, *, scale,
   warp-specialised sweeps where they run."""
   cc = heuristics.compute_capability(device)
   interpret = lightning_api.pallas_interpret(interpret, cc, q)
-  config = _resolve_warp_specialized(config or _default_config(q, v, decay, device), q, v, cc=cc, interpret=interpret)
+  config = _resolve_warp_specialized(_filled_config(config, q, v, decay, device), q, v, cc=cc, interpret=interpret)
   config = dataclasses.replace(config, sequence_pieces=1)
   opts = vjp.PallasOptions(scale=scale, with_final_state=with_final_state, config=config, interpret=interpret)
   layout = chunk.aligned_sequences(cu_seqlens, q.shape[1], pallas_triton.sequence_chunk(config))

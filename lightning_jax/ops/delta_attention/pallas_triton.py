@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Callable, NamedTuple
 
 import jax
@@ -75,9 +76,18 @@ _F32 = jnp.float32
 BLOCK = chunk.SUB_CHUNK
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeltaConfig:
   """Blocks of the delta attention kernels (`default_config` picks them per call).
+
+  Every field left None is the call's own choice: `delta_attention` fills it from `default_config` for the call's
+  shapes, dtype and device (`filled`), so that setting one field (say `sequence_pieces` or `forward_states`) keeps
+  the tuned blocks of the others. The kernels and the methods below take a config so filled; "None: ..." below
+  says what a field means where `default_config` leaves it None too.
 
   Attributes:
     chunk_size: tokens per chunk of the Triton forward (a power of two >=
@@ -139,13 +149,13 @@ class DeltaConfig:
       none on the warp-specialised sweeps, 2 to 16, from half; KDA on the
       warp-specialised sweeps, whose map pass is the Triton sweep's, none).
   """
-  chunk_size: int = 32
-  backward_chunk_size: int = 64
-  block_e: int = 64
-  block_d: int = 64
+  chunk_size: int | None = None
+  backward_chunk_size: int | None = None
+  block_e: int | None = None
+  block_d: int | None = None
   split_backward: bool | None = None
-  num_warps: int = 4
-  num_stages: int = 2
+  num_warps: int | None = None
+  num_stages: int | None = None
   gradient_stages: int | None = None
   gradient_warps: int | None = None
   prepare_warps: int | None = None
@@ -154,26 +164,31 @@ class DeltaConfig:
   sequence_pieces: int | None = None
 
   def __post_init__(self):
-    for name in ("chunk_size", "backward_chunk_size"):  # Triton's arrays have power-of-two sizes
-      size = getattr(self, name)
-      if size < BLOCK or size & (size - 1):
-        raise ValueError(f"{name} must be a power of two >= {BLOCK}, got {size}")
-    for name in ("block_e", "block_d"):
-      size = getattr(self, name)
-      if size < lightning_config.MIN_BLOCK or size & (size - 1):
-        raise ValueError(f"{name} must be a power of two >= {lightning_config.MIN_BLOCK}, got {size}")
-    if self.gradient_stages is not None and (not isinstance(self.gradient_stages, int)
-                                             or isinstance(self.gradient_stages, bool) or self.gradient_stages < 1):
+    # Triton's arrays have power-of-two sizes.
+    for names, smallest in ((("chunk_size", "backward_chunk_size"), BLOCK),
+                            (("block_e", "block_d"), lightning_config.MIN_BLOCK)):
+      for name in names:
+        size = getattr(self, name)
+        if size is not None and (not _is_int(size) or size < smallest or size & (size - 1)):
+          raise ValueError(f"{name} must be None or a power of two >= {smallest}, got {size!r}")
+    if self.num_stages is not None and (not _is_int(self.num_stages) or self.num_stages < 1):
+      raise ValueError(f"num_stages must be None or an int >= 1, got {self.num_stages!r}")
+    if self.gradient_stages is not None and (not _is_int(self.gradient_stages) or self.gradient_stages < 1):
       raise ValueError(f"gradient_stages must be None or an int >= 1, got {self.gradient_stages!r}")
-    for name in ("prepare_warps", "gradient_warps"):
-      if getattr(self, name) is not None and getattr(self, name) not in (1, 2, 4, 8, 16):
-        raise ValueError(f"{name} must be None or a power of two up to 16, got {getattr(self, name)!r}")
-    if self.sequence_pieces is not None and (not isinstance(self.sequence_pieces, int)
-                                             or isinstance(self.sequence_pieces, bool) or self.sequence_pieces < 1):
+    for name in ("num_warps", "prepare_warps", "gradient_warps"):
+      warps = getattr(self, name)
+      if warps is not None and not (_is_int(warps) and warps in (1, 2, 4, 8, 16)):
+        raise ValueError(f"{name} must be None or a power of two up to 16, got {warps!r}")
+    if self.sequence_pieces is not None and (not _is_int(self.sequence_pieces) or self.sequence_pieces < 1):
       raise ValueError(f"sequence_pieces must be None or an int >= 1, got {self.sequence_pieces!r}")
     for name in ("split_backward", "warp_specialized", "forward_states"):
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be None or a bool, got {getattr(self, name)!r}")
+
+  def filled(self, defaults: DeltaConfig) -> DeltaConfig:
+    """This config with each field left None taken from `defaults` (`default_config`'s for the call)."""
+    return dataclasses.replace(self, **{field.name: getattr(defaults, field.name)
+                                        for field in dataclasses.fields(self) if getattr(self, field.name) is None})
 
   def splits_backward(self, *, per_channel_gate: bool) -> bool:
     """Whether the backward takes the split gradient kernels for these gates (see `split_backward`)."""
@@ -186,6 +201,9 @@ class DeltaConfig:
     """Whether the backward's sweeps are the warp-specialised ones (`backward`): `warp_specialized` resolved
     True (as the op resolves it), the split gradient kernel, and the sweeps' block_e at least the 64 value
     columns those kernels' CTAs take."""
+    if self.warp_specialized and self.block_e is None:
+      raise ValueError("warp_specializes_backward takes a filled DeltaConfig (block_e set: `DeltaConfig.filled`, as "
+                       "delta_attention fills it per call)")
     return (self.splits_backward(per_channel_gate=per_channel_gate) and bool(self.warp_specialized)
             and self.block_e >= WarpSpecializedConfig.BLOCK_E)
 
@@ -296,7 +314,7 @@ def default_config(*, per_channel_gate: bool, dtype, dim_k: int, compute_capabil
   deep = itemsize == 2 and budget >= _DEEP_PIPELINE_BUDGET
   config = DeltaConfig(chunk_size=16 if per_channel_gate else 32, backward_chunk_size=16 if per_channel_gate else 64,
                        block_e=32 if itemsize * dp > 512 else 64, block_d=32 if per_channel_gate else 64,
-                       num_stages=3 if deep else 2, gradient_stages=2 if deep else None,
+                       num_warps=4, num_stages=3 if deep else 2, gradient_stages=2 if deep else None,
                        prepare_warps=2 if itemsize == 2 and not per_channel_gate and dp <= 128
                        and compute_capability == (9, 0) else None)
   for (step_itemsize, min_dim, max_budget), step, largest_backward_chunk in _STEPS:
