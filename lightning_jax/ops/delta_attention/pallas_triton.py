@@ -54,7 +54,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from typing import Callable, NamedTuple
 
 import jax
@@ -74,10 +73,6 @@ from lightning_jax.ops.lightning_attention.config import WarpSpecializedConfig
 
 _F32 = jnp.float32
 BLOCK = chunk.SUB_CHUNK
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,18 +164,16 @@ class DeltaConfig:
                             (("block_e", "block_d"), lightning_config.MIN_BLOCK)):
       for name in names:
         size = getattr(self, name)
-        if size is not None and (not _is_int(size) or size < smallest or size & (size - 1)):
+        if size is not None and (not lightning_config.is_int(size) or size < smallest or size & (size - 1)):
           raise ValueError(f"{name} must be None or a power of two >= {smallest}, got {size!r}")
-    if self.num_stages is not None and (not _is_int(self.num_stages) or self.num_stages < 1):
-      raise ValueError(f"num_stages must be None or an int >= 1, got {self.num_stages!r}")
-    if self.gradient_stages is not None and (not _is_int(self.gradient_stages) or self.gradient_stages < 1):
-      raise ValueError(f"gradient_stages must be None or an int >= 1, got {self.gradient_stages!r}")
+    for name in ("num_stages", "gradient_stages", "sequence_pieces"):
+      count = getattr(self, name)
+      if count is not None and not (lightning_config.is_int(count) and count >= 1):
+        raise ValueError(f"{name} must be None or an int >= 1, got {count!r}")
     for name in ("num_warps", "prepare_warps", "gradient_warps"):
       warps = getattr(self, name)
-      if warps is not None and not (_is_int(warps) and warps in (1, 2, 4, 8, 16)):
+      if warps is not None and not (lightning_config.is_int(warps) and warps in (1, 2, 4, 8, 16)):
         raise ValueError(f"{name} must be None or a power of two up to 16, got {warps!r}")
-    if self.sequence_pieces is not None and (not _is_int(self.sequence_pieces) or self.sequence_pieces < 1):
-      raise ValueError(f"sequence_pieces must be None or an int >= 1, got {self.sequence_pieces!r}")
     for name in ("split_backward", "warp_specialized", "forward_states"):
       if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be None or a bool, got {getattr(self, name)!r}")

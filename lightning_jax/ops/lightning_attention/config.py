@@ -83,13 +83,18 @@ class SweepShape:
     return f"dim_k={self.dim_k}, dim_v={self.dim_v}, itemsize={self.itemsize}"
 
 
+def is_int(x) -> bool:
+  """Whether x is a Python int and not a bool (the configs' integer fields)."""
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _check_pow2(name: str, value: int, lo: int, hi: int):
-  if not isinstance(value, int) or isinstance(value, bool) or value < lo or value > hi or value & (value - 1):
+  if not is_int(value) or value < lo or value > hi or value & (value - 1):
     raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value!r}")
 
 
 def _check_stages(num_stages):
-  if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+  if not is_int(num_stages) or num_stages < 1:
     raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
 
 
@@ -294,8 +299,7 @@ class LightningConfig:
   slice_size: int | None = None
 
   def __post_init__(self):
-    if self.slice_size is not None and (not isinstance(self.slice_size, int) or isinstance(self.slice_size, bool)
-                                        or self.slice_size < 1):
+    if self.slice_size is not None and (not is_int(self.slice_size) or self.slice_size < 1):
       raise ValueError(f"LightningConfig.slice_size must be None or an int >= 1 (tokens), got {self.slice_size!r}")
     for name, cls in (("chunk_loop", ChunkLoopConfig), ("chunk_states", ChunkStatesConfig),
                       ("chunk_output", ChunkOutputConfig), ("warp_specialized", WarpSpecializedConfig)):

@@ -45,10 +45,6 @@ ITEMSIZES = (2, 4)
 METADATA = ("device", "jax", "date", "command")
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _as_value_or_type_error(err: Exception, message: str) -> Exception:
   """A TypeError if `err` is one, else a ValueError (JSON and Unicode errors too), saying `message`."""
   return (TypeError if isinstance(err, TypeError) else ValueError)(message)
@@ -72,15 +68,15 @@ class TuningEntry:
 
   def __post_init__(self):
     cc = self.compute_capability
-    if not (isinstance(cc, tuple) and len(cc) == 2 and all(_is_int(c) and c >= 0 for c in cc)):
+    if not (isinstance(cc, tuple) and len(cc) == 2 and all(config_lib.is_int(c) and c >= 0 for c in cc)):
       raise ValueError(f"compute_capability must be [major, minor], two ints >= 0, got {cc!r}")
     if self.job not in config_lib.SWEEP_JOBS:
       raise ValueError(f"job must be one of {config_lib.SWEEP_JOBS}, got {self.job!r}")
     for name in ("dim_k", "dim_v"):
       dim = getattr(self, name)
-      if not _is_int(dim) or dim != config_lib.padded_dim(dim):  # no other dim is ever looked up
+      if not config_lib.is_int(dim) or dim != config_lib.padded_dim(dim):  # no other dim is ever looked up
         raise ValueError(f"{name} must be a padded dim (a power of two >= {config_lib.MIN_BLOCK}), got {dim!r}")
-    if not _is_int(self.itemsize) or self.itemsize not in ITEMSIZES:
+    if not config_lib.is_int(self.itemsize) or self.itemsize not in ITEMSIZES:
       raise ValueError(f"itemsize must be one of {ITEMSIZES}, got {self.itemsize!r}")
     for name, cls in KERNELS.items():
       value = getattr(self, name)
