@@ -186,10 +186,7 @@ COMPAT = [
 # kernel path, forward and backward, so that a kernel change is checked on the
 # GPU in one short call (the whole compiled suite, `-k gpu`, is about 280 tests;
 # its 95 delta tests alone ran 330 s on an H200 without finishing). On an H200
-# packed KDA's case took 87 s (its compile, mostly its Triton fallback's gradient
-# kernel at the 64-token chunks a partial DeltaConfig then took; not timed since
-# `DeltaConfig.filled`), KDA's D128 backward 35 s, and the other 18 filled 300 s
-# with part of the first: give the tier 7 minutes. Full node ids of
+# (2026-11-30, 6 workers) the tier took 98 s: give it 4 minutes. Full node ids of
 # the gpu cases (their interpreted twins share every prefix shorter than the
 # id). The rest of `-k gpu` still runs before a kernel's work is called done.
 GPU_QUICK = [
