@@ -471,6 +471,21 @@ def test_delta_inverse_lowers_for_cuda(dim_k, gated, segments, with_unscaled):
   assert [o.shape for o in exported.out_avals] == [(2, 3, 512, 64)] * (2 if with_unscaled else 1)
 
 
+@needs_ws_jax
+@pytest.mark.parametrize("dim_k,segments", [(128, True), (64, False)])
+def test_delta_channel_gated_chunks_lower_for_cuda(dim_k, segments):
+  """KDA's chunk-terms kernel (the inverse's solve and merges inside it) lowers as the GPU compiles it, from any
+  backend: Mosaic GPU's layout inference runs here, where a tile shared by operands of two swizzles fails."""
+  q = jax.ShapeDtypeStruct((1, 512, 2, dim_k), BF16)
+  beta = jax.ShapeDtypeStruct((1, 2, 512), F32)
+  rates = jax.ShapeDtypeStruct((1, 512, 2, dim_k), F32)
+  runs = jax.ShapeDtypeStruct((1, 512), jnp.int32) if segments else None
+  fn = jax.jit(lambda q, k, beta, rates, runs: delta_mosaic.channel_gated_chunks(
+      q, k, beta, rates, scale=0.1, runs=runs, chunks_per_cta=4, num_tokens=512))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, beta, rates, runs)
+  assert "delta_channel_gated" in exported.mlir_module()
+
+
 def _channel_gated_inputs(b, t, h, d, rates, seed):
   """q, k [B, Tp, H, Dp] bf16 (padded to whole chunks and 64 or 128 features), beta [B, H, Tp] and per-key-channel
   rates [B, Tp, H, Dp] uniform in `rates` (natural log): `channel_gated_chunks`' operands."""

@@ -694,10 +694,11 @@ def _solve_diagonal_blocks(neg_upper, upper_ref, solved_ref):
   return solve(neg_upper, upper_ref, solved_ref)
 
 
-def _half_product(a, b, staging, *, in_registers):
+def _half_product(a, b, staging, *, in_registers, k_blocks=None):
   """a @ b for float32 [C, C] registers, each operand rounded to float16 (as the Triton inverse's merges: bfloat16's
   8 bits made T 5x less accurate with keys near one direction). staging: (b's tile,) in shared memory, and a's
-  where the interpreter runs (its wgmma reads shared memory alone)."""
+  where the interpreter runs (its wgmma reads shared memory alone). k_blocks: None (every k), or the (start, size)
+  ranges of k (multiples of 16) outside which a's columns or b's rows are zeros: the product takes those alone."""
   b_tile, *a_tile = staging
   b_tile[...] = b.astype(jnp.float16)
   a = a.astype(jnp.float16)
@@ -705,23 +706,41 @@ def _half_product(a, b, staging, *, in_registers):
     a_tile[0][...] = a
     a = a_tile[0]
   plgpu.commit_smem()
+  k_blocks = ((0, CHUNK_SIZE),) if k_blocks is None else k_blocks
 
   def product(acc):
-    plgpu.wgmma(acc, a, b_tile)
+    for start, size in k_blocks:
+      a_block = a[:, start:start + size] if in_registers else a.at[:, pl.ds(start, size)]
+      plgpu.wgmma(acc, a_block, b_tile.at[pl.ds(start, size)])
     return acc[...]
 
   return pl.run_scoped(product, plgpu.ACC((CHUNK_SIZE, CHUNK_SIZE), _F32))
 
 
-def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers):
+def _merge_staging(in_registers: bool, *, k_steps: bool):
+  """`_half_product`'s float16 staging tiles: b's, and a's where the interpreter runs. With k_steps swizzled by 32
+  bytes, so that the merges' products take k in steps of 16 (wgmma issues k in groups of the swizzle's width),
+  else by 128 (`_unit_lower_inverse`'s k_steps)."""
+  if not k_steps:
+    return tuple(lightning_mosaic.swizzled_smem((CHUNK_SIZE, CHUNK_SIZE), jnp.float16)
+                 for _ in range(1 if in_registers else 2))
+  tile = plgpu.SMEM((CHUNK_SIZE, CHUNK_SIZE), jnp.float16,
+                    transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
+  return tuple(tile for _ in range(1 if in_registers else 2))
+
+
+def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_steps):
   """T = (I + A)^{-1} [C, C] float32 of a chunk's strictly lower A [C, C] float32 registers.
 
   neg_upper: -A^T on the 16 x 16 diagonal blocks (zero elsewhere), which the
   solve reads by rows; solve_smem: its two float32 [C, C + _SOLVE_PAD] tiles;
-  staging: `_half_product`'s. The diagonal blocks are solved in registers
-  (`_solve_diagonal_blocks`; interpreted, which runs no inline Mosaic GPU, from
-  single rows), then merged 16 -> 32 -> 64 rows: X <- X - X (L X), L the
-  lower-left blocks of A in each, so that every step writes exact blocks of T.
+  staging: `_half_product`'s (`_merge_staging(..., k_steps=k_steps)`). The
+  diagonal blocks are solved in registers (`_solve_diagonal_blocks`;
+  interpreted, which runs no inline Mosaic GPU, from single rows), then merged
+  16 -> 32 -> 64 rows: X <- X - X (L X), L the lower-left blocks of A in each,
+  so that every step writes exact blocks of T. With k_steps each product takes
+  only the k-steps of 16 where both its operands hold nonzeros (the first or
+  the second half of each block): half its work on the tensor cores.
   """
   c = CHUNK_SIZE
   t = lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -734,9 +753,13 @@ def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers):
     x = jnp.where(t == s, 1.0, 0.0)
     size = 2
   while size <= c:
-    links = jnp.where(same_block(size) & (lax.rem(t, size) >= size // 2) & (lax.rem(s, size) < size // 2), a, 0.0)
-    linked = _half_product(links, x, staging, in_registers=in_registers)
-    x = x - _half_product(x, linked, staging, in_registers=in_registers)
+    half = size // 2
+    links = jnp.where(same_block(size) & (lax.rem(t, size) >= half) & (lax.rem(s, size) < half), a, 0.0)
+    # links' columns and linked's rows: each block's first and second half (on the matrix units, k-steps of 16)
+    firsts = tuple((start, half) for start in range(0, c, size)) if k_steps and half % 16 == 0 else None
+    seconds = None if firsts is None else tuple((start + half, half) for start, _ in firsts)
+    linked = _half_product(links, x, staging, in_registers=in_registers, k_blocks=firsts)
+    x = x - _half_product(x, linked, staging, in_registers=in_registers, k_blocks=seconds)
     size *= 2
   return x
 
@@ -788,7 +811,7 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
       pairs = jnp.where(by_row(rows[runs_row]) == by_column(columns[runs_row]), pairs, 0.0)
     a = jnp.where(t > s, pairs * by_row(rows[_BETA_ROW]), 0.0)
     neg_upper = jnp.where((s > t) & same_block(block), pairs * by_column(-columns[_BETA_ROW]), 0.0)
-    x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers)
+    x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers, k_steps=True)
     results = ((x * by_column(columns[_BETA_ROW]),) + ((x,) if with_unscaled else ()))
     plgpu.wait_smem_to_gmem(len(results), wait_read_only=True)  # chunk n - 2's stores have read this slot
     rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
@@ -849,7 +872,8 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   k k^T on the tensor cores, the 16 x 16 diagonal blocks of T by substitution in
   float32 registers (`_solve_diagonal_blocks`), then two merges, 16 -> 32 -> 64
   rows (four dependent products with float16 operands, against the Triton
-  kernel's ten). Compiled only on sm90; the interpreter, which runs no inline
+  kernel's ten, each on the half of its k-steps where both operands hold
+  nonzeros). Compiled only on sm90; the interpreter, which runs no inline
   Mosaic GPU, merges from single rows instead of the solve.
 
   Args:
@@ -881,7 +905,7 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   scratch = (
       (smem((2, c, dim_k), dtype), plgpu.SMEM((2, 2) + rows.shape[-2:], _F32),
        tuple(smem((2, c, c), dtype) for _ in range(num_outputs)), (solve_tile, solve_tile),
-       tuple(smem((c, c), jnp.float16) for _ in range(1 if in_registers else 2))),
+       _merge_staging(in_registers, k_steps=True)),
       plgpu.Barrier(num_arrivals=3, num_barriers=2),  # the keys and the factor rows twice
   )
   out_type = tuple(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(num_outputs))
@@ -1235,7 +1259,7 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
   by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
   by_channel = lambda x: as_tile(lax.broadcast_in_dim(  # noqa: E731
       plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(0)), (c, _PART), (1,)))
-  ones = staging[0]  # `_half_product`'s tile, free from one solve to the next
+  ones = staging[0]  # `_half_product`'s tile, free from one solve to the next (so swizzled as the pieces: k_steps off)
 
   def ones_out():  # the triangle of ones: the rate sums' left operand
     ones[...] = jnp.where(t >= s, 1.0, 0.0).astype(ones.dtype)
@@ -1338,7 +1362,7 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
       a = jnp.where(kept, pairs * by_row(rows[_BETA_ROW]), 0.0)
       same_block = lax.div(t, block) == lax.div(s, block)
       neg_upper = jnp.where(kept_t & same_block, pairs_t * by_column(-columns_[_BETA_ROW]), 0.0)
-      x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers)
+      x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers, k_steps=False)
       for result, tile, out_ref in ((x * by_column(columns_[_BETA_ROW]), inverse_smem, inverse_ref),
                                     (jnp.where(kept_inclusive, query_pairs, 0.0), pairs_smem, pairs_ref)):
         tile[...] = result.astype(tile.dtype)
@@ -1419,7 +1443,7 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
        # The pair products' operand tiles, the solve's and the rates' pieces: one at a time.
        plgpu.RefUnion(tuple(smem((parts, c, _PART), dtype) for _ in range(3)), (solve_tile, solve_tile), pieces),
        smem((parts, c, _PART), dtype), (smem((c, c), dtype), smem((c, c), dtype)),
-       tuple(smem((c, c), jnp.float16) for _ in range(1 if in_registers else 2))),
+       _merge_staging(in_registers, k_steps=False)),
       # Each part's q, k and rates by slot; beta's row twice; split, the hand-overs.
       (plgpu.Barrier(num_arrivals=3, num_barriers=2 * parts), plgpu.Barrier(num_arrivals=2, num_barriers=2),
        *((plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1)) if parts > 1 else ())),
