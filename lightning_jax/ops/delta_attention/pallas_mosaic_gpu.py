@@ -721,11 +721,9 @@ def _merge_staging(in_registers: bool, *, k_steps: bool):
   """`_half_product`'s float16 staging tiles: b's, and a's where the interpreter runs. With k_steps swizzled by 32
   bytes, so that the merges' products take k in steps of 16 (wgmma issues k in groups of the swizzle's width),
   else by 128 (`_unit_lower_inverse`'s k_steps)."""
-  if not k_steps:
-    return tuple(lightning_mosaic.swizzled_smem((CHUNK_SIZE, CHUNK_SIZE), jnp.float16)
-                 for _ in range(1 if in_registers else 2))
-  tile = plgpu.SMEM((CHUNK_SIZE, CHUNK_SIZE), jnp.float16,
-                    transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
+  shape = (CHUNK_SIZE, CHUNK_SIZE)
+  tile = (plgpu.SMEM(shape, jnp.float16, transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
+          if k_steps else lightning_mosaic.swizzled_smem(shape, jnp.float16))
   return tuple(tile for _ in range(1 if in_registers else 2))
 
 
