@@ -851,8 +851,7 @@ def _checked_chunks_per_cta(chunks_per_cta, *, batch_heads: int, num_chunks: int
   if chunks_per_cta is None:
     return default_chunks_per_cta(batch_heads=batch_heads, num_chunks=num_chunks,
                                   num_sms=heuristics.num_sms(jax.devices()[0]), policy=policy)
-  if (not isinstance(chunks_per_cta, int) or isinstance(chunks_per_cta, bool) or chunks_per_cta < 1
-      or num_chunks % chunks_per_cta):
+  if not lightning_config.is_int(chunks_per_cta) or chunks_per_cta < 1 or num_chunks % chunks_per_cta:
     raise ValueError(f"chunks_per_cta must be None or a positive int dividing the {num_chunks} chunks, "
                      f"got {chunks_per_cta!r}")
   return chunks_per_cta
