@@ -689,42 +689,20 @@ def _solve_diagonal_blocks(neg_upper, upper_ref, solved_ref):
             entry = vector.extract(entries, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i - i0]))
             residual[i] = mlir_math.fma(entry, residual[j], residual[i])
     mgpu_utils.warpgroup_barrier()  # every column is stored
-    return mgpu.FragmentedArray.load_untiled(solved, layout=mgpu.WGMMA_LAYOUT, optimized=False)
+    result = mgpu.FragmentedArray.load_untiled(solved, layout=mgpu.WGMMA_LAYOUT, optimized=False)
+    mgpu_utils.warpgroup_barrier()  # every thread has read its blocks: the tiles may be reused
+    return result
 
   return solve(neg_upper, upper_ref, solved_ref)
 
 
-def _half_product(a, b, staging, *, in_registers, k_blocks=None):
-  """a @ b for float32 [C, C] registers, each operand rounded to float16 (as the Triton inverse's merges: bfloat16's
-  8 bits made T 5x less accurate with keys near one direction). staging: (b's tile,) in shared memory, and a's
-  where the interpreter runs (its wgmma reads shared memory alone). k_blocks: None (every k), or the (start, size)
-  ranges of k (multiples of 16) outside which a's columns or b's rows are zeros: the product takes those alone."""
-  b_tile, *a_tile = staging
-  b_tile[...] = b.astype(jnp.float16)
-  a = a.astype(jnp.float16)
-  if not in_registers:
-    a_tile[0][...] = a
-    a = a_tile[0]
-  plgpu.commit_smem()
-  k_blocks = ((0, CHUNK_SIZE),) if k_blocks is None else k_blocks
-
-  def product(acc):
-    for start, size in k_blocks:
-      a_block = a[:, start:start + size] if in_registers else a.at[:, pl.ds(start, size)]
-      plgpu.wgmma(acc, a_block, b_tile.at[pl.ds(start, size)])
-    return acc[...]
-
-  return pl.run_scoped(product, plgpu.ACC((CHUNK_SIZE, CHUNK_SIZE), _F32))
-
-
-def _merge_staging(in_registers: bool, *, k_steps: bool):
-  """`_half_product`'s float16 staging tiles: b's, and a's where the interpreter runs. With k_steps swizzled by 32
-  bytes, so that the merges' products take k in steps of 16 (wgmma issues k in groups of the swizzle's width),
-  else by 128 (`_unit_lower_inverse`'s k_steps)."""
+def _merge_tile(k_steps: bool):
+  """A float16 [C, C] staging tile of `_unit_lower_inverse`'s merges. With k_steps swizzled by 32 bytes, so that a
+  product reads it as b in k-steps of 16 (wgmma issues k in groups of the swizzle's width), else by 128."""
   shape = (CHUNK_SIZE, CHUNK_SIZE)
-  tile = (plgpu.SMEM(shape, jnp.float16, transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
-          if k_steps else lightning_mosaic.swizzled_smem(shape, jnp.float16))
-  return tuple(tile for _ in range(1 if in_registers else 2))
+  if k_steps:
+    return plgpu.SMEM(shape, jnp.float16, transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
+  return lightning_mosaic.swizzled_smem(shape, jnp.float16)
 
 
 def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_steps):
@@ -732,39 +710,75 @@ def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_st
 
   neg_upper: -A^T on the 16 x 16 diagonal blocks (zero elsewhere), which the
   solve reads by rows; solve_smem: its two float32 [C, C + _SOLVE_PAD] tiles;
-  staging: `_half_product`'s (`_merge_staging(..., k_steps=k_steps)`). The
+  staging: `_merge_tile(k_steps)`'s (links, x), and where the interpreter runs
+  (its wgmma reads shared memory alone) a third for the products' a. The
   diagonal blocks are solved in registers (`_solve_diagonal_blocks`;
   interpreted, which runs no inline Mosaic GPU, from single rows), then merged
-  16 -> 32 -> 64 rows: X <- X - X (L X), L the lower-left blocks of A in each,
-  so that every step writes exact blocks of T. With k_steps each product takes
-  only the k-steps of 16 where both its operands hold nonzeros (the first or
-  the second half of each block): half its work on the tensor cores.
+  16 -> 32 -> 64 rows: X <- X - (X L) X, L the lower-left blocks of A in each,
+  so that every step writes exact blocks of T. A's links (A off the diagonal
+  blocks) are staged once a chunk: X L takes them as b and masks its result to
+  L's blocks, and X is staged while X L runs, so each merge waits on one
+  staging store, not two. Operands are rounded to float16 (as the Triton
+  inverse's merges: bfloat16's 8 bits made T 5x less accurate with keys near
+  one direction). With k_steps each product takes only the k-steps of 16 where
+  both its operands hold nonzeros (the first or the second half of each block):
+  half its work on the tensor cores.
   """
+  links, staged_x, *staged_a = staging
   c = CHUNK_SIZE
   t = lax.broadcasted_iota(jnp.int32, (c, c), 0)
   s = lax.broadcasted_iota(jnp.int32, (c, c), 1)
   same_block = lambda size: lax.div(t, size) == lax.div(s, size)  # noqa: E731
   if in_registers:
     x = jnp.where(same_block(_SOLVE_BLOCK), _solve_diagonal_blocks(neg_upper, *solve_smem), 0.0)
+    links[...] = jnp.where(same_block(_SOLVE_BLOCK), 0.0, a).astype(links.dtype)  # after the solve: may share its tiles
+    plgpu.commit_smem()
     size = 2 * _SOLVE_BLOCK
   else:
+    links[...] = a.astype(links.dtype)
     x = jnp.where(t == s, 1.0, 0.0)
     size = 2
+
+  def pairs(a, b, k_blocks):  # the (a, b) operand pairs of a @ b over k_blocks, a in registers or staged
+    return [(a[:, start:start + width] if in_registers else a.at[:, pl.ds(start, width)], b.at[pl.ds(start, width)])
+            for start, width in k_blocks]
+
   while size <= c:
     half = size // 2
-    links = jnp.where(same_block(size) & (lax.rem(t, size) >= half) & (lax.rem(s, size) < half), a, 0.0)
-    # links' columns and linked's rows: each block's first and second half (on the matrix units, k-steps of 16)
-    firsts = tuple((start, half) for start in range(0, c, size)) if k_steps and half % 16 == 0 else None
-    seconds = None if firsts is None else tuple((start + half, half) for start, _ in firsts)
-    linked = _half_product(links, x, staging, in_registers=in_registers, k_blocks=firsts)
-    x = x - _half_product(x, linked, staging, in_registers=in_registers, k_blocks=seconds)
+    lower_left = same_block(size) & (lax.rem(t, size) >= half) & (lax.rem(s, size) < half)
+    # X L's k: each block's second half (L's rows); (X L) X's: its first half (L's columns). k-steps of 16.
+    seconds = (tuple((start + half, half) for start in range(0, c, size)) if k_steps and half % 16 == 0
+               else ((0, c),))
+    firsts = ((0, c),) if seconds == ((0, c),) else tuple((start - half, width) for start, width in seconds)
+    x_half = x.astype(jnp.float16)
+
+    def stage_x(x_half=x_half):
+      staged_x[...] = x_half
+      plgpu.commit_smem()
+
+    def x_by_links(acc):  # in registers, x's staging store runs while the product does
+      for a_part, b_part in pairs(x_half if in_registers else staged_x, links, seconds):
+        plgpu.wgmma(acc, a_part, b_part)
+      if in_registers:
+        stage_x()
+      return acc[...]
+
+    if not in_registers:
+      stage_x()
+    x_links = pl.run_scoped(x_by_links, plgpu.ACC((c, c), _F32))
+    neg_x_links = jnp.where(lower_left, -x_links, 0.0).astype(jnp.float16)
+    if not in_registers:
+      staged_a[0][...] = neg_x_links
+      plgpu.commit_smem()
+    x = lightning_mosaic.update(x, *pairs(neg_x_links if in_registers else staged_a[0], staged_x, firsts),
+                                in_registers=in_registers)
     size *= 2
   return x
 
 
 def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, with_unscaled, in_registers):
   *outputs, buffers, loaded = refs
-  k_smem, rows_smem, out_smem, solve_smem, staging = buffers
+  k_smem, rows_smem, (solve_smem, (staging, out_smem)) = buffers
   c, block = CHUNK_SIZE, _SOLVE_BLOCK
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   first_chunk = lax.axis_index("chunk_blocks") * chunks_per_cta
@@ -809,14 +823,14 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
       pairs = jnp.where(by_row(rows[runs_row]) == by_column(columns[runs_row]), pairs, 0.0)
     a = jnp.where(t > s, pairs * by_row(rows[_BETA_ROW]), 0.0)
     neg_upper = jnp.where((s > t) & same_block(block), pairs * by_column(-columns[_BETA_ROW]), 0.0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores have read their tiles (the solve's)
     x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers, k_steps=True)
     results = ((x * by_column(columns[_BETA_ROW]),) + ((x,) if with_unscaled else ()))
-    plgpu.wait_smem_to_gmem(len(results), wait_read_only=True)  # chunk n - 2's stores have read this slot
     rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
     for result, tile, out_ref in zip(results, out_smem, outputs):
-      tile.at[slot][...] = result.astype(tile.dtype)
+      tile[...] = result.astype(tile.dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(tile.at[slot], out_ref.at[batch, head, rows_out])
+      plgpu.copy_smem_to_gmem(tile, out_ref.at[batch, head, rows_out])
 
   plgpu.wait_smem_to_gmem(0)
 
@@ -901,8 +915,10 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   solve_tile = plgpu.SMEM((c, c + _SOLVE_PAD), _F32)
   scratch = (
       (smem((2, c, dim_k), dtype), plgpu.SMEM((2, 2) + rows.shape[-2:], _F32),
-       tuple(smem((2, c, c), dtype) for _ in range(num_outputs)), (solve_tile, solve_tile),
-       _merge_staging(in_registers, k_steps=True)),
+       # The solve's tiles, then the merges' and the results' (three CTAs an SM).
+       plgpu.RefUnion((solve_tile, solve_tile),
+                      (tuple(_merge_tile(k_steps=True) for _ in range(2 if in_registers else 3)),
+                       tuple(smem((c, c), dtype) for _ in range(num_outputs))))),
       plgpu.Barrier(num_arrivals=3, num_barriers=2),  # the keys and the factor rows twice
   )
   out_type = tuple(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(num_outputs))
@@ -1189,7 +1205,7 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
   # K = 128 its one warpgroup a CTA (shared memory allows one CTA an SM) waited on its own elementwise passes: two
   # halve them. runs_row: packed, the segment counts' row of rows_ref (the solve keeps one segment's pairs).
   unscaled_ref, gates_ref, ends_ref, buffers, barriers = refs if len(refs) == 5 else (None, None, *refs)
-  (q_smem, k_smem, g_smem, rows_smem, boundary_smem, (operands, solve_smem, rate_pieces), keys_end_smem,
+  (q_smem, k_smem, g_smem, rows_smem, boundary_smem, (operands, (solve_smem, links), rate_pieces), keys_end_smem,
    (inverse_smem, pairs_smem), staging) = buffers
   loaded, rows_loaded, *hand_overs = barriers
   x_keys, y_keys, x_queries = operands
@@ -1256,7 +1272,7 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
   by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
   by_channel = lambda x: as_tile(lax.broadcast_in_dim(  # noqa: E731
       plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(0)), (c, _PART), (1,)))
-  ones = staging[0]  # `_half_product`'s tile, free from one solve to the next (so swizzled as the pieces: k_steps off)
+  ones = staging[0]  # the merges' x tile, free from one solve to the next (so swizzled as the pieces: k_steps off)
 
   def ones_out():  # the triangle of ones: the rate sums' left operand
     ones[...] = jnp.where(t >= s, 1.0, 0.0).astype(ones.dtype)
@@ -1359,7 +1375,7 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
       a = jnp.where(kept, pairs * by_row(rows[_BETA_ROW]), 0.0)
       same_block = lax.div(t, block) == lax.div(s, block)
       neg_upper = jnp.where(kept_t & same_block, pairs_t * by_column(-columns_[_BETA_ROW]), 0.0)
-      x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers, k_steps=False)
+      x = _unit_lower_inverse(a, neg_upper, solve_smem, (links, *staging), in_registers=in_registers, k_steps=False)
       for result, tile, out_ref in ((x * by_column(columns_[_BETA_ROW]), inverse_smem, inverse_ref),
                                     (jnp.where(kept_inclusive, query_pairs, 0.0), pairs_smem, pairs_ref)):
         tile[...] = result.astype(tile.dtype)
@@ -1437,10 +1453,11 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
   scratch = (
       (smem((2, parts, c, _PART), dtype), smem((2, parts, c, _PART), dtype), smem((2, parts, c, _PART), _F32),
        plgpu.SMEM((2, 2, rows.shape[3], c), _F32), plgpu.SMEM((2, parts, c // _SOLVE_BLOCK, _PART), _F32),
-       # The pair products' operand tiles, the solve's and the rates' pieces: one at a time.
-       plgpu.RefUnion(tuple(smem((parts, c, _PART), dtype) for _ in range(3)), (solve_tile, solve_tile), pieces),
+       # The pair products' operand tiles, the solve's with the merges' links and the rates' pieces: one at a time.
+       plgpu.RefUnion(tuple(smem((parts, c, _PART), dtype) for _ in range(3)),
+                      ((solve_tile, solve_tile), _merge_tile(k_steps=False)), pieces),
        smem((parts, c, _PART), dtype), (smem((c, c), dtype), smem((c, c), dtype)),
-       _merge_staging(in_registers, k_steps=False)),
+       tuple(_merge_tile(k_steps=False) for _ in range(1 if in_registers else 2))),
       # Each part's q, k and rates by slot; beta's row twice; split, the hand-overs.
       (plgpu.Barrier(num_arrivals=3, num_barriers=2 * parts), plgpu.Barrier(num_arrivals=2, num_barriers=2),
        *((plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1)) if parts > 1 else ())),
