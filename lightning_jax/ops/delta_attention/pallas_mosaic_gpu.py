@@ -639,9 +639,11 @@ class ChunkWalks(NamedTuple):
   ctas_per_sm: int
 
 
-# `inverse` (171 registers a thread: two CTAs an SM). H200, 2026-11-30, the kernel alone: 16 chunks a CTA took 0.3-3%
-# less time than 8 at B4 H32 D64 (T 2K to 32K) and B2 H32 D128 (T 8K, 32K), also at B4 H32 T2K, where 16 leave 256
-# CTAs (one an SM) and 8 leave 512; 32 were within 1% of 16 from T8K and 1.5x slower at T2K (128 CTAs).
+# `inverse`. H200, 2026-11-30, the kernel alone, at two CTAs an SM (171 registers a thread, then): 16 chunks a CTA
+# took 0.3-3% less time than 8 at B4 H32 D64 (T 2K to 32K) and B2 H32 D128 (T 8K, 32K), also at B4 H32 T2K, where 16
+# leave 256 CTAs (one an SM) and 8 leave 512; 32 were within 1% of 16 from T8K and 1.5x slower at T2K (128 CTAs). At
+# three CTAs an SM (K = 64, 74c138b's kernel), 8 were within 1% of 16 at B4 H32 D64 (T 2K to 32K) and 4 up to 2%
+# slower.
 INVERSE_WALKS = ChunkWalks(walks=(16, 8, 4, 2), ctas_per_sm=1)
 # `channel_gated_chunks` (KDA), as measured before the inverse's longer walks (not since).
 CHANNEL_GATED_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=2)
@@ -716,9 +718,11 @@ def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_st
   interpreted, which runs no inline Mosaic GPU, from single rows), then merged
   16 -> 32 -> 64 rows: X <- X - (X L) X, L the lower-left blocks of A in each,
   so that every step writes exact blocks of T. A's links (A off the diagonal
-  blocks) are staged once a chunk: X L takes them as b and masks its result to
-  L's blocks, and X is staged while X L runs, so each merge waits on one
-  staging store, not two. Operands are rounded to float16 (as the Triton
+  blocks) are staged once a chunk, after the solve (whose tiles they may
+  share): X L takes them as b and masks its result to L's blocks, and X is
+  staged while X L runs (in `inverse`, 165 registers a thread against 179 for
+  X - X (L X) with both b operands staged on the chain: three CTAs an SM, not
+  two; on its own, no faster). Operands are rounded to float16 (as the Triton
   inverse's merges: bfloat16's 8 bits made T 5x less accurate with keys near
   one direction). With k_steps each product takes only the k-steps of 16 where
   both its operands hold nonzeros (the first or the second half of each block):
@@ -746,10 +750,11 @@ def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_st
   while size <= c:
     half = size // 2
     lower_left = same_block(size) & (lax.rem(t, size) >= half) & (lax.rem(s, size) < half)
-    # X L's k: each block's second half (L's rows); (X L) X's: its first half (L's columns). k-steps of 16.
-    seconds = (tuple((start + half, half) for start in range(0, c, size)) if k_steps and half % 16 == 0
-               else ((0, c),))
-    firsts = ((0, c),) if seconds == ((0, c),) else tuple((start - half, width) for start, width in seconds)
+    if k_steps and half % 16 == 0:  # X L's k: each block's second half (L's rows); (X L) X's: its first half
+      seconds = tuple((start + half, half) for start in range(0, c, size))
+      firsts = tuple((start, half) for start in range(0, c, size))
+    else:
+      seconds = firsts = ((0, c),)
     x_half = x.astype(jnp.float16)
 
     def stage_x(x_half=x_half):
@@ -884,8 +889,11 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   float32 registers (`_solve_diagonal_blocks`), then two merges, 16 -> 32 -> 64
   rows (four dependent products with float16 operands, against the Triton
   kernel's ten, each on the half of its k-steps where both operands hold
-  nonzeros). Compiled only on sm90; the interpreter, which runs no inline
-  Mosaic GPU, merges from single rows instead of the solve.
+  nonzeros). Three CTAs share an SM: 165 registers a thread, and the solve's
+  float32 tiles shared with the merges' and the results' (54 KB of shared
+  memory at K = 64, 71 KB at K = 128), so chunk n - 1's stores are read out
+  before chunk n's solve. Compiled only on sm90; the interpreter, which runs
+  no inline Mosaic GPU, merges from single rows instead of the solve.
 
   Args:
     k: [B, T', H, K] bf16 or fp16, K 64 or 128, T' <= Tp (`num_tokens`) a
