@@ -642,8 +642,8 @@ class ChunkWalks(NamedTuple):
 # `inverse`. H200, 2026-11-30, the kernel alone, at two CTAs an SM (171 registers a thread, then): 16 chunks a CTA
 # took 0.3-3% less time than 8 at B4 H32 D64 (T 2K to 32K) and B2 H32 D128 (T 8K, 32K), also at B4 H32 T2K, where 16
 # leave 256 CTAs (one an SM) and 8 leave 512; 32 were within 1% of 16 from T8K and 1.5x slower at T2K (128 CTAs). At
-# three CTAs an SM (K = 64, 74c138b's kernel), 8 were within 1% of 16 at B4 H32 D64 (T 2K to 32K) and 4 up to 2%
-# slower.
+# three CTAs an SM (K = 64; 74c138b's kernel before its results' tiles joined the solve's), 8 were within 1% of 16 at
+# B4 H32 D64 (T 2K to 32K) and 4 up to 2% slower.
 INVERSE_WALKS = ChunkWalks(walks=(16, 8, 4, 2), ctas_per_sm=1)
 # `channel_gated_chunks` (KDA), as measured before the inverse's longer walks (not since).
 CHANNEL_GATED_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=2)
