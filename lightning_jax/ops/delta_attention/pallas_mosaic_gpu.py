@@ -710,23 +710,24 @@ def _merge_tile(k_steps: bool):
 def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_steps):
   """T = (I + A)^{-1} [C, C] float32 of a chunk's strictly lower A [C, C] float32 registers.
 
-  neg_upper: -A^T on the 16 x 16 diagonal blocks (zero elsewhere), which the
-  solve reads by rows; solve_smem: its two float32 [C, C + _SOLVE_PAD] tiles;
-  staging: `_merge_tile(k_steps)`'s (links, x), and where the interpreter runs
-  (its wgmma reads shared memory alone) a third for the products' a. The
-  diagonal blocks are solved in registers (`_solve_diagonal_blocks`;
-  interpreted, which runs no inline Mosaic GPU, from single rows), then merged
-  16 -> 32 -> 64 rows: X <- X - (X L) X, L the lower-left blocks of A in each,
-  so that every step writes exact blocks of T. A's links (A off the diagonal
-  blocks) are staged once a chunk, after the solve (whose tiles they may
-  share): X L takes them as b and masks its result to L's blocks, and X is
-  staged while X L runs (in `inverse`, 165 registers a thread against 179 for
-  X - X (L X) with both b operands staged on the chain: three CTAs an SM, not
-  two; on its own, no faster). Operands are rounded to float16 (as the Triton
-  inverse's merges: bfloat16's 8 bits made T 5x less accurate with keys near
-  one direction). With k_steps each product takes only the k-steps of 16 where
-  both its operands hold nonzeros (the first or the second half of each block):
-  half its work on the tensor cores.
+  a: A, of which only the strictly lower part off the 16 x 16 diagonal blocks
+  is read (so the caller need not mask it); neg_upper: -A^T, of which the
+  solve reads the strictly upper part of the diagonal blocks, by rows;
+  solve_smem: the solve's two float32 [C, C + _SOLVE_PAD] tiles; staging:
+  `_merge_tile(k_steps)`'s (links, x), and where the interpreter runs (its
+  wgmma reads shared memory alone) a third for the products' a. The diagonal
+  blocks are solved in registers (`_solve_diagonal_blocks`; interpreted, which
+  runs no inline Mosaic GPU, from single rows), then merged 16 -> 32 -> 64
+  rows: X <- X - (X L) X, L the lower-left blocks of A in each, so that every
+  step writes exact blocks of T. A's links are staged once a chunk, after the
+  solve (whose tiles they may share), as X L's b, and X is staged while X L
+  runs. With k_steps, X L is one product a block, of X's columns over the
+  block's second half and the links' block of L alone ([C, 16] twice, then
+  [C, 32]: no mask, a quarter and a half of the whole product's work), and
+  (X L) X takes each of them as a with the k-steps of X's rows it covers; else
+  X L is whole, masked to L's blocks. Operands are rounded to float16 (as the
+  Triton inverse's merges: bfloat16's 8 bits made T 5x less accurate with keys
+  near one direction).
   """
   links, staged_x, *staged_a = staging
   c = CHUNK_SIZE
@@ -735,48 +736,53 @@ def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_st
   same_block = lambda size: lax.div(t, size) == lax.div(s, size)  # noqa: E731
   if in_registers:
     x = jnp.where(same_block(_SOLVE_BLOCK), _solve_diagonal_blocks(neg_upper, *solve_smem), 0.0)
-    links[...] = jnp.where(same_block(_SOLVE_BLOCK), 0.0, a).astype(links.dtype)  # after the solve: may share its tiles
-    plgpu.commit_smem()
     size = 2 * _SOLVE_BLOCK
   else:
-    links[...] = a.astype(links.dtype)
     x = jnp.where(t == s, 1.0, 0.0)
     size = 2
-
-  def pairs(a, b, k_blocks):  # the (a, b) operand pairs of a @ b over k_blocks, a in registers or staged
-    return [(a[:, start:start + width] if in_registers else a.at[:, pl.ds(start, width)], b.at[pl.ds(start, width)])
-            for start, width in k_blocks]
+  links[...] = a.astype(links.dtype)  # after the solve: may share its tiles
+  plgpu.commit_smem()
 
   while size <= c:
     half = size // 2
-    lower_left = same_block(size) & (lax.rem(t, size) >= half) & (lax.rem(s, size) < half)
-    if k_steps and half % 16 == 0:  # X L's k: each block's second half (L's rows); (X L) X's: its first half
-      seconds = tuple((start + half, half) for start in range(0, c, size))
-      firsts = tuple((start, half) for start in range(0, c, size))
+    if k_steps and half % 16 == 0:  # (first column, width) of each block's product: its lower-left block alone
+      blocks = tuple((start, half) for start in range(0, c, size))
     else:
-      seconds = firsts = ((0, c),)
+      blocks = ((0, c),)
     x_half = x.astype(jnp.float16)
+    x_operand = x_half if in_registers else staged_x
 
     def stage_x(x_half=x_half):
       staged_x[...] = x_half
       plgpu.commit_smem()
 
-    def x_by_links(acc):  # in registers, x's staging store runs while the product does
-      for a_part, b_part in pairs(x_half if in_registers else staged_x, links, seconds):
-        plgpu.wgmma(acc, a_part, b_part)
+    def x_by_links(*accs):  # in registers, x's staging store runs while the products do
+      for acc, (start, width) in zip(accs, blocks):
+        rows = start + width if width < c else 0  # X L's k: the block's second half (L's rows)
+        a_part = x_operand[:, rows:rows + width] if in_registers else x_operand.at[:, pl.ds(rows, width)]
+        plgpu.wgmma(acc, a_part, links.at[pl.ds(rows, width), pl.ds(start, width)])
       if in_registers:
+        if size > 2 * _SOLVE_BLOCK:  # the last merge's (X L) X has read x's tile on every warp
+          lightning_mosaic.warpgroup_barrier()
         stage_x()
-      return acc[...]
+      return tuple(acc[...] for acc in accs)
 
     if not in_registers:
       stage_x()
-    x_links = pl.run_scoped(x_by_links, plgpu.ACC((c, c), _F32))
-    neg_x_links = jnp.where(lower_left, -x_links, 0.0).astype(jnp.float16)
+    x_links = pl.run_scoped(x_by_links, *(plgpu.ACC((c, width), _F32) for _, width in blocks))
+    if len(blocks) == 1 and blocks[0][1] == c:  # whole: masked to the lower-left blocks
+      lower_left = same_block(size) & (lax.rem(t, size) >= half) & (lax.rem(s, size) < half)
+      x_links = (jnp.where(lower_left, x_links[0], 0.0),)
+    products = []
+    for x_link, (start, width) in zip(x_links, blocks):
+      neg_x_link = (-x_link).astype(jnp.float16)
+      if not in_registers:
+        staged_a[0].at[:, pl.ds(start, width)][...] = neg_x_link
+        neg_x_link = staged_a[0].at[:, pl.ds(start, width)]
+      products.append((neg_x_link, staged_x.at[pl.ds(start, width)]))
     if not in_registers:
-      staged_a[0][...] = neg_x_links
       plgpu.commit_smem()
-    x = lightning_mosaic.update(x, *pairs(neg_x_links if in_registers else staged_a[0], staged_x, firsts),
-                                in_registers=in_registers)
+    x = lightning_mosaic.update(x, *products, in_registers=in_registers)
     size *= 2
   return x
 
@@ -784,7 +790,7 @@ def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_st
 def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, with_unscaled, in_registers):
   *outputs, buffers, loaded = refs
   k_smem, rows_smem, (solve_smem, (staging, out_smem)) = buffers
-  c, block = CHUNK_SIZE, _SOLVE_BLOCK
+  c = CHUNK_SIZE
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   first_chunk = lax.axis_index("chunk_blocks") * chunks_per_cta
 
@@ -796,11 +802,8 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
       plgpu.copy_gmem_to_smem(rows_ref.at[batch, head, chunk], rows_smem.at[slot, copy], loaded.at[slot])
 
   load(0, 0)
-  t = lax.broadcasted_iota(jnp.int32, (c, c), 0)
-  s = lax.broadcasted_iota(jnp.int32, (c, c), 1)
   by_row = lambda x: lax.broadcast_in_dim(x, (c, c), (0,))  # noqa: E731
   by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
-  same_block = lambda size: lax.div(t, size) == lax.div(s, size)  # noqa: E731
 
   @pl.loop(0, chunks_per_cta)
   def _chunk(n):
@@ -818,16 +821,16 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
       plgpu.wgmma(acc, keys, keys.transpose((1, 0)))
       return acc[...]
 
-    # The pair products (k_t . k_s) 2^-|c_t - c_s| of one segment: symmetric, so that A (strictly lower, beta_t by
-    # rows) and A^T (strictly upper, beta_s by columns) both come from them.
+    # The pair products (k_t . k_s) 2^-|c_t - c_s| of one segment: symmetric, so that A (beta_t by rows) and -A^T
+    # (-beta_s by columns) both come from them, unmasked (`_unit_lower_inverse` reads their triangles alone).
     pairs = pl.run_scoped(key_products, plgpu.ACC((c, c), _F32))
     if cum_row is not None:
       gap = by_column(columns[cum_row]) - by_row(rows[cum_row])
       pairs = pairs * jnp.exp2(jnp.minimum(gap, -gap))
     if runs_row is not None:
       pairs = jnp.where(by_row(rows[runs_row]) == by_column(columns[runs_row]), pairs, 0.0)
-    a = jnp.where(t > s, pairs * by_row(rows[_BETA_ROW]), 0.0)
-    neg_upper = jnp.where((s > t) & same_block(block), pairs * by_column(-columns[_BETA_ROW]), 0.0)
+    a = pairs * by_row(rows[_BETA_ROW])
+    neg_upper = pairs * by_column(-columns[_BETA_ROW])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores have read their tiles (the solve's)
     x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers, k_steps=True)
     results = ((x * by_column(columns[_BETA_ROW]),) + ((x,) if with_unscaled else ()))
@@ -887,13 +890,15 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   the next chunk's keys and factor rows loading by TMA during this one's chain:
   k k^T on the tensor cores, the 16 x 16 diagonal blocks of T by substitution in
   float32 registers (`_solve_diagonal_blocks`), then two merges, 16 -> 32 -> 64
-  rows (four dependent products with float16 operands, against the Triton
-  kernel's ten, each on the half of its k-steps where both operands hold
-  nonzeros). Three CTAs share an SM: 165 registers a thread, and the solve's
-  float32 tiles shared with the merges' and the results' (54 KB of shared
-  memory at K = 64, 71 KB at K = 128), so chunk n - 1's stores are read out
-  before chunk n's solve. Compiled only on sm90; the interpreter, which runs
-  no inline Mosaic GPU, merges from single rows instead of the solve.
+  rows (four dependent steps of float16 products, against the Triton kernel's
+  ten, each product on the blocks where its operands hold nonzeros). Three
+  CTAs share an SM: 151 registers a thread, and the solve's float32 tiles
+  shared with the merges' and the results' (54 KB of shared memory at K = 64,
+  71 KB at K = 128), so chunk n - 1's stores are read out before chunk n's
+  solve. The kernel orders its own shared memory (`warpgroup_kernel(...,
+  auto_barriers=False)`: 10 warpgroup barriers a chunk, not 20). Compiled only
+  on sm90; the interpreter, which runs no inline Mosaic GPU, merges from single
+  rows instead of the solve.
 
   Args:
     k: [B, T', H, K] bf16 or fp16, K 64 or 128, T' <= Tp (`num_tokens`) a
@@ -935,7 +940,7 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   tri_beta, *tri = lightning_mosaic.warpgroup_kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(h, b, n // per_cta),
       grid_names=("heads", "batch", "chunk_blocks"), interpret=interpret, kernel_name="delta_inverse_mosaic",
-      num_warpgroups=1)(rows, k)
+      num_warpgroups=1, auto_barriers=not in_registers)(rows, k)
   return (tri[0], tri_beta) if with_unscaled else tri_beta
 
 

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lightning_jax.ops.lightning_attention import chunk_common
@@ -726,11 +727,20 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool
               overlap_publish=compiled and delta and dim_k > 64)
 
 
+def warpgroup_barrier():
+  """A barrier of the warpgroup's 128 threads (`bar.sync`), for a kernel of `warpgroup_kernel(...,
+  auto_barriers=False)`: every thread's reads and writes of shared memory before it, the tensor cores' reads of
+  wgmma operands each thread waited for included, come before any thread's after it."""
+  plgpu.inline_mgpu()(lambda _: mgpu_utils.warpgroup_barrier())()
+
+
 def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names, interpret, kernel_name,
-                     num_warpgroups: int = 3):
+                     num_warpgroups: int = 3, auto_barriers: bool = True):
   """plgpu.kernel in warpgroup lowering, as every kernel of this file and of the delta rule's runs: of
   `num_warpgroups` warpgroups (axis "wg"; 1: no such axis); approx_math: exp2 as the one ex2.approx instruction
-  (relative error ~2^-22), not a library routine."""
+  (relative error ~2^-22), not a library routine. auto_barriers=False: Pallas puts no warpgroup barrier around
+  each shared-memory store and async copy (`unsafe_no_auto_barriers`), so the body must order its own reads
+  before the writes that reuse their memory (`warpgroup_barrier`)."""
   return plgpu.kernel(
       body,
       out_type=out_type,
@@ -739,7 +749,8 @@ def warpgroup_kernel(body, *, out_type, scratch_types, grid, grid_names, interpr
       grid_names=grid_names,
       num_threads=num_warpgroups if num_warpgroups > 1 else None,
       thread_name="wg" if num_warpgroups > 1 else None,
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
+                                           unsafe_no_auto_barriers=not auto_barriers),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name=kernel_name,
   )
