@@ -446,8 +446,8 @@ def test_delta_inverse_walks_any_chunks_per_cta(mode):
                                          f"got {bad!r}"):
       delta_mosaic.inverse(k, beta, chunk_gates, chunks_per_cta=bad, interpret=interpret)
   walks = functools.partial(delta_mosaic.default_chunks_per_cta, num_sms=132)
-  assert walks(batch_heads=16, num_chunks=1024) == 16
-  # At least a CTA an SM: 16 chunks a CTA give 64 CTAs at one head, 8 give 128, 4 give 256.
+  assert walks(batch_heads=16, num_chunks=1024) == 8
+  # At least a CTA an SM: 8 chunks a CTA give 128 CTAs at one head, 4 give 256.
   assert walks(batch_heads=1, num_chunks=1024) == 4
   assert walks(batch_heads=1, num_chunks=12) == 1
   # KDA's kernel: at most 8, and 2 CTAs an SM (4 chunks a CTA give 256 CTAs at one head, 2 give 512).

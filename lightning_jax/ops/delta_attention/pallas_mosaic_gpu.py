@@ -643,8 +643,9 @@ class ChunkWalks(NamedTuple):
 # took 0.3-3% less time than 8 at B4 H32 D64 (T 2K to 32K) and B2 H32 D128 (T 8K, 32K), also at B4 H32 T2K, where 16
 # leave 256 CTAs (one an SM) and 8 leave 512; 32 were within 1% of 16 from T8K and 1.5x slower at T2K (128 CTAs). At
 # three CTAs an SM (K = 64; 74c138b's kernel before its results' tiles joined the solve's), 8 were within 1% of 16 at
-# B4 H32 D64 (T 2K to 32K) and 4 up to 2% slower.
-INVERSE_WALKS = ChunkWalks(walks=(16, 8, 4, 2), ctas_per_sm=1)
+# B4 H32 D64 (T 2K to 32K) and 4 up to 2% slower. With 0bf3229's kernel (151 registers), 8 took 4-17% less than 16
+# at B2 H32 D128 (T8K 0.0744-0.0745 against 0.0881-0.0901 ms, T32K 0.2456-0.2458 against 0.2574-0.2586).
+INVERSE_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=1)
 # `channel_gated_chunks` (KDA), as measured before the inverse's longer walks (not since).
 CHANNEL_GATED_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=2)
 
@@ -707,11 +708,11 @@ def _merge_tile(k_steps: bool):
   return lightning_mosaic.swizzled_smem(shape, jnp.float16)
 
 
-def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_steps):
+def _unit_lower_inverse(neg_a, neg_upper, solve_smem, staging, *, in_registers, k_steps):
   """T = (I + A)^{-1} [C, C] float32 of a chunk's strictly lower A [C, C] float32 registers.
 
-  a: A, of which only the strictly lower part off the 16 x 16 diagonal blocks
-  is read (so the caller need not mask it); neg_upper: -A^T, of which the
+  neg_a: -A, of which only the strictly lower part off the 16 x 16 diagonal
+  blocks is read (so the caller need not mask it); neg_upper: -A^T, of which the
   solve reads the strictly upper part of the diagonal blocks, by rows;
   solve_smem: the solve's two float32 [C, C + _SOLVE_PAD] tiles; staging:
   `_merge_tile(k_steps)`'s (links, x), and where the interpreter runs (its
@@ -719,13 +720,14 @@ def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_st
   blocks are solved in registers (`_solve_diagonal_blocks`; interpreted, which
   runs no inline Mosaic GPU, from single rows), then merged 16 -> 32 -> 64
   rows: X <- X - (X L) X, L the lower-left blocks of A in each, so that every
-  step writes exact blocks of T. A's links are staged once a chunk, after the
-  solve (whose tiles they may share), as X L's b, and X is staged while X L
-  runs. With k_steps, X L is one product a block, of X's columns over the
-  block's second half and the links' block of L alone ([C, 16] twice, then
-  [C, 32]: no mask, a quarter and a half of the whole product's work), and
-  (X L) X takes each of them as a with the k-steps of X's rows it covers; else
-  X L is whole, masked to L's blocks. Operands are rounded to float16 (as the
+  step writes exact blocks of T. A's links are staged negated once a chunk,
+  after the solve (whose tiles they may share), as X L's b (so that X L comes
+  out negated, as the update takes it), and X is staged while X L runs. With
+  k_steps, X L is one product a block, of X's columns over the block's second
+  half and the links' block of L alone ([C, 16] twice, then [C, 32]: no mask,
+  a quarter and a half of the whole product's work), and (X L) X takes each
+  of them as a with the k-steps of X's rows it covers; else X L is whole,
+  masked to L's blocks. Operands are rounded to float16 (as the
   Triton inverse's merges: bfloat16's 8 bits made T 5x less accurate with keys
   near one direction).
   """
@@ -740,7 +742,7 @@ def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_st
   else:
     x = jnp.where(t == s, 1.0, 0.0)
     size = 2
-  links[...] = a.astype(links.dtype)  # after the solve: may share its tiles
+  links[...] = neg_a.astype(links.dtype)  # after the solve: may share its tiles
   plgpu.commit_smem()
 
   while size <= c:
@@ -769,13 +771,13 @@ def _unit_lower_inverse(a, neg_upper, solve_smem, staging, *, in_registers, k_st
 
     if not in_registers:
       stage_x()
-    x_links = pl.run_scoped(x_by_links, *(plgpu.ACC((c, width), _F32) for _, width in blocks))
+    neg_x_links = pl.run_scoped(x_by_links, *(plgpu.ACC((c, width), _F32) for _, width in blocks))
     if len(blocks) == 1 and blocks[0][1] == c:  # whole: masked to the lower-left blocks
       lower_left = same_block(size) & (lax.rem(t, size) >= half) & (lax.rem(s, size) < half)
-      x_links = (jnp.where(lower_left, x_links[0], 0.0),)
+      neg_x_links = (jnp.where(lower_left, neg_x_links[0], 0.0),)
     products = []
-    for x_link, (start, width) in zip(x_links, blocks):
-      neg_x_link = (-x_link).astype(jnp.float16)
+    for neg_x_link, (start, width) in zip(neg_x_links, blocks):
+      neg_x_link = neg_x_link.astype(jnp.float16)
       if not in_registers:
         staged_a[0].at[:, pl.ds(start, width)][...] = neg_x_link
         neg_x_link = staged_a[0].at[:, pl.ds(start, width)]
@@ -821,7 +823,7 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
       plgpu.wgmma(acc, keys, keys.transpose((1, 0)))
       return acc[...]
 
-    # The pair products (k_t . k_s) 2^-|c_t - c_s| of one segment: symmetric, so that A (beta_t by rows) and -A^T
+    # The pair products (k_t . k_s) 2^-|c_t - c_s| of one segment: symmetric, so that -A (-beta_t by rows) and -A^T
     # (-beta_s by columns) both come from them, unmasked (`_unit_lower_inverse` reads their triangles alone).
     pairs = pl.run_scoped(key_products, plgpu.ACC((c, c), _F32))
     if cum_row is not None:
@@ -829,10 +831,10 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
       pairs = pairs * jnp.exp2(jnp.minimum(gap, -gap))
     if runs_row is not None:
       pairs = jnp.where(by_row(rows[runs_row]) == by_column(columns[runs_row]), pairs, 0.0)
-    a = pairs * by_row(rows[_BETA_ROW])
+    neg_a = pairs * by_row(-rows[_BETA_ROW])
     neg_upper = pairs * by_column(-columns[_BETA_ROW])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores have read their tiles (the solve's)
-    x = _unit_lower_inverse(a, neg_upper, solve_smem, staging, in_registers=in_registers, k_steps=True)
+    x = _unit_lower_inverse(neg_a, neg_upper, solve_smem, staging, in_registers=in_registers, k_steps=True)
     results = ((x * by_column(columns[_BETA_ROW]),) + ((x,) if with_unscaled else ()))
     rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
     for result, tile, out_ref in zip(results, out_smem, outputs):
@@ -1385,10 +1387,10 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
       if runs_row is not None:  # packed: the pairs of one segment alone
         same_segment = by_row(rows[runs_row]) == by_column(columns_[runs_row])
         kept, kept_t, kept_inclusive = kept & same_segment, kept_t & same_segment, kept_inclusive & same_segment
-      a = jnp.where(kept, pairs * by_row(rows[_BETA_ROW]), 0.0)
+      neg_a = jnp.where(kept, pairs * by_row(-rows[_BETA_ROW]), 0.0)
       same_block = lax.div(t, block) == lax.div(s, block)
       neg_upper = jnp.where(kept_t & same_block, pairs_t * by_column(-columns_[_BETA_ROW]), 0.0)
-      x = _unit_lower_inverse(a, neg_upper, solve_smem, (links, *staging), in_registers=in_registers, k_steps=False)
+      x = _unit_lower_inverse(neg_a, neg_upper, solve_smem, (links, *staging), in_registers=in_registers, k_steps=False)
       for result, tile, out_ref in ((x * by_column(columns_[_BETA_ROW]), inverse_smem, inverse_ref),
                                     (jnp.where(kept_inclusive, query_pairs, 0.0), pairs_smem, pairs_ref)):
         tile[...] = result.astype(tile.dtype)
