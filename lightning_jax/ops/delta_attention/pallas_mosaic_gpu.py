@@ -633,10 +633,14 @@ _BETA_ROW = 0
 
 class ChunkWalks(NamedTuple):
   """How many chunks a CTA of a per-chunk kernel walks by default (the next chunk's loads in flight during this
-  one's chain): the most of `walks` dividing the row's chunks that leave at least `ctas_per_sm` CTAs an SM, else
-  1 (one chunk's chain is latency-bound, so CTAs sharing an SM fill its waits)."""
+  one's chain): the first of `one_wave_walks` dividing the row's chunks whose CTAs, at least `ctas_per_sm` an SM,
+  all fit in one wave of `resident_per_sm` an SM (no tail of CTAs left alone on their SMs); else the most of `walks`
+  dividing them that leave at least `ctas_per_sm` CTAs an SM, else 1 (one chunk's chain is latency-bound, so CTAs
+  sharing an SM fill its waits)."""
   walks: tuple[int, ...]
   ctas_per_sm: int
+  one_wave_walks: tuple[int, ...] = ()
+  resident_per_sm: int = 1
 
 
 # `inverse`. H200, 2026-11-30, the kernel alone, at two CTAs an SM (171 registers a thread, then): 16 chunks a CTA
@@ -644,8 +648,11 @@ class ChunkWalks(NamedTuple):
 # leave 256 CTAs (one an SM) and 8 leave 512; 32 were within 1% of 16 from T8K and 1.5x slower at T2K (128 CTAs). At
 # three CTAs an SM (K = 64; 74c138b's kernel before its results' tiles joined the solve's), 8 were within 1% of 16 at
 # B4 H32 D64 (T 2K to 32K) and 4 up to 2% slower. With 0bf3229's kernel (151 registers), 8 took 4-17% less than 16
-# at B2 H32 D128 (T8K 0.0744-0.0745 against 0.0881-0.0901 ms, T32K 0.2456-0.2458 against 0.2574-0.2586).
-INVERSE_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=1)
+# at B2 H32 D128 (T8K 0.0744-0.0745 against 0.0881-0.0901 ms, T32K 0.2456-0.2458 against 0.2574-0.2586). With
+# 68c0602's (three CTAs an SM at K 64 and 128), 8 against 16: 0.1247 / 0.1284 ms at B4 H32 T8K D64, 0.4328 / 0.4358 at
+# T32K, 0.2464 / 0.2579 at B1 H32 T64K D128, 0.2469 / 0.2572 at B2 H32 T32K D128 (gated alike), but 0.0467 / 0.0439
+# at B4 H32 T2K D64, where 16 leave 256 CTAs, one wave, and 8 leave 512, a wave and a tail.
+INVERSE_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=1, one_wave_walks=(16,), resident_per_sm=3)
 # `channel_gated_chunks` (KDA), as measured before the inverse's longer walks (not since).
 CHANNEL_GATED_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=2)
 
@@ -863,8 +870,12 @@ def default_chunks_per_cta(*, batch_heads: int, num_chunks: int, num_sms: int,
                            policy: ChunkWalks = INVERSE_WALKS) -> int:
   """Chunks each CTA of a per-chunk kernel walks under `policy` (`ChunkWalks`), over batch_heads rows of num_chunks
   chunks on num_sms SMs."""
+  ctas = lambda chunks: batch_heads * (num_chunks // chunks)  # noqa: E731
+  for chunks in policy.one_wave_walks:
+    if num_chunks % chunks == 0 and policy.ctas_per_sm * num_sms <= ctas(chunks) <= policy.resident_per_sm * num_sms:
+      return chunks
   for chunks in policy.walks:
-    if num_chunks % chunks == 0 and batch_heads * (num_chunks // chunks) >= policy.ctas_per_sm * num_sms:
+    if num_chunks % chunks == 0 and ctas(chunks) >= policy.ctas_per_sm * num_sms:
       return chunks
   return 1
 
