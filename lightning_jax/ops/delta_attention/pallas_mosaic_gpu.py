@@ -734,9 +734,9 @@ def _unit_lower_inverse(neg_a, neg_upper, solve_smem, staging, *, in_registers, 
   half and the links' block of L alone ([C, 16] twice, then [C, 32]: no mask,
   a quarter and a half of the whole product's work), and (X L) X takes each
   of them as a with the k-steps of X's rows it covers; else X L is whole,
-  masked to L's blocks. Operands are rounded to float16 (as the
-  Triton inverse's merges: bfloat16's 8 bits made T 5x less accurate with keys
-  near one direction).
+  masked to L's blocks. Operands are rounded to float16 (as the Triton
+  inverse's merges: bfloat16's 8 bits made T 5x less accurate with keys near
+  one direction).
   """
   links, staged_x, *staged_a = staging
   c = CHUNK_SIZE
