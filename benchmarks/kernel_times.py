@@ -1,7 +1,7 @@
 """Per-kernel device time of the CLI's cases, from a `jax.profiler` trace (PERFORMANCE.md's per-kernel numbers).
 
     python -m benchmarks.kernel_times --ops deltanet,gated_deltanet --impls lj-delta-pallas,jla-delta-mosaic \
-        --shapes 2x8192x32x128 --modes fwd,fwdbwd [--calls 3] [--top 12] [--launches]
+        --shapes 2x8192x32x128 --modes fwd,fwdbwd [--calls 3] [--top 12] [--launches] [--timed]
 
 Each case is built as `benchmarks.run` builds it (the same functions, inputs
 and gates: `jax_impls`, `peers.jla`), compiled and run once; then `--calls`
@@ -11,7 +11,11 @@ the last call's launches instead, in order and each apart: XLA gives one name
 to a kernel compiled once and launched twice (the backward's dv and dk sweeps),
 which the sums add up. Each case's first line gives their sum, the device's
 busy time per call (the gaps between kernels, and so launch latency, left out:
-the CLI's times include them). Nsight Compute segfaulted on the lent H200's
+the CLI's times include them). With `--timed`, each case is also timed as the
+CLI times it (its input sets rotated over the GPU profiles' 256 MiB, samples
+of 20 ms of back-to-back calls, the median), in this process: what the CLI's
+time adds to the kernels' (launch gaps, and the inputs' trips from HBM where
+the traced calls find them in L2). Nsight Compute segfaulted on the lent H200's
 image; the profiler's device activity needs no ncu. One process, one case at a
 time: compare kernels within one run. On a CPU there are no device events (XLA
 runs on the host), and a case says so.
@@ -102,21 +106,30 @@ def unavailable(job: dict) -> str | None:
   return reason if reason is not None else jax_impls.lightning_unavailable(job)
 
 
-def case_kernel_times(job: dict, mode: str, calls: int, *, by_launch: bool = False) -> dict:
+def case_kernel_times(job: dict, mode: str, calls: int, *, by_launch: bool = False, timed: bool = False):
   """`kernel_times` (by_launch: `launches`) of one job's mode ("fwd" or "fwdbwd"), on the CLI's function and first
-  input set."""
+  input set; timed: (those, `timing.measure`'s result of the function timed as the CLI times it, and the input sets
+  it rotated)."""
   import jax  # noqa: PLC0415
 
   from benchmarks import jax_impls  # noqa: PLC0415
+  from lightning_jax.tune import timing  # noqa: PLC0415
 
   attn, extras = _attention(job)
   fns = jax_impls.mode_functions(attn, cases.differentiated_inputs(job))
-  q, k, v, do = jax_impls.make_inputs(job, 1)[0]
-  fn, args = (fns["fwd"], (q, k, v, *extras)) if mode == "fwd" else (fns["fwdbwd"], (q, k, v, do, *extras))
-  fn = jax.jit(fn)
-  jax.block_until_ready(fn(*args))  # compiled and warm before the trace
-  trace = trace_calls(fn, args, calls)
-  return launches(trace, calls) if by_launch else kernel_times(trace, calls)
+  settings = cases.PROFILES["full"]
+  n_sets = timing.rotation_sets(cases.input_set_bytes(job), settings["rotate_bytes"]) if timed else 1
+  sets = [(*x[:3], *extras) if mode == "fwd" else (*x, *extras) for x in jax_impls.make_inputs(job, n_sets)]
+  fn = jax.jit(fns[mode])
+  jax.block_until_ready(fn(*sets[0]))  # compiled and warm before the trace
+  trace = trace_calls(fn, sets[0], calls)
+  found = launches(trace, calls) if by_launch else kernel_times(trace, calls)
+  if not timed:
+    return found
+  stats = timing.measure(lambda i: fn(*sets[i]), jax.block_until_ready, n_sets=n_sets, warmup=settings["warmup"],
+                         max_iters=settings["iters"], max_seconds=settings["case_seconds"],
+                         min_sample_seconds=settings["sample_seconds"])
+  return found, stats, n_sets
 
 
 def parse_args(argv=None):
@@ -132,6 +145,8 @@ def parse_args(argv=None):
   p.add_argument("--top", type=int, default=12, help="kernels listed per case")
   p.add_argument("--launches", action="store_true",
                  help="list the last call's kernel launches in order, each apart, instead of sums by name")
+  p.add_argument("--timed", action="store_true",
+                 help="also time each case as the CLI does (input sets rotated, 20 ms samples), in this process")
   args = p.parse_args(argv)
   if args.calls < 1:
     p.error(f"--calls must be >= 1, got {args.calls}")
@@ -155,7 +170,9 @@ def main(argv=None):
       if reason is not None:
         print(f"== {label}: skipped ({reason})", flush=True)
         continue
-      found = case_kernel_times(job, mode, args.calls, by_launch=args.launches)
+      found = case_kernel_times(job, mode, args.calls, by_launch=args.launches, timed=args.timed)
+      if args.timed:
+        found, stats, n_sets = found
       if not found:
         print(f"== {label}: no GPU events (XLA ran on the host)", flush=True)
       for process, kernels in found.items():
@@ -164,6 +181,9 @@ def main(argv=None):
         print(f"== {label}, {process}: {total:.3f} ms of kernels per call", flush=True)
         for i, (name, ms) in enumerate(rows):
           print(f"   {f'{i:3d}.' if args.launches else ''}{ms:8.3f} ms  {name[:100]}", flush=True)
+      if args.timed:
+        print(f"   {stats['time_ms']:8.3f} ms  a call timed as the CLI times it ({n_sets} input sets rotated)",
+              flush=True)
 
 
 if __name__ == "__main__":
