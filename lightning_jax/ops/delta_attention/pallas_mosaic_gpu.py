@@ -643,15 +643,11 @@ class ChunkWalks(NamedTuple):
   resident_per_sm: int = 1
 
 
-# `inverse`. H200, 2026-11-30, the kernel alone, at two CTAs an SM (171 registers a thread, then): 16 chunks a CTA
-# took 0.3-3% less time than 8 at B4 H32 D64 (T 2K to 32K) and B2 H32 D128 (T 8K, 32K), also at B4 H32 T2K, where 16
-# leave 256 CTAs (one an SM) and 8 leave 512; 32 were within 1% of 16 from T8K and 1.5x slower at T2K (128 CTAs). At
-# three CTAs an SM (K = 64; 74c138b's kernel before its results' tiles joined the solve's), 8 were within 1% of 16 at
-# B4 H32 D64 (T 2K to 32K) and 4 up to 2% slower. With 0bf3229's kernel (151 registers), 8 took 4-17% less than 16
-# at B2 H32 D128 (T8K 0.0744-0.0745 against 0.0881-0.0901 ms, T32K 0.2456-0.2458 against 0.2574-0.2586). With
-# 68c0602's (three CTAs an SM at K 64 and 128), 8 against 16: 0.1247 / 0.1284 ms at B4 H32 T8K D64, 0.4328 / 0.4358 at
-# T32K, 0.2464 / 0.2579 at B1 H32 T64K D128, 0.2469 / 0.2572 at B2 H32 T32K D128 (gated alike), but 0.0467 / 0.0439
-# at B4 H32 T2K D64, where 16 leave 256 CTAs, one wave, and 8 leave 512, a wave and a tail.
+# `inverse`. H200, 2026-11-30, the kernel alone at three CTAs an SM (68c0602's), 8 chunks a CTA against 16: 0.1247 /
+# 0.1284 ms at B4 H32 T8K D64, 0.4328 / 0.4358 at T32K, 0.0752 / 0.0881 at B2 H32 T8K D128, 0.2469 / 0.2572 at T32K,
+# 0.2464 / 0.2579 at B1 H32 T64K D128 (per-token rates alike), but 0.0467 / 0.0439 at B4 H32 T2K D64, where 16 leave
+# 256 CTAs, one wave, and 8 leave 512, a wave and a tail. (At two CTAs an SM, before 74c138b, 16 had led 8 by 0.3-3%
+# and 32 was 1.5x slower at T2K: PERFORMANCE.md, "Delta attention".)
 INVERSE_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=1, one_wave_walks=(16,), resident_per_sm=3)
 # `channel_gated_chunks` (KDA), as measured before the inverse's longer walks (not since).
 CHANNEL_GATED_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=2)
