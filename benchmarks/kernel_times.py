@@ -107,9 +107,8 @@ def unavailable(job: dict) -> str | None:
 
 
 def case_kernel_times(job: dict, mode: str, calls: int, *, by_launch: bool = False, timed: bool = False):
-  """`kernel_times` (by_launch: `launches`) of one job's mode ("fwd" or "fwdbwd"), on the CLI's function and first
-  input set; timed: (those, `timing.measure`'s result of the function timed as the CLI times it, and the input sets
-  it rotated)."""
+  """(`kernel_times` (by_launch: `launches`) of one job's mode ("fwd" or "fwdbwd"), on the CLI's function and first
+  input set; with timed, `timing.measure`'s result of the function timed as the CLI times it, else None)."""
   import jax  # noqa: PLC0415
 
   from benchmarks import jax_impls  # noqa: PLC0415
@@ -125,11 +124,10 @@ def case_kernel_times(job: dict, mode: str, calls: int, *, by_launch: bool = Fal
   trace = trace_calls(fn, sets[0], calls)
   found = launches(trace, calls) if by_launch else kernel_times(trace, calls)
   if not timed:
-    return found
-  stats = timing.measure(lambda i: fn(*sets[i]), jax.block_until_ready, n_sets=n_sets, warmup=settings["warmup"],
-                         max_iters=settings["iters"], max_seconds=settings["case_seconds"],
-                         min_sample_seconds=settings["sample_seconds"])
-  return found, stats, n_sets
+    return found, None
+  return found, timing.measure(lambda i: fn(*sets[i]), jax.block_until_ready, n_sets=n_sets,
+                               warmup=settings["warmup"], max_iters=settings["iters"],
+                               max_seconds=settings["case_seconds"], min_sample_seconds=settings["sample_seconds"])
 
 
 def parse_args(argv=None):
@@ -170,9 +168,7 @@ def main(argv=None):
       if reason is not None:
         print(f"== {label}: skipped ({reason})", flush=True)
         continue
-      found = case_kernel_times(job, mode, args.calls, by_launch=args.launches, timed=args.timed)
-      if args.timed:
-        found, stats, n_sets = found
+      found, stats = case_kernel_times(job, mode, args.calls, by_launch=args.launches, timed=args.timed)
       if not found:
         print(f"== {label}: no GPU events (XLA ran on the host)", flush=True)
       for process, kernels in found.items():
@@ -181,8 +177,8 @@ def main(argv=None):
         print(f"== {label}, {process}: {total:.3f} ms of kernels per call", flush=True)
         for i, (name, ms) in enumerate(rows):
           print(f"   {f'{i:3d}.' if args.launches else ''}{ms:8.3f} ms  {name[:100]}", flush=True)
-      if args.timed:
-        print(f"   {stats['time_ms']:8.3f} ms  a call timed as the CLI times it ({n_sets} input sets rotated)",
+      if stats is not None:
+        print(f"   {stats['time_ms']:8.3f} ms  a call timed as the CLI times it ({stats['n_sets']} input sets rotated)",
               flush=True)
 
 
