@@ -624,9 +624,9 @@ def piece_maps(k, v, inverse, chunk_gates, *, interpret: bool = False, num_token
 
 # The inverse kernel's diagonal blocks: each is solved by substitution, then the blocks merge 16 -> 32 -> 64.
 _SOLVE_BLOCK = 16
-# Float32 padding of the solve's shared-memory rows: a [64, 64] register tile is stored 8 rows a warp instruction,
-# and 256-byte rows put all 8 on the same banks; rows of 72 floats put them on distinct ones.
-_SOLVE_PAD = 8
+# Float32 padding of the solve's shared-memory rows of 16: rows of 80 bytes keep its 16-byte loads aligned and spread
+# the 8 rows a warp stores at once over the banks.
+_SOLVE_PAD = 4
 # The factor row of beta (`_factor_rows`).
 _BETA_ROW = 0
 
@@ -653,51 +653,77 @@ INVERSE_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=1, one_wave_walks=(16,),
 CHANNEL_GATED_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=2)
 
 
-def _solve_diagonal_blocks(neg_upper, upper_ref, solved_ref):
-  """The inverses of the 16 x 16 diagonal blocks of I + A, [C, C] float32 (entries outside them undefined).
+def _solve_tile():
+  """One of the solve's two float32 [C / 16, 16, 16 + _SOLVE_PAD] shared-memory tiles: the diagonal blocks alone."""
+  return plgpu.SMEM((CHUNK_SIZE // _SOLVE_BLOCK, _SOLVE_BLOCK, _SOLVE_BLOCK + _SOLVE_PAD), _F32)
 
-  neg_upper: -A^T on the diagonal blocks (A strictly lower), float32 [C, C]
-  registers; upper_ref, solved_ref: float32 [C, C + _SOLVE_PAD] shared
-  memory. Thread c of the warpgroup's first 64 solves column c of its block by
-  forward substitution, right-looking: with r = e_c, for j = 0, 1, ... of the
-  block's rows, x_j = r_j and r_i -= A_ij x_j for the rows i > j. So the
-  dependent chain is one FMA a row, -A^T's row j holds the column of A that
-  step j reads (16-byte loads, broadcast within a warp), and the 16 values of
-  r stay in registers. Off the tensor cores: merging up to 16-row blocks took
-  eight of the Triton kernel's ten dependent products.
+
+def _solve_diagonal_blocks(neg_upper, upper_ref, solved_ref):
+  """The inverses of the 16 x 16 diagonal blocks of I + A, [C, C] float32, zero outside them.
+
+  neg_upper: -A^T, float32 [C, C] registers, of which the strictly upper part
+  of each diagonal block is read; upper_ref, solved_ref: `_solve_tile()`s.
+  Warp w of the warpgroup holds rows 16 w to 16 w + 15, so diagonal block w is
+  its registers of those columns: it stores them alone, and loads the solved
+  block back into them (zeros in the others). Thread c of the warpgroup's first
+  64 solves column c of its block by forward substitution, right-looking: with
+  r = e_c, for j = 0, 1, ... of the block's rows, x_j = r_j and r_i -= A_ij x_j
+  for the rows i > j. So the dependent chain is one FMA a row, -A^T's row j
+  holds the column of A that step j reads (16-byte loads, broadcast within a
+  warp), and the 16 values of r stay in registers. Off the tensor cores:
+  merging up to 16-row blocks took eight of the Triton kernel's ten dependent
+  products.
   """
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()),
                      return_type=plgpu.ShapeDtypeStruct((CHUNK_SIZE, CHUNK_SIZE), _F32, layout=plgpu.Layout.WGMMA))
   def solve(_, neg_upper, upper_ref, solved_ref):
-    c, block = CHUNK_SIZE, _SOLVE_BLOCK
+    block = _SOLVE_BLOCK
     f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
-    quad = ir.VectorType.get([4], f32)
+    quad, pair = ir.VectorType.get([4], f32), ir.VectorType.get([2], f32)
     const = mgpu_utils.c
-    upper = mgpu_utils.memref_slice(upper_ref, (slice(None), slice(0, c)))
-    solved = mgpu_utils.memref_slice(solved_ref, (slice(None), slice(0, c)))
-    neg_upper.store_untiled(upper, optimized=False)
+    as_index = lambda x: arith.index_cast(index, x)  # noqa: E731
+    # WGMMA_LAYOUT: register (j, h), a pair of float32, holds row 16 warp + 8 h + lane / 4 and columns 8 j +
+    # 2 (lane % 4) + (0, 1).
+    registers = neg_upper.registers.reshape(CHUNK_SIZE // 8, 2)
+    thread = arith.remui(mgpu_utils.thread_idx(), const(128, i32))
+    warp, lane = arith.divui(thread, const(32, i32)), arith.remui(thread, const(32, i32))
+    in_warp = [arith.cmpi(arith.CmpIPredicate.eq, warp, const(w, i32)) for w in range(CHUNK_SIZE // block)]
+    block_row = lambda h: as_index(arith.addi(arith.divui(lane, const(4, i32)), const(8 * h, i32)))  # noqa: E731
+    block_column = lambda half: as_index(  # noqa: E731
+        arith.addi(arith.muli(arith.remui(lane, const(4, i32)), const(2, i32)), const(8 * half, i32)))
+    for half in range(2):  # the block's columns 8 half + (0 .. 7): register j = 2 warp + half
+      for h in range(2):
+        value = registers[half, h]
+        for w in range(1, CHUNK_SIZE // block):
+          value = arith.select(in_warp[w], registers[2 * w + half, h], value)
+        vector.store(value, upper_ref, [as_index(warp), block_row(h), block_column(half)])
     mgpu_utils.warpgroup_barrier()  # every thread reads rows the others stored
-    column = arith.remui(mgpu_utils.thread_idx(), const(128, i32))
-    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, column, const(c, i32))):
-      local = arith.remui(column, const(block, i32))
-      first = arith.index_cast(index, arith.subi(column, local))  # the block's first row
-      col = arith.index_cast(index, column)
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, thread, const(CHUNK_SIZE, i32))):
+      local = arith.remui(thread, const(block, i32))
+      which = as_index(arith.divui(thread, const(block, i32)))  # the column's block
+      col = as_index(local)
       zero, one = const(0.0, f32), const(1.0, f32)
       residual = [arith.select(arith.cmpi(arith.CmpIPredicate.eq, local, const(i, i32)), one, zero)
                   for i in range(block)]
       for j in range(block):
-        row = arith.addi(first, const(j, index))
-        memref.store(residual[j], solved_ref, [row, col])
+        memref.store(residual[j], solved_ref, [which, const(j, index), col])
         for i0 in range((j + 1) // 4 * 4, block, 4):
-          entries = vector.load(quad, upper_ref, [row, arith.addi(first, const(i0, index))])
+          entries = vector.load(quad, upper_ref, [which, const(j, index), const(i0, index)])
           for i in range(max(i0, j + 1), i0 + 4):
             entry = vector.extract(entries, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i - i0]))
             residual[i] = mlir_math.fma(entry, residual[j], residual[i])
     mgpu_utils.warpgroup_barrier()  # every column is stored
-    result = mgpu.FragmentedArray.load_untiled(solved, layout=mgpu.WGMMA_LAYOUT, optimized=False)
-    mgpu_utils.warpgroup_barrier()  # every thread has read its blocks: the tiles may be reused
-    return result
+    solved = [[vector.load(pair, solved_ref, [as_index(warp), block_row(h), block_column(half)]) for h in range(2)]
+              for half in range(2)]
+    mgpu_utils.warpgroup_barrier()  # every thread has read its block: the tiles may be reused
+    zeros = vector.broadcast(pair, const(0.0, f32))
+    result = np.empty_like(neg_upper.registers).reshape(CHUNK_SIZE // 8, 2)
+    for j in range(CHUNK_SIZE // 8):
+      for h in range(2):
+        result[j, h] = arith.select(in_warp[j // 2], solved[j % 2][h], zeros)
+    return mgpu.FragmentedArray(_registers=result.reshape(neg_upper.registers.shape), _layout=neg_upper.layout,
+                                _is_signed=None)
 
   return solve(neg_upper, upper_ref, solved_ref)
 
@@ -717,15 +743,15 @@ def _unit_lower_inverse(neg_a, neg_upper, solve_smem, staging, *, in_registers, 
   neg_a: -A, of which only the strictly lower part off the 16 x 16 diagonal
   blocks is read (so the caller need not mask it); neg_upper: -A^T, of which the
   solve reads the strictly upper part of the diagonal blocks, by rows;
-  solve_smem: the solve's two float32 [C, C + _SOLVE_PAD] tiles; staging:
+  solve_smem: the solve's two `_solve_tile()`s; staging:
   `_merge_tile(k_steps)`'s (links, x), and where the interpreter runs (its
   wgmma reads shared memory alone) a third for the products' a. The diagonal
   blocks are solved in registers (`_solve_diagonal_blocks`; interpreted, which
   runs no inline Mosaic GPU, from single rows), then merged 16 -> 32 -> 64
   rows: X <- X - (X L) X, L the lower-left blocks of A in each, so that every
   step writes exact blocks of T. A's links are staged negated once a chunk,
-  after the solve (whose tiles they may share), as X L's b (so that X L comes
-  out negated, as the update takes it), and X is staged while X L runs. With
+  before the solve (so that -A leaves the registers), as X L's b (so that X L
+  comes out negated, as the update takes it), and X is staged while X L runs. With
   k_steps, X L is one product a block, of X's columns over the block's second
   half and the links' block of L alone ([C, 16] twice, then [C, 32]: no mask,
   a quarter and a half of the whole product's work), and (X L) X takes each
@@ -739,14 +765,14 @@ def _unit_lower_inverse(neg_a, neg_upper, solve_smem, staging, *, in_registers, 
   t = lax.broadcasted_iota(jnp.int32, (c, c), 0)
   s = lax.broadcasted_iota(jnp.int32, (c, c), 1)
   same_block = lambda size: lax.div(t, size) == lax.div(s, size)  # noqa: E731
+  links[...] = neg_a.astype(links.dtype)
+  plgpu.commit_smem()
   if in_registers:
-    x = jnp.where(same_block(_SOLVE_BLOCK), _solve_diagonal_blocks(neg_upper, *solve_smem), 0.0)
+    x = _solve_diagonal_blocks(neg_upper, *solve_smem)
     size = 2 * _SOLVE_BLOCK
   else:
     x = jnp.where(t == s, 1.0, 0.0)
     size = 2
-  links[...] = neg_a.astype(links.dtype)  # after the solve: may share its tiles
-  plgpu.commit_smem()
 
   while size <= c:
     half = size // 2
@@ -794,7 +820,7 @@ def _unit_lower_inverse(neg_a, neg_upper, solve_smem, staging, *, in_registers, 
 
 def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, with_unscaled, in_registers):
   *outputs, buffers, loaded = refs
-  k_smem, rows_smem, (solve_smem, (staging, out_smem)) = buffers
+  k_smem, rows_smem, staging, (solve_smem, out_smem) = buffers
   c = CHUNK_SIZE
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
   first_chunk = lax.axis_index("chunk_blocks") * chunks_per_cta
@@ -900,10 +926,10 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   k k^T on the tensor cores, the 16 x 16 diagonal blocks of T by substitution in
   float32 registers (`_solve_diagonal_blocks`), then two merges, 16 -> 32 -> 64
   rows (four dependent steps of float16 products, against the Triton kernel's
-  ten, each product on the blocks where its operands hold nonzeros). Three
-  CTAs share an SM: 151 registers a thread, and the solve's float32 tiles
-  shared with the merges' and the results' (54 KB of shared memory at K = 64,
-  71 KB at K = 128), so chunk n - 1's stores are read out before chunk n's
+  ten, each product on the blocks where its operands hold nonzeros). The
+  solve's float32 tiles hold the diagonal blocks alone and share memory with
+  the results' (43 KB of shared memory at K = 64, 59 KB at K = 128, 8 KB more
+  with_unscaled), so chunk n - 1's stores are read out before chunk n's
   solve. The kernel orders its own shared memory (`warpgroup_kernel(...,
   auto_barriers=False)`: 10 warpgroup barriers a chunk, not 20). Compiled only
   on sm90; the interpreter, which runs no inline Mosaic GPU, merges from single
@@ -934,13 +960,11 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   dtype = k.dtype
   smem = lightning_mosaic.swizzled_smem
   num_outputs = 2 if with_unscaled else 1
-  solve_tile = plgpu.SMEM((c, c + _SOLVE_PAD), _F32)
   scratch = (
       (smem((2, c, dim_k), dtype), plgpu.SMEM((2, 2) + rows.shape[-2:], _F32),
-       # The solve's tiles, then the merges' and the results' (three CTAs an SM).
-       plgpu.RefUnion((solve_tile, solve_tile),
-                      (tuple(_merge_tile(k_steps=True) for _ in range(2 if in_registers else 3)),
-                       tuple(smem((c, c), dtype) for _ in range(num_outputs))))),
+       tuple(_merge_tile(k_steps=True) for _ in range(2 if in_registers else 3)),
+       # The solve's tiles, then the results'.
+       plgpu.RefUnion((_solve_tile(), _solve_tile()), tuple(smem((c, c), dtype) for _ in range(num_outputs)))),
       plgpu.Barrier(num_arrivals=3, num_barriers=2),  # the keys and the factor rows twice
   )
   out_type = tuple(manual_axes.struct((b, h, tp, c), dtype, k, beta) for _ in range(num_outputs))
@@ -1470,14 +1494,13 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
   smem = lightning_mosaic.swizzled_smem
   parts = dim_k // _PART
   rows, runs_row = _factor_rows(beta, runs)  # beta's row; packed, the segment counts' after it
-  solve_tile = plgpu.SMEM((c, c + _SOLVE_PAD), _F32)
   pieces = tuple(smem((parts, c, _PART), jnp.float16) for _ in range(2))
   scratch = (
       (smem((2, parts, c, _PART), dtype), smem((2, parts, c, _PART), dtype), smem((2, parts, c, _PART), _F32),
        plgpu.SMEM((2, 2, rows.shape[3], c), _F32), plgpu.SMEM((2, parts, c // _SOLVE_BLOCK, _PART), _F32),
        # The pair products' operand tiles, the solve's with the merges' links and the rates' pieces: one at a time.
        plgpu.RefUnion(tuple(smem((parts, c, _PART), dtype) for _ in range(3)),
-                      ((solve_tile, solve_tile), _merge_tile(k_steps=False)), pieces),
+                      ((_solve_tile(), _solve_tile()), _merge_tile(k_steps=False)), pieces),
        smem((parts, c, _PART), dtype), (smem((c, c), dtype), smem((c, c), dtype)),
        tuple(_merge_tile(k_steps=False) for _ in range(1 if in_registers else 2))),
       # Each part's q, k and rates by slot; beta's row twice; split, the hand-overs.
