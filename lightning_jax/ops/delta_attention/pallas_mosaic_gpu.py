@@ -928,7 +928,7 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   rows (four dependent steps of float16 products, against the Triton kernel's
   ten, each product on the blocks where its operands hold nonzeros). The
   solve's float32 tiles hold the diagonal blocks alone and share memory with
-  the results' (43 KB of shared memory at K = 64, 59 KB at K = 128, 8 KB more
+  the results' (43 KB of shared memory at K = 64, 59 KB at K = 128, 6 KB more
   with_unscaled), so chunk n - 1's stores are read out before chunk n's
   solve. The kernel orders its own shared memory (`warpgroup_kernel(...,
   auto_barriers=False)`: 10 warpgroup barriers a chunk, not 20). Compiled only
