@@ -643,11 +643,12 @@ class ChunkWalks(NamedTuple):
   resident_per_sm: int = 1
 
 
-# `inverse`. H200, 2026-11-30, the kernel alone at three CTAs an SM (68c0602's), 8 chunks a CTA against 16: 0.1247 /
-# 0.1284 ms at B4 H32 T8K D64, 0.4328 / 0.4358 at T32K, 0.0752 / 0.0881 at B2 H32 T8K D128, 0.2469 / 0.2572 at T32K,
-# 0.2464 / 0.2579 at B1 H32 T64K D128 (per-token rates alike), but 0.0467 / 0.0439 at B4 H32 T2K D64, where 16 leave
-# 256 CTAs, one wave, and 8 leave 512, a wave and a tail. (At two CTAs an SM, before 74c138b, 16 had led 8 by 0.3-3%
-# and 32 was 1.5x slower at T2K: PERFORMANCE.md, "Delta attention".)
+# `inverse`. H200, 2026-11-30, the kernel alone (121 registers, 43 KB of shared memory at D64), 4 / 8 / 16 chunks a
+# CTA: 0.1053 / 0.1030 / 0.1016 ms at B4 H32 T8K D64, 0.3820 / 0.3726 / 0.3705 at T32K, 0.0706 / 0.0711 / 0.0858 at B2
+# H32 T8K D128, 0.2443 / 0.2389 / 0.2449 at T32K, 0.2441 / 0.2357 / 0.2423 at B1 H32 T64K D128 (per-token rates
+# alike), but 0.0453 / 0.0515 / 0.0426 at B4 H32 T2K D64: 8 leave 512 CTAs, which run as if three an SM fit (a wave and
+# a tail) although registers and shared memory would hold four, and 16 leave 256, one wave. (At two CTAs an SM, before
+# 74c138b, 16 had led 8 by 0.3-3% and 32 was 1.5x slower at T2K: PERFORMANCE.md, "Delta attention".)
 INVERSE_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=1, one_wave_walks=(16,), resident_per_sm=3)
 # `channel_gated_chunks` (KDA), as measured before the inverse's longer walks (not since).
 CHANNEL_GATED_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=2)
@@ -744,21 +745,20 @@ def _unit_lower_inverse(neg_a, neg_upper, solve_smem, staging, *, in_registers, 
   blocks is read (so the caller need not mask it); neg_upper: -A^T, of which the
   solve reads the strictly upper part of the diagonal blocks, by rows;
   solve_smem: the solve's two `_solve_tile()`s; staging:
-  `_merge_tile(k_steps)`'s (links, x), and where the interpreter runs (its
-  wgmma reads shared memory alone) a third for the products' a. The diagonal
-  blocks are solved in registers (`_solve_diagonal_blocks`; interpreted, which
-  runs no inline Mosaic GPU, from single rows), then merged 16 -> 32 -> 64
-  rows: X <- X - (X L) X, L the lower-left blocks of A in each, so that every
-  step writes exact blocks of T. A's links are staged negated once a chunk,
-  before the solve (so that -A leaves the registers), as X L's b (so that X L
-  comes out negated, as the update takes it), and X is staged while X L runs. With
-  k_steps, X L is one product a block, of X's columns over the block's second
-  half and the links' block of L alone ([C, 16] twice, then [C, 32]: no mask,
-  a quarter and a half of the whole product's work), and (X L) X takes each
-  of them as a with the k-steps of X's rows it covers; else X L is whole,
-  masked to L's blocks. Operands are rounded to float16 (as the Triton
-  inverse's merges: bfloat16's 8 bits made T 5x less accurate with keys near
-  one direction).
+  `_merge_tile(k_steps)`'s (links, x), and where the interpreter runs (its wgmma
+  reads shared memory alone) a third for the products' a. The diagonal blocks
+  are solved in registers (`_solve_diagonal_blocks`; interpreted, which runs no
+  inline Mosaic GPU, from single rows), then merged 16 -> 32 -> 64 rows: X <-
+  X - (X L) X, L the lower-left blocks of A in each, so that every step writes
+  exact blocks of T. A's links are staged negated once a chunk, before the solve
+  (so that -A leaves the registers), as X L's b (so that X L comes out negated,
+  as the update takes it), and X is staged while X L runs. With k_steps, X L is
+  one product a block, of X's columns over the block's second half and the
+  links' block of L alone ([C, 16] twice, then [C, 32]: no mask, a quarter and a
+  half of the whole product's work), and (X L) X takes each of them as a with
+  the k-steps of X's rows it covers; else X L is whole, masked to L's blocks.
+  Operands are rounded to float16 (as the Triton inverse's merges: bfloat16's 8
+  bits made T 5x less accurate with keys near one direction).
   """
   links, staged_x, *staged_a = staging
   c = CHUNK_SIZE
