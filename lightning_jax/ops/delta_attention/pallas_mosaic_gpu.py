@@ -921,16 +921,16 @@ def inverse(k, beta, chunk_gates, *, with_unscaled: bool = False, chunks_per_cta
   A_ts = beta_t (k_t . k_s) 2^(c_s - c_t) for s < t in one segment (c the
   cumulative rates, log2 units), as the Triton kernels form it, for the
   warp-specialised sweeps. One warpgroup a CTA walks `chunks_per_cta` chunks
-  (None: `default_chunks_per_cta`; it must divide the chunks),
-  the next chunk's keys and factor rows loading by TMA during this one's chain:
-  k k^T on the tensor cores, the 16 x 16 diagonal blocks of T by substitution in
-  float32 registers (`_solve_diagonal_blocks`), then two merges, 16 -> 32 -> 64
-  rows (four dependent steps of float16 products, against the Triton kernel's
-  ten, each product on the blocks where its operands hold nonzeros). The
-  solve's float32 tiles hold the diagonal blocks alone and share memory with
-  the results' (43 KB of shared memory at K = 64, 59 KB at K = 128, 6 KB more
-  with_unscaled), so chunk n - 1's stores are read out before chunk n's
-  solve. The kernel orders its own shared memory (`warpgroup_kernel(...,
+  (None: `default_chunks_per_cta`; it must divide the chunks), the next chunk's
+  keys and factor rows loading by TMA during this one's chain: k k^T on the
+  tensor cores, the 16 x 16 diagonal blocks of T by substitution in float32
+  registers (`_solve_diagonal_blocks`), then two merges, 16 -> 32 -> 64 rows
+  (four dependent steps of float16 products, against the Triton kernel's ten,
+  each product on the blocks where its operands hold nonzeros). 121 registers a
+  thread; the solve's float32 tiles hold the diagonal blocks alone and share
+  memory with the results' (43 KB of shared memory at K = 64, 59 KB at K = 128,
+  6 KB more with_unscaled), so chunk n - 1's stores are read out before chunk
+  n's solve. The kernel orders its own shared memory (`warpgroup_kernel(...,
   auto_barriers=False)`: 10 warpgroup barriers a chunk, not 20). Compiled only
   on sm90; the interpreter, which runs no inline Mosaic GPU, merges from single
   rows instead of the solve.
