@@ -447,7 +447,7 @@ def test_delta_inverse_walks_any_chunks_per_cta(mode):
       delta_mosaic.inverse(k, beta, chunk_gates, chunks_per_cta=bad, interpret=interpret)
   walks = functools.partial(delta_mosaic.default_chunks_per_cta, num_sms=132)
   assert walks(batch_heads=16, num_chunks=1024) == 8
-  # 16 where their CTAs, at least one an SM, fit in one wave of three an SM: 256 CTAs, not 512 (128 of 8).
+  # 16 where their CTAs, at least one an SM, fit in one wave of three an SM: 256 CTAs (8 chunks a CTA: 512).
   assert walks(batch_heads=128, num_chunks=32) == 16
   assert walks(batch_heads=64, num_chunks=32) == 8  # 16 would leave 128 CTAs, fewer than the SMs
   assert walks(batch_heads=128, num_chunks=64) == 8  # 16 would leave 512, past one wave
