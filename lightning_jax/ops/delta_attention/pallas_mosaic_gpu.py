@@ -650,7 +650,8 @@ class ChunkWalks(NamedTuple):
 # a tail) although registers and shared memory would hold four, and 16 leave 256, one wave. (At two CTAs an SM, before
 # 74c138b, 16 had led 8 by 0.3-3% and 32 was 1.5x slower at T2K: PERFORMANCE.md, "Delta attention".)
 INVERSE_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=1, one_wave_walks=(16,), resident_per_sm=3)
-# `channel_gated_chunks` (KDA), as measured before the inverse's longer walks (not since).
+# `channel_gated_chunks` (KDA). H200, 2026-11-30, two CTAs an SM at K = 64: the default / 4 / 8 / 16 chunks a CTA
+# within 1% of each other at B4 H32 D64, T 2K to 32K.
 CHANNEL_GATED_WALKS = ChunkWalks(walks=(8, 4, 2), ctas_per_sm=2)
 
 
@@ -659,14 +660,15 @@ def _solve_tile():
   return plgpu.SMEM((CHUNK_SIZE // _SOLVE_BLOCK, _SOLVE_BLOCK, _SOLVE_BLOCK + _SOLVE_PAD), _F32)
 
 
-def _solve_diagonal_blocks(neg_upper, upper_ref, solved_ref):
+def _solve_diagonal_blocks(neg_a, upper_ref, solved_ref):
   """The inverses of the 16 x 16 diagonal blocks of I + A, [C, C] float32, zero outside them.
 
-  neg_upper: -A^T, float32 [C, C] registers, of which the strictly upper part
-  of each diagonal block is read; upper_ref, solved_ref: `_solve_tile()`s.
-  Warp w of the warpgroup holds rows 16 w to 16 w + 15, so diagonal block w is
-  its registers of those columns: it stores them alone, and loads the solved
-  block back into them (zeros in the others). Thread c of the warpgroup's first
+  neg_a: -A, float32 [C, C] registers, of which the strictly lower part of
+  each diagonal block is read; upper_ref, solved_ref: `_solve_tile()`s. Warp w
+  of the warpgroup holds rows 16 w to 16 w + 15, so diagonal block w is its
+  registers of those columns: it stores them alone, transposed (upper_ref's
+  blocks hold -A^T's), and loads the solved block back into them (zeros in the
+  others). Thread c of the warpgroup's first
   64 solves column c of its block by forward substitution, right-looking: with
   r = e_c, for j = 0, 1, ... of the block's rows, x_j = r_j and r_i -= A_ij x_j
   for the rows i > j. So the dependent chain is one FMA a row, -A^T's row j
@@ -678,7 +680,7 @@ def _solve_diagonal_blocks(neg_upper, upper_ref, solved_ref):
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()),
                      return_type=plgpu.ShapeDtypeStruct((CHUNK_SIZE, CHUNK_SIZE), _F32, layout=plgpu.Layout.WGMMA))
-  def solve(_, neg_upper, upper_ref, solved_ref):
+  def solve(_, neg_a, upper_ref, solved_ref):
     block = _SOLVE_BLOCK
     f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
     quad, pair = ir.VectorType.get([4], f32), ir.VectorType.get([2], f32)
@@ -686,19 +688,21 @@ def _solve_diagonal_blocks(neg_upper, upper_ref, solved_ref):
     as_index = lambda x: arith.index_cast(index, x)  # noqa: E731
     # WGMMA_LAYOUT: register (j, h), a pair of float32, holds row 16 warp + 8 h + lane / 4 and columns 8 j +
     # 2 (lane % 4) + (0, 1).
-    registers = neg_upper.registers.reshape(CHUNK_SIZE // 8, 2)
+    registers = neg_a.registers.reshape(CHUNK_SIZE // 8, 2)
     thread = arith.remui(mgpu_utils.thread_idx(), const(128, i32))
     warp, lane = arith.divui(thread, const(32, i32)), arith.remui(thread, const(32, i32))
     in_warp = [arith.cmpi(arith.CmpIPredicate.eq, warp, const(w, i32)) for w in range(CHUNK_SIZE // block)]
     block_row = lambda h: as_index(arith.addi(arith.divui(lane, const(4, i32)), const(8 * h, i32)))  # noqa: E731
-    block_column = lambda half: as_index(  # noqa: E731
-        arith.addi(arith.muli(arith.remui(lane, const(4, i32)), const(2, i32)), const(8 * half, i32)))
+    block_column = lambda offset: as_index(  # noqa: E731
+        arith.addi(arith.muli(arith.remui(lane, const(4, i32)), const(2, i32)), const(offset, i32)))
     for half in range(2):  # the block's columns 8 half + (0 .. 7): register j = 2 warp + half
       for h in range(2):
         value = registers[half, h]
         for w in range(1, CHUNK_SIZE // block):
           value = arith.select(in_warp[w], registers[2 * w + half, h], value)
-        vector.store(value, upper_ref, [as_index(warp), block_row(h), block_column(half)])
+        for e in range(2):  # transposed: a warp's 32 stores fall on 32 banks (rows of 16 + _SOLVE_PAD)
+          entry = vector.extract(value, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+          memref.store(entry, upper_ref, [as_index(warp), block_column(8 * half + e), block_row(h)])
     mgpu_utils.warpgroup_barrier()  # every thread reads rows the others stored
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, thread, const(CHUNK_SIZE, i32))):
       local = arith.remui(thread, const(block, i32))
@@ -715,18 +719,18 @@ def _solve_diagonal_blocks(neg_upper, upper_ref, solved_ref):
             entry = vector.extract(entries, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i - i0]))
             residual[i] = mlir_math.fma(entry, residual[j], residual[i])
     mgpu_utils.warpgroup_barrier()  # every column is stored
-    solved = [[vector.load(pair, solved_ref, [as_index(warp), block_row(h), block_column(half)]) for h in range(2)]
+    solved = [[vector.load(pair, solved_ref, [as_index(warp), block_row(h), block_column(8 * half)]) for h in range(2)]
               for half in range(2)]
     mgpu_utils.warpgroup_barrier()  # every thread has read its block: the tiles may be reused
     zeros = vector.broadcast(pair, const(0.0, f32))
-    result = np.empty_like(neg_upper.registers).reshape(CHUNK_SIZE // 8, 2)
+    result = np.empty_like(neg_a.registers).reshape(CHUNK_SIZE // 8, 2)
     for j in range(CHUNK_SIZE // 8):
       for h in range(2):
         result[j, h] = arith.select(in_warp[j // 2], solved[j % 2][h], zeros)
-    return mgpu.FragmentedArray(_registers=result.reshape(neg_upper.registers.shape), _layout=neg_upper.layout,
+    return mgpu.FragmentedArray(_registers=result.reshape(neg_a.registers.shape), _layout=neg_a.layout,
                                 _is_signed=None)
 
-  return solve(neg_upper, upper_ref, solved_ref)
+  return solve(neg_a, upper_ref, solved_ref)
 
 
 def _merge_tile(k_steps: bool):
@@ -738,13 +742,11 @@ def _merge_tile(k_steps: bool):
   return lightning_mosaic.swizzled_smem(shape, jnp.float16)
 
 
-def _unit_lower_inverse(neg_a, neg_upper, solve_smem, staging, *, in_registers, k_steps):
+def _unit_lower_inverse(neg_a, solve_smem, staging, *, in_registers, k_steps):
   """T = (I + A)^{-1} [C, C] float32 of a chunk's strictly lower A [C, C] float32 registers.
 
-  neg_a: -A, of which only the strictly lower part off the 16 x 16 diagonal
-  blocks is read (so the caller need not mask it); neg_upper: -A^T, of which the
-  solve reads the strictly upper part of the diagonal blocks, by rows;
-  solve_smem: the solve's two `_solve_tile()`s; staging:
+  neg_a: -A, of which only the strictly lower part is read (so the caller need
+  not mask the rest); solve_smem: the solve's two `_solve_tile()`s; staging:
   `_merge_tile(k_steps)`'s (links, x), and where the interpreter runs (its wgmma
   reads shared memory alone) a third for the products' a. The diagonal blocks
   are solved in registers (`_solve_diagonal_blocks`; interpreted, which runs no
@@ -768,7 +770,7 @@ def _unit_lower_inverse(neg_a, neg_upper, solve_smem, staging, *, in_registers, 
   links[...] = neg_a.astype(links.dtype)
   plgpu.commit_smem()
   if in_registers:
-    x = _solve_diagonal_blocks(neg_upper, *solve_smem)
+    x = _solve_diagonal_blocks(neg_a, *solve_smem)
     size = 2 * _SOLVE_BLOCK
   else:
     x = jnp.where(t == s, 1.0, 0.0)
@@ -852,8 +854,8 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
       plgpu.wgmma(acc, keys, keys.transpose((1, 0)))
       return acc[...]
 
-    # The pair products (k_t . k_s) 2^-|c_t - c_s| of one segment: symmetric, so that -A (-beta_t by rows) and -A^T
-    # (-beta_s by columns) both come from them, unmasked (`_unit_lower_inverse` reads their triangles alone).
+    # The pair products (k_t . k_s) 2^-|c_t - c_s| of one segment, then -A (-beta_t by rows), unmasked
+    # (`_unit_lower_inverse` reads its lower triangle alone).
     pairs = pl.run_scoped(key_products, plgpu.ACC((c, c), _F32))
     if cum_row is not None:
       gap = by_column(columns[cum_row]) - by_row(rows[cum_row])
@@ -861,9 +863,8 @@ def _inverse_kernel(rows_ref, k_ref, *refs, chunks_per_cta, cum_row, runs_row, w
     if runs_row is not None:
       pairs = jnp.where(by_row(rows[runs_row]) == by_column(columns[runs_row]), pairs, 0.0)
     neg_a = pairs * by_row(-rows[_BETA_ROW])
-    neg_upper = pairs * by_column(-columns[_BETA_ROW])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores have read their tiles (the solve's)
-    x = _unit_lower_inverse(neg_a, neg_upper, solve_smem, staging, in_registers=in_registers, k_steps=True)
+    x = _unit_lower_inverse(neg_a, solve_smem, staging, in_registers=in_registers, k_steps=True)
     results = ((x * by_column(columns[_BETA_ROW]),) + ((x,) if with_unscaled else ()))
     rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
     for result, tile, out_ref in zip(results, out_smem, outputs):
@@ -1249,15 +1250,16 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
   # p's, as [C, _PART] float32 tiles in registers (at K = 128 whole tiles spilled 668 bytes a thread, ptxas);
   # warpgroup 0, the leader, also runs the pair products over every part, the solve and the stores of T' and P. At
   # K = 128 its one warpgroup a CTA (shared memory allows one CTA an SM) waited on its own elementwise passes: two
-  # halve them. runs_row: packed, the segment counts' row of rows_ref (the solve keeps one segment's pairs).
+  # halve them. One buffer of q, k and G, the next chunk's loading during the solve, and T' and P staged in the union
+  # of tiles: two CTAs an SM at K = 64 (74 KB of shared memory; 255 registers, which allow no third). runs_row: packed, the segment counts' row of rows_ref (the solve keeps one segment's pairs).
   unscaled_ref, gates_ref, ends_ref, buffers, barriers = refs if len(refs) == 5 else (None, None, *refs)
-  (q_smem, k_smem, g_smem, rows_smem, boundary_smem, (operands, (solve_smem, links), rate_pieces), keys_end_smem,
-   (inverse_smem, pairs_smem), staging) = buffers
+  (q_smem, k_smem, g_smem, rows_smem, boundary_smem,
+   (operands, (solve_smem, links), rate_pieces, (inverse_smem, pairs_smem)), keys_end_smem, staging) = buffers
   loaded, rows_loaded, *hand_overs = barriers
   x_keys, y_keys, x_queries = operands
   c, block = CHUNK_SIZE, _SOLVE_BLOCK
   num_blocks = c // block
-  num_parts, dtype = q_smem.shape[1], q_smem.dtype
+  num_parts, dtype = q_smem.shape[0], q_smem.dtype
   split = num_parts > 1
   part = lax.axis_index("wg") if split else 0
   head, batch = lax.axis_index("heads"), lax.axis_index("batch")
@@ -1298,7 +1300,7 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
     chunk_index = first_chunk + n
     rows = pl.ds(pl.multiple_of(chunk_index * c, c), c)
     for src, dst in ((q_ref, q_smem), (k_ref, k_smem), (rates_ref, g_smem)):
-      plgpu.copy_gmem_to_smem(src.at[batch, rows, head, columns], dst.at[slot, part], loaded.at[2 * part + slot])
+      plgpu.copy_gmem_to_smem(src.at[batch, rows, head, columns], dst.at[part], loaded.at[part])
 
     @leader
     def _():
@@ -1329,19 +1331,14 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
 
   @pl.loop(0, chunks_per_cta)
   def _chunk(n):
-    slot = lax.rem(n, 2)
-    plgpu.barrier_wait(loaded.at[2 * part + slot])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores have read their tiles (G's: the prefetch)
-
-    @pl.when(n + 1 < chunks_per_cta)
-    def _prefetch():  # into the other slot, which chunk n - 1 read last
-      load(n + 1, 1 - slot)
-
-    gates = lambda: as_tile(g_smem[slot, part])  # noqa: E731
-    keys = lambda: as_tile(k_smem[slot, part].astype(_F32))  # noqa: E731
-    queries = lambda: as_tile(q_smem[slot, part].astype(_F32))  # noqa: E731
+    slot = lax.rem(n, 2)  # of the barriers and beta's rows
+    plgpu.barrier_wait(loaded.at[part])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores have read their tiles
+    gates = lambda: as_tile(g_smem[part])  # noqa: E731
+    keys = lambda: as_tile(k_smem[part].astype(_F32))  # noqa: E731
+    queries = lambda: as_tile(q_smem[part].astype(_F32))  # noqa: E731
     # O_j, the log decay before 16-row block j (0 before the first; O_4 = G_C) on this part's columns, by column.
-    block_end = lambda j: by_channel(boundary_smem[slot, part, j - 1])  # noqa: E731
+    block_end = lambda j: by_channel(boundary_smem[part, j - 1])  # noqa: E731
     rows_out = pl.ds(pl.multiple_of((first_chunk + n) * c, c), c)
     await_signal(consumed)
 
@@ -1360,17 +1357,17 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
       return acc[...]
 
     g = pl.run_scoped(rate_sums, plgpu.ACC((c, _PART), _F32)) * -chunk_common.LOG2_E
-    g_smem[slot, part] = g
-    _store_block_ends(g, boundary_smem.at[slot, part], in_registers=in_registers)
+    g_smem[part] = g
+    _store_block_ends(g, boundary_smem.at[part], in_registers=in_registers)
     plgpu.commit_smem()  # also every thread's rows of the block ends, read below by every thread
-    plgpu.copy_smem_to_gmem(boundary_smem.at[slot, part], ends_ref.at[batch, head, first_chunk + n, :, part])
+    plgpu.copy_smem_to_gmem(boundary_smem.at[part], ends_ref.at[batch, head, first_chunk + n, :, part])
     if gates_ref is not None:
-      plgpu.copy_smem_to_gmem(g_smem.at[slot, part], gates_ref.at[batch, rows_out, head, columns])
+      plgpu.copy_smem_to_gmem(g_smem.at[part], gates_ref.at[batch, rows_out, head, columns])
 
-    def pair_products(acc_a, acc_a_t, acc_p):
+    def pair_products(acc_a, acc_p):
       """Through O_j: with x = k 2^(G - O_j) on the rows of blocks >= j (at most 1) and y = k 2^(O_j - G) on block
-      j's (at most 2^max_block_span), x y^T holds A's column block j (beta aside) and P's (from q's x), y x^T the
-      transposed pairs of the diagonal block j; each summed over the column parts (the leader's accumulators)."""
+      j's (at most 2^max_block_span), x y^T holds A's column block j (beta aside) and P's (from q's x), each summed
+      over the column parts (the leader's accumulators)."""
       for j in range(num_blocks):
         if j:
           @leader
@@ -1397,31 +1394,32 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
           for p in range(num_parts):
             x, y, xq = x_keys.at[p], y_keys.at[p], x_queries.at[p]
             plgpu.wgmma(acc_a, x, y.transpose((1, 0)))
-            plgpu.wgmma(acc_a_t, y, x.transpose((1, 0)))
             plgpu.wgmma(acc_p, xq, y.transpose((1, 0)))
 
         if j == 0:
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before block 1 rewrites the tiles
-      return acc_a[...], acc_a_t[...], acc_p[...]
+      return acc_a[...], acc_p[...]
 
-    pairs, pairs_t, query_pairs = pl.run_scoped(pair_products, *(plgpu.ACC((c, c), _F32) for _ in range(3)))
+    pairs, query_pairs = pl.run_scoped(pair_products, *(plgpu.ACC((c, c), _F32) for _ in range(2)))
     # K_C = k 2^(G_C - G), while the leader's solve below runs on other tiles.
     keys_end_smem.at[part][...] = (keys() * jnp.exp2(block_end(num_blocks) - gates())).astype(dtype)
-    plgpu.commit_smem()
+    plgpu.commit_smem()  # every thread is done with this chunk's q, k and G (whose store the first block waited)
     plgpu.copy_smem_to_gmem(keys_end_smem.at[part], keys_end_ref.at[batch, rows_out, head, columns])
+
+    @pl.when(n + 1 < chunks_per_cta)
+    def _prefetch():  # the next chunk's q, k and rates, during the solve
+      load(n + 1, 1 - slot)
 
     @leader
     def _solve():
       plgpu.barrier_wait(rows_loaded.at[slot])
       rows, columns_ = rows_smem.at[slot, 0], rows_smem.at[slot, 1]
-      kept, kept_t, kept_inclusive = t > s, s > t, t >= s
+      kept, kept_inclusive = t > s, t >= s
       if runs_row is not None:  # packed: the pairs of one segment alone
         same_segment = by_row(rows[runs_row]) == by_column(columns_[runs_row])
-        kept, kept_t, kept_inclusive = kept & same_segment, kept_t & same_segment, kept_inclusive & same_segment
+        kept, kept_inclusive = kept & same_segment, kept_inclusive & same_segment
       neg_a = jnp.where(kept, pairs * by_row(-rows[_BETA_ROW]), 0.0)
-      same_block = lax.div(t, block) == lax.div(s, block)
-      neg_upper = jnp.where(kept_t & same_block, pairs_t * by_column(-columns_[_BETA_ROW]), 0.0)
-      x = _unit_lower_inverse(neg_a, neg_upper, solve_smem, (links, *staging), in_registers=in_registers, k_steps=False)
+      x = _unit_lower_inverse(neg_a, solve_smem, (links, *staging), in_registers=in_registers, k_steps=False)
       for result, tile, out_ref in ((x * by_column(columns_[_BETA_ROW]), inverse_smem, inverse_ref),
                                     (jnp.where(kept_inclusive, query_pairs, 0.0), pairs_smem, pairs_ref)):
         tile[...] = result.astype(tile.dtype)
@@ -1435,7 +1433,11 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
 
     @pl.when(n + 1 < chunks_per_cta)
     def _next():  # the solve is done with its tiles: the next chunk's triangle of ones, and part 1 goes on
-      leader(ones_out)
+      @leader
+      def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # T' and P are out of the union, which part 1 writes next
+        ones_out()
+
       signal(consumed)
 
   plgpu.wait_smem_to_gmem(0)
@@ -1451,16 +1453,19 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
   the 16-row block j of s: x_t = 2^(G_t - O_j) <= 1 and y_s = 2^(O_j - G_s) <=
   2^span, span the block's largest decay over its key channels, so the
   products run on the tensor cores (four [C, K] x [K, C] products a chunk for
-  each of A, A^T's diagonal blocks and P) as long as every span is at most
-  `max_block_span(q.dtype)`, which the caller checks on the O_j the kernel
-  returns (`channel_spans_bounded`; past it the other results are not used). A
-  CTA walks `chunks_per_cta` chunks (`inverse`'s), the next chunk's q, k and
-  rates loading by TMA during this one. G, the chunk-local cumulative log2
-  decay, is formed from the rates in the kernel (one triangle of ones times
-  the rates in two float16 pieces, on the tensor cores). Every [C, K] tile is
-  formed in 64-column parts, one warpgroup each (at K = 128 two, whose first
-  issues the products over both parts and solves T': 7% faster than one
-  warpgroup forming both parts on an H200, B2 H32 T8K).
+  each of A and P; the solve reads A's diagonal blocks transposed, as
+  `inverse`'s) as long as every span is at most `max_block_span(q.dtype)`,
+  which the caller checks on the O_j the kernel returns
+  (`channel_spans_bounded`; past it the other results are not used). A CTA
+  walks `chunks_per_cta` chunks (`inverse`'s), the next chunk's q, k and rates
+  loading by TMA during this one's solve: one buffer each, so that two CTAs
+  share an SM at K = 64 (one buffer was faster at K = 128 too, where one CTA
+  fits either way). G, the chunk-local cumulative log2 decay, is formed from
+  the rates in the kernel (one triangle of ones times the rates in two float16
+  pieces, on the tensor cores). Every [C, K] tile is formed in 64-column
+  parts, one warpgroup each (at K = 128 two, whose first issues the products
+  over both parts and solves T': 7% faster than one warpgroup forming both
+  parts on an H200, B2 H32 T8K).
 
   Args:
     q, k: [B, T', H, K] bf16 or fp16, K 64 or 128, T' rows as `inverse`'s
@@ -1496,15 +1501,17 @@ def channel_gated_chunks(q, k, beta, rates, *, scale: float, runs=None, chunks_p
   rows, runs_row = _factor_rows(beta, runs)  # beta's row; packed, the segment counts' after it
   pieces = tuple(smem((parts, c, _PART), jnp.float16) for _ in range(2))
   scratch = (
-      (smem((2, parts, c, _PART), dtype), smem((2, parts, c, _PART), dtype), smem((2, parts, c, _PART), _F32),
-       plgpu.SMEM((2, 2, rows.shape[3], c), _F32), plgpu.SMEM((2, parts, c // _SOLVE_BLOCK, _PART), _F32),
-       # The pair products' operand tiles, the solve's with the merges' links and the rates' pieces: one at a time.
+      (smem((parts, c, _PART), dtype), smem((parts, c, _PART), dtype), smem((parts, c, _PART), _F32),
+       plgpu.SMEM((2, 2, rows.shape[3], c), _F32), plgpu.SMEM((parts, c // _SOLVE_BLOCK, _PART), _F32),
+       # The pair products' operand tiles, the solve's with the merges' links, the rates' pieces and the results' T'
+       # and P: one at a time.
        plgpu.RefUnion(tuple(smem((parts, c, _PART), dtype) for _ in range(3)),
-                      ((_solve_tile(), _solve_tile()), _merge_tile(k_steps=False)), pieces),
-       smem((parts, c, _PART), dtype), (smem((c, c), dtype), smem((c, c), dtype)),
+                      ((_solve_tile(), _solve_tile()), _merge_tile(k_steps=False)), pieces,
+                      (smem((c, c), dtype), smem((c, c), dtype))),
+       smem((parts, c, _PART), dtype),
        tuple(_merge_tile(k_steps=False) for _ in range(1 if in_registers else 2))),
-      # Each part's q, k and rates by slot; beta's row twice; split, the hand-overs.
-      (plgpu.Barrier(num_arrivals=3, num_barriers=2 * parts), plgpu.Barrier(num_arrivals=2, num_barriers=2),
+      # Each part's q, k and rates; beta's row twice, by slot; split, the hand-overs.
+      (plgpu.Barrier(num_arrivals=3, num_barriers=parts), plgpu.Barrier(num_arrivals=2, num_barriers=2),
        *((plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1)) if parts > 1 else ())),
   )
   num_blocks = c // _SOLVE_BLOCK
