@@ -668,14 +668,13 @@ def _solve_diagonal_blocks(neg_a, upper_ref, solved_ref):
   of the warpgroup holds rows 16 w to 16 w + 15, so diagonal block w is its
   registers of those columns: it stores them alone, transposed (upper_ref's
   blocks hold -A^T's), and loads the solved block back into them (zeros in the
-  others). Thread c of the warpgroup's first
-  64 solves column c of its block by forward substitution, right-looking: with
-  r = e_c, for j = 0, 1, ... of the block's rows, x_j = r_j and r_i -= A_ij x_j
-  for the rows i > j. So the dependent chain is one FMA a row, -A^T's row j
-  holds the column of A that step j reads (16-byte loads, broadcast within a
-  warp), and the 16 values of r stay in registers. Off the tensor cores:
-  merging up to 16-row blocks took eight of the Triton kernel's ten dependent
-  products.
+  others). Thread c of the warpgroup's first 64 solves column c of its block by
+  forward substitution, right-looking: with r = e_c, for j = 0, 1, ... of the
+  block's rows, x_j = r_j and r_i -= A_ij x_j for the rows i > j. So the
+  dependent chain is one FMA a row, -A^T's row j holds the column of A that
+  step j reads (16-byte loads, broadcast within a warp), and the 16 values of r
+  stay in registers. Off the tensor cores: merging up to 16-row blocks took
+  eight of the Triton kernel's ten dependent products.
   """
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()),
@@ -1251,7 +1250,8 @@ def _channel_gated_kernel(rows_ref, q_ref, k_ref, rates_ref, inverse_ref, pairs_
   # warpgroup 0, the leader, also runs the pair products over every part, the solve and the stores of T' and P. At
   # K = 128 its one warpgroup a CTA (shared memory allows one CTA an SM) waited on its own elementwise passes: two
   # halve them. One buffer of q, k and G, the next chunk's loading during the solve, and T' and P staged in the union
-  # of tiles: two CTAs an SM at K = 64 (74 KB of shared memory; 255 registers, which allow no third). runs_row: packed, the segment counts' row of rows_ref (the solve keeps one segment's pairs).
+  # of tiles: two CTAs an SM at K = 64 (74 KB of shared memory; 255 registers, which allow no third). runs_row:
+  # packed, the segment counts' row of rows_ref (the solve keeps one segment's pairs).
   unscaled_ref, gates_ref, ends_ref, buffers, barriers = refs if len(refs) == 5 else (None, None, *refs)
   (q_smem, k_smem, g_smem, rows_smem, boundary_smem,
    (operands, (solve_smem, links), rate_pieces, (inverse_smem, pairs_smem)), keys_end_smem, staging) = buffers
