@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import BF16, F16, F32, TOL, WS_JAX, WS_MODES, Case, check_against_oracle, needs_ws_jax, on_sm90, rel_err
+from helpers import (BF16, F16, F32, TOL, WS_JAX, WS_MODES, Case, check_against_oracle, needs_ws_jax, on_sm90,
+                     pallas_calls, rel_err)
 from test_delta_ops import ARG_NAMES as DELTA_ARG_NAMES
 from test_delta_ops import INVERSE_CASES, inverse_error, inverse_inputs
 from test_delta_ops import Case as DeltaCase
@@ -110,9 +111,10 @@ def test_warp_specialized_under_vmap_jit_and_checkpoint(mode, with_states):
 
 # Per-token rates run the kernel's per-chunk factors, packed rows with a
 # per-head rate (or none) its per-head ones masked by each chunk's segment
-# starts (the gradients come from chunk_loop): boundaries inside chunks and on
-# their edges, per-token and per-head rates and none, cu_seqlens with empty
-# sequences.
+# starts (the reverse sweeps' gradients come from chunk_loop, dq from this kernel
+# without rates: `test_warp_specialized_dq_sweep_with_fixed_rates`): boundaries
+# inside chunks and on their edges, per-token and per-head rates and none,
+# cu_seqlens with empty sequences.
 WS_PACKINGS = [
     Packing(((64, 1, 50, 35), (20, 44, 86)), d=64, e=48, dtype=BF16),
     Packing(((100, 48, 130),), d=128, e=64, dtype=BF16, decay="head", initial_state=False),
@@ -143,6 +145,35 @@ WS_SPLIT_PACKINGS = [
 def test_warp_specialized_split_packed_row_matches_sequences_alone(p, mode):
   check_packed(p, zlib.crc32(f"{p}ws-split".encode()), impl="pallas", variant="warp_specialized",
                interpret=mode == "interpret", config=lj.LightningConfig(slice_size=64))
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
+@pytest.mark.parametrize("rates,packed,slice_size", [("head", False, None), ("token", True, None), ("head", True, 64),
+                                                     ("token", False, 64)])
+def test_warp_specialized_dq_sweep_with_fixed_rates(rates, packed, slice_size, mode):
+  """With the rates fixed (no decay gradient), the dq sweep, a forward over (do, v, k), runs this kernel too (one
+  Triton chunk loop left: the fused dk/dv sweep), split from the forward's slices where the forward was: q, k, v and
+  initial-state gradients against the oracle, per-head and per-token rates, packed rows, a partial last chunk."""
+  rng = np.random.default_rng(23)
+  b, t, h, d, e = 2, 200, 2, 64, 48
+  q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, n)), BF16) for n in (d, d, e))
+  decay = jnp.asarray(rng.uniform(0.01, 1.0, size=(h,) if rates == "head" else (b, t, h)), F32)
+  segment_ids = jnp.asarray(np.cumsum(rng.random((b, t)) < 0.02, axis=1), jnp.int32) if packed else None
+  s0 = jnp.asarray(rng.normal(size=(b, h, d, e)), F32)
+  do = jnp.asarray(rng.normal(size=(b, t, h, e)), F32)
+
+  def grads(**kw):
+    loss = lambda q, k, v, s0: jnp.sum(do * lj.lightning_attention(  # noqa: E731
+        q, k, v, decay, initial_state=s0, segment_ids=segment_ids, **kw).astype(F32))
+    return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+  ours = grads(impl="pallas", variant="warp_specialized", interpret=mode == "interpret",
+               config=None if slice_size is None else lj.LightningConfig(slice_size=slice_size))
+  names = [str(eqn.params["name"]) for eqn in pallas_calls(jax.make_jaxpr(ours)(q, k, v, s0).jaxpr)]
+  assert names.count("lightning_chunk_loop") == 1, names
+  for name, g, want in zip(("dq", "dk", "dv", "d_initial_state"), ours(q, k, v, s0),
+                           jax.jit(grads(impl="reference"))(q, k, v, s0)):
+    assert rel_err(g, want) < TOL[BF16], (name, rel_err(g, want))
 
 
 @pytest.mark.parametrize("mode", WS_MODES)

@@ -932,7 +932,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   return results[0] if len(results) == 1 else tuple(results)
 
 
-def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=None):
+def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=None, given_starts=None,
+            transposed_states=False):
   """The forward pass on unpadded inputs: (o [B, T, H, E], the final state [B, H, D, E] float32 or None,
   the sequence split's `pallas_triton.SliceStarts` or None).
 
@@ -949,6 +950,12 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   split (`heuristics.slice_chunks`) into equal slices (the last one's chunks
   past T read as zeros): the Triton states kernel writes each slice's own state and
   `pallas_triton.slice_starts` combines them into the state before each slice.
+  given_starts: another sweep's `pallas_triton.SliceStarts` over these k and v
+  (the forward's, transposed, for the backward's dq sweep): the split takes
+  its slices and states instead (then no final state). transposed_states: the
+  call carries the transpose of another's state over the same operands (the
+  dq sweep's, where no starts were handed over): its split runs that call's
+  pass, transposed (`pallas_triton.slice_starts`), which XLA's CSE may merge.
   """
   b, t, h, dim_k = q.shape
   dim_v = v.shape[-1]
@@ -956,9 +963,11 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   kp, vp = WarpSpecializedConfig.padded_dims(dim_k, dim_v)
   cfg = heuristics.resolve_warp_specialized(opts.config, dim_k=kp, itemsize=q.dtype.itemsize)
   num_chunks = -(-t // c)
-  slice_chunks = heuristics.slice_chunks(programs=b * h * (vp // BLOCK_E), num_chunks=num_chunks, chunk_size=c,
-                                         num_sms=opts.num_sms,
-                                         slice_size=None if opts.config is None else opts.config.slice_size)
+  if given_starts is not None and (given_starts.chunk_size != c or opts.return_final_state):
+    raise ValueError(f"given_starts must be of {c}-token chunks, without a final state")
+  slice_chunks = given_starts.slice_chunks if given_starts is not None else heuristics.slice_chunks(
+      programs=b * h * (vp // BLOCK_E), num_chunks=num_chunks, chunk_size=c, num_sms=opts.num_sms,
+      slice_size=None if opts.config is None else opts.config.slice_size)
   num_slices = -(-num_chunks // slice_chunks)
   tp = num_slices * slice_chunks * c
   # T stays as it is where TMA can tile it (the kernel reads zeros past it, see `forward_padded`); else (a copy either
@@ -976,7 +985,9 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
     else:
       chunk_runs = runs
   final_state = starts = None
-  if num_slices > 1:
+  if given_starts is not None:
+    initial_state, starts = chunk_common.pad_state(given_starts.states, kp, vp), given_starts
+  elif num_slices > 1:
     # The states pass takes the gates as the chunk loop's sweeps do (a per-head rate stays one, masked by the
     # segments): the per-head kernels, which the dq sweep would run for the same states. Its counts carry each
     # chunk's total (`pallas_triton.segment_fields`); this kernel's are the counts alone.
@@ -988,7 +999,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
         pallas_triton.SweepOperands(**gates, y=k, z=v, initial_state=initial_state), cfg=configs.slice_states,
         chunk_size=c, seq_len=t, reverse=False, slice_chunks=slice_chunks,
         with_final_state=opts.return_final_state, branch=heuristics.branch_per_chunk(dual=False),
-        interpret=opts.interpret)
+        interpret=opts.interpret, transposed=transposed_states)
     starts = pallas_triton.SliceStarts(initial_state[..., :dim_k, :dim_v], chunk_size=c, slice_chunks=slice_chunks)
   elif initial_state is not None:
     initial_state = initial_state[:, :, None]

@@ -225,7 +225,8 @@ def _backward(opts, residuals, cotangents):
   q, k, v, decay, packing, initial_state, final_state, slice_starts, needs = residuals
   gates = sweep_gates(decay, packing)
   per_token = chunk_common.per_token(decay)
-  if opts.variant == "warp_specialized":  # a forward kernel only: the backward sweeps are chunk_loop's
+  warp_specialized = opts.variant == "warp_specialized"
+  if warp_specialized:  # a forward kernel: the dq sweep may run it (below), the reverse sweeps are chunk_loop's
     opts = dataclasses.replace(opts, variant="chunk_loop")
   do, d_final = cotangents if opts.return_final_state else (cotangents, None)
   if isinstance(d_final, SymbolicZero):
@@ -240,7 +241,16 @@ def _backward(opts, residuals, cotangents):
 
   sweep = functools.partial(pallas_triton.sweep, opts=opts)
   dq = d_decay = d_initial = dk = dv = q_dq = k_dk = None
-  if needs.dq or with_tangent or token_grad:
+  if needs.dq and not with_tangent and not token_grad and warp_specialized and heuristics.warp_specialized_unsupported(
+      dim_k=v.shape[-1], dim_v=q.shape[-1], dtype=q.dtype, compute_capability=opts.compute_capability,
+      interpret=opts.interpret) is None:
+    # The dq sweep is a forward over (do, v, k): where the forward ran the warp-specialised kernel, so does dq
+    # (PERFORMANCE.md, "Warp-specialised forward (sm90)"), from the forward's slices transposed.
+    dq = pallas_mosaic_gpu.forward(do, v, k, decay, transpose(initial_state),
+                                   dataclasses.replace(opts, return_final_state=False, variant="warp_specialized"),
+                                   packing, given_starts=None if slice_starts is None else slice_starts.transposed(),
+                                   transposed_states=True)[0]
+  elif needs.dq or with_tangent or token_grad:
     # The dq sweep carries S^T; for the decay gradient it also carries
     # U^T = -dS^T/dlambda and reduces q_t . (scale do_t U_t^T) per token, or
     # for per-token rates reduces q_t . dq_t.
