@@ -205,7 +205,9 @@ def merge_runs(runs: list[dict], *, supersede: bool = False) -> dict:
 
   Each result keeps its own floors. A case measured by two of the runs is an
   error, unless `supersede`: then the later run's (in the order given) replaces
-  the earlier's, as where one mode was re-run at a newer commit.
+  the earlier's, as where one mode was re-run at a newer commit; a later run
+  that skipped the case (its budget spent) measured nothing, and leaves the
+  earlier measurement.
   """
   kinds = {run["metadata"].get("device_kind") for run in runs}
   if len(kinds) > 1:
@@ -218,7 +220,8 @@ def merge_runs(runs: list[dict], *, supersede: bool = False) -> dict:
       if key in merged and (key in keys or not supersede):
         raise ValueError(f"two of the runs measured the same case {key}")
       keys.add(key)
-      merged[key] = r
+      if key not in merged or r.get("status") == "ok" or merged[key].get("status") != "ok":
+        merged[key] = r
   return {"metadata": runs[0]["metadata"], "results": list(merged.values())}
 
 

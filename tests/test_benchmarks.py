@@ -438,6 +438,10 @@ def test_report_of_packed_and_per_token_results_beside_older_ones():
   merged = report.merge_runs([{"metadata": {}, "results": [older, token]}, {"metadata": {}, "results": [rerun]}],
                              supersede=True)
   assert merged["results"] == [rerun, token]  # the later run's measurement of the case replaces the earlier's
+  skipped = {**token, "status": "skipped", "reason": "time budget (--max-seconds) spent", "time_ms": None}
+  merged = report.merge_runs([{"metadata": {}, "results": [older, token]}, {"metadata": {}, "results": [skipped]}],
+                             supersede=True)
+  assert merged["results"] == [older, token]  # a later run's skip measured nothing: the measurement stands
   with pytest.raises(ValueError, match="same case"):  # one run measuring a case twice is still an error
     report.merge_runs([{"metadata": {}, "results": [older, rerun]}], supersede=True)
   plan = {"shapes": [[1, 32768, 32, 128, 128]], "dtype": "bf16", "decays": [True, "token"], "segments": [1, 8]}

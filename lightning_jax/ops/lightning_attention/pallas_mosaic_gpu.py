@@ -3,9 +3,9 @@
 Every Mosaic-GPU-specific import of the package lives in this file and in
 `delta_attention.pallas_mosaic_gpu` (the delta rule's backward sweeps, built
 from this file's pieces), beside the Triton kernels of `pallas_triton`. It
-computes the lightning op's forward pass only, from an optional initial state
-and optionally returning the final one; its backward pass stays with the
-Triton sweeps.
+computes the lightning op's forward pass, from an optional initial state
+and optionally returning the final one, and the backward's dq sweep (a forward
+over (do, v, k), `vjp`); the reverse sweeps stay with Triton.
 
 One CTA per (head, batch and slice of the sequence, block of 64 value columns)
 walks the chunks of 64 tokens of its slice in order (the whole sequence unless

@@ -2,7 +2,8 @@
 
 The forward pass is a Triton sweep (`pallas_triton`), or with
 `variant="warp_specialized"` the Mosaic GPU kernel of `pallas_mosaic_gpu`; the
-backward sweeps are Triton's.
+backward sweeps are Triton's, but for the dq sweep after a warp-specialised
+forward where the rates take no gradient, which runs that kernel too.
 
 With q' = scale * q, a = exp(-lambda) and G_t = dL/dS_t (the state gradient,
 G_t = a G_{t+1} + q'_t^T do_t, G_{T-1} also receiving the final-state cotangent),
