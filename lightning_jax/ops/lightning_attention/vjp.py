@@ -242,11 +242,16 @@ def _backward(opts, residuals, cotangents):
 
   sweep = functools.partial(pallas_triton.sweep, opts=opts)
   dq = d_decay = d_initial = dk = dv = q_dq = k_dk = None
-  if needs.dq and not with_tangent and not token_grad and warp_specialized and heuristics.warp_specialized_unsupported(
-      dim_k=v.shape[-1], dim_v=q.shape[-1], dtype=q.dtype, compute_capability=opts.compute_capability,
-      interpret=opts.interpret) is None:
-    # The dq sweep is a forward over (do, v, k): where the forward ran the warp-specialised kernel, so does dq
-    # (PERFORMANCE.md, "Warp-specialised forward (sm90)"), from the forward's slices transposed.
+  # The dq sweep is a forward over (do, v, k) (K = E): where the forward ran the warp-specialised kernel, so does
+  # dq (PERFORMANCE.md, "Warp-specialised forward (sm90)"), from the forward's slices transposed, where auto would
+  # take it for K = E as for K = D (`heuristics.prefer_warp_specialized`: at E <= 64 with a per-head rate only as
+  # the forward's own choice, E = D; with per-token rates or packed rows at every E).
+  dq_warp_specialized = (warp_specialized and not with_tangent and not token_grad
+                         and (per_token or packing is not None or v.shape[-1] > 64 or v.shape[-1] == q.shape[-1])
+                         and heuristics.warp_specialized_unsupported(
+                             dim_k=v.shape[-1], dim_v=q.shape[-1], dtype=q.dtype,
+                             compute_capability=opts.compute_capability, interpret=opts.interpret) is None)
+  if needs.dq and dq_warp_specialized:
     dq = pallas_mosaic_gpu.forward(do, v, k, decay, transpose(initial_state),
                                    dataclasses.replace(opts, return_final_state=False, variant="warp_specialized"),
                                    packing, given_starts=None if slice_starts is None else slice_starts.transposed(),
