@@ -150,13 +150,13 @@ def test_warp_specialized_split_packed_row_matches_sequences_alone(p, mode):
 @pytest.mark.parametrize("mode", WS_MODES)
 @pytest.mark.parametrize("rates,packed,slice_size,d,e,chunk_loops", [
     ("head", False, None, 64, 64, 1), ("token", True, None, 64, 48, 1), ("head", True, 64, 64, 48, 1),
-    ("token", False, 64, 64, 48, 1), ("head", False, None, 96, 48, 3)])
+    ("token", False, 64, 64, 48, 1), ("head", False, None, 96, 48, 3), ("head", False, 64, 48, 128, 2)])
 def test_warp_specialized_dq_sweep_with_fixed_rates(rates, packed, slice_size, d, e, chunk_loops, mode):
   """With the rates fixed (no decay gradient), the dq sweep, a forward over (do, v, k), runs this kernel too (one
   Triton chunk loop left at D, E <= 64: the fused dk/dv sweep), split from the forward's slices where the forward
   was; but not over K = E <= 64 with a per-head rate where the forward's K = D was not (three chunk loops: dq, dv,
-  dk): q, k, v and initial-state gradients against the oracle, per-head and per-token rates, packed rows, a partial
-  last chunk."""
+  dk); over K = E = 128 beside D = 48, it does (two: dv, dk): q, k, v and initial-state gradients against the oracle,
+  per-head and per-token rates, packed rows, a partial last chunk."""
   rng = np.random.default_rng(23)
   b, t, h = 2, 200, 2
   q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, n)), BF16) for n in (d, d, e))
@@ -170,8 +170,10 @@ def test_warp_specialized_dq_sweep_with_fixed_rates(rates, packed, slice_size, d
         q, k, v, decay, initial_state=s0, segment_ids=segment_ids, **kw).astype(F32))
     return jax.grad(loss, argnums=(0, 1, 2, 3))
 
+  # The interpreter runs K = 128 with a state at 2 stages (INTERPRETED_STATE_CONFIG).
+  stages = INTERPRETED_STATE_CONFIG.warp_specialized if mode == "interpret" and max(d, e) > 64 else None
   ours = grads(impl="pallas", variant="warp_specialized", interpret=mode == "interpret",
-               config=None if slice_size is None else lj.LightningConfig(slice_size=slice_size))
+               config=lj.LightningConfig(slice_size=slice_size, warp_specialized=stages))
   names = [str(eqn.params["name"]) for eqn in pallas_calls(jax.make_jaxpr(ours)(q, k, v, s0).jaxpr)]
   assert names.count("lightning_chunk_loop") == chunk_loops, names
   for name, g, want in zip(("dq", "dk", "dv", "d_initial_state"), ours(q, k, v, s0),
