@@ -243,11 +243,11 @@ def _backward(opts, residuals, cotangents):
   sweep = functools.partial(pallas_triton.sweep, opts=opts)
   dq = d_decay = d_initial = dk = dv = q_dq = k_dk = None
   # The dq sweep is a forward over (do, v, k) (K = E): where the forward ran the warp-specialised kernel, so does
-  # dq (PERFORMANCE.md, "Warp-specialised forward (sm90)"), from the forward's slices transposed, where auto would
-  # take it for K = E as for K = D (`heuristics.prefer_warp_specialized`: at E <= 64 with a per-head rate only as
-  # the forward's own choice, E = D; with per-token rates or packed rows at every E).
+  # dq (PERFORMANCE.md, "Warp-specialised forward (sm90)"), from the forward's slices transposed, where E = D (the
+  # forward's own choice) or auto's rule takes it for K = E.
   dq_warp_specialized = (warp_specialized and not with_tangent and not token_grad
-                         and (per_token or packing is not None or v.shape[-1] > 64 or v.shape[-1] == q.shape[-1])
+                         and (v.shape[-1] == q.shape[-1] or heuristics.prefer_warp_specialized(
+                             dim_k=v.shape[-1], per_token=per_token or packing is not None))
                          and heuristics.warp_specialized_unsupported(
                              dim_k=v.shape[-1], dim_v=q.shape[-1], dtype=q.dtype,
                              compute_capability=opts.compute_capability, interpret=opts.interpret) is None)
