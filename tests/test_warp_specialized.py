@@ -150,13 +150,13 @@ def test_warp_specialized_split_packed_row_matches_sequences_alone(p, mode):
 @pytest.mark.parametrize("mode", WS_MODES)
 @pytest.mark.parametrize("rates,packed,slice_size,d,e,chunk_loops", [
     ("head", False, None, 64, 64, 1), ("token", True, None, 64, 48, 1), ("head", True, 64, 64, 48, 1),
-    ("token", False, 64, 64, 48, 1), ("head", False, None, 96, 48, 3), ("head", False, 64, 48, 128, 2)])
+    ("token", False, 64, 64, 48, 1), ("head", False, None, 96, 48, 3), ("head", False, 64, 48, 128, 0)])
 def test_warp_specialized_dq_sweep_with_fixed_rates(rates, packed, slice_size, d, e, chunk_loops, mode):
   """With the rates fixed (no decay gradient), the dq sweep, a forward over (do, v, k), runs this kernel too (one
   Triton chunk loop left at D, E <= 64: the fused dk/dv sweep), split from the forward's slices where the forward
   was; but not over K = E <= 64 with a per-head rate where the forward's K = D was not (three chunk loops: dq, dv,
-  dk); over K = E = 128 beside D = 48, it does (two: dv, dk): q, k, v and initial-state gradients against the oracle,
-  per-head and per-token rates, packed rows, a partial last chunk."""
+  dk); over K = E = 128 beside D = 48 it does, and so do the reverse sweeps (no chunk loop left): q, k, v and
+  initial-state gradients against the oracle, per-head and per-token rates, packed rows, a partial last chunk."""
   rng = np.random.default_rng(23)
   b, t, h = 2, 200, 2
   q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, n)), BF16) for n in (d, d, e))
@@ -179,6 +179,36 @@ def test_warp_specialized_dq_sweep_with_fixed_rates(rates, packed, slice_size, d
   for name, g, want in zip(("dq", "dk", "dv", "d_initial_state"), ours(q, k, v, s0),
                            jax.jit(grads(impl="reference"))(q, k, v, s0)):
     assert rel_err(g, want) < TOL[BF16], (name, rel_err(g, want))
+
+
+# D > 64, where dk and dv are reverse sweeps of their own: a per-head rate or none, whole and partial last chunks,
+# a final-state cotangent (where the first chunk walked is partial, with a rate, the Triton sweeps run them), a split.
+WS_REVERSE_CASES = [
+    (Case(1, 256, 2, 96, 128, BF16), None),
+    (Case(2, 200, 2, 128, 80, BF16, decay=None), None),
+    (Case(1, 200, 2, 96, 96, BF16, initial_state=False, final_state=False), None),
+    (Case(1, 320, 2, 128, 128, BF16), 64),
+    (Case(1, 300, 1, 80, 128, F16, initial_state=False, final_state=False), 64),
+]
+
+
+@pytest.mark.parametrize("mode", WS_MODES)
+@pytest.mark.parametrize("case,slice_size", WS_REVERSE_CASES, ids=str)
+def test_warp_specialized_reverse_sweeps_match_oracle(case, slice_size, mode):
+  """With the rates fixed, the dv and dk sweeps run this kernel reversed (no Triton chunk loop left where it can):
+  outputs, final state and the q, k, v, initial-state gradients against the oracle."""
+  config = lj.LightningConfig(slice_size=slice_size,
+                              warp_specialized=INTERPRETED_STATE_CONFIG.warp_specialized if mode == "interpret"
+                              else None)
+  kw = dict(impl="pallas", variant="warp_specialized", interpret=mode == "interpret", config=config)
+  check_against_oracle(case, seed=zlib.crc32(f"{case}ws-reverse".encode()), argnums=(0, 1, 2, 4), **kw)
+  if case.t % 64 == 0 or case.decay is None or not case.final_state:  # where the reverse sweeps take this kernel
+    q = jax.ShapeDtypeStruct((case.b, case.t, case.h, case.d), case.dtype)
+    v = jax.ShapeDtypeStruct((case.b, case.t, case.h, case.e), case.dtype)
+    decay = None if case.decay is None else jnp.ones((case.h,), F32)
+    fn = jax.grad(lambda q, k, v: jnp.sum(lj.lightning_attention(q, k, v, decay, **kw).astype(F32)), argnums=(0, 1, 2))
+    names = [str(eqn.params["name"]) for eqn in pallas_calls(jax.make_jaxpr(fn)(q, q, v).jaxpr)]
+    assert "lightning_chunk_loop" not in names, names
 
 
 @pytest.mark.parametrize("mode", WS_MODES)
@@ -205,19 +235,22 @@ def test_warp_specialized_extreme_token_rates_in_a_split_sequence(mode):
 @pytest.mark.parametrize("dim_k,dim_v,gates,with_states,rows", [
     (128, 128, "head", False, 192), (64, 256, None, False, 192), (128, 64, "head", True, 192),
     (64, 128, None, True, 192), (64, 64, "token", True, 192), (128, 128, "packed", False, 192),
-    (128, 128, "head-packed", True, 192), (128, 128, "head", True, 152), (64, 64, "token", False, 152)])
+    (128, 128, "head-packed", True, 192), (128, 128, "head", True, 152), (64, 64, "token", False, 152),
+    (128, 128, "head-reverse", True, 152), (64, 128, "none-reverse", False, 192)])
 def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states, rows):
   """Mosaic GPU lowering (layout inference included) for an sm90 GPU, from any backend.
 
   The interpreter checks the arithmetic and the barriers but not the layouts;
   this checks that the kernel lowers as the GPU compiles it. gates: a per-head
   rate (with segments: "head-packed"), none, or per-chunk factors of per-token
-  rates (with segments: "packed"). rows: the operands' (192, whole chunks; 152,
+  rates (with segments: "packed"); "-reverse": the reverse sweep's. rows: the operands' (192, whole chunks; 152,
   unpadded: the last tile runs past them), a multiple of TMA's 8 (150 is not:
   refused).
   """
   q = jax.ShapeDtypeStruct((2, rows, 3, dim_k), BF16)
   v = jax.ShapeDtypeStruct((2, rows, 3, dim_v), BF16)
+  reverse = gates is not None and gates.endswith("-reverse")
+  gates = gates.removesuffix("-reverse") if reverse else gates
   decay = jax.ShapeDtypeStruct((3,), F32) if gates in ("head", "head-packed") else None
   chunk_gates = None
   runs = jax.ShapeDtypeStruct((2, 192), jnp.int32) if gates in ("packed", "head-packed") else None
@@ -227,7 +260,7 @@ def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states, rows
   cfg = heuristics.resolve_warp_specialized(None, dim_k=dim_k, itemsize=2)
   fn = jax.jit(lambda q, k, v, decay, s0, chunk_gates, runs: pallas_mosaic_gpu.forward_padded(
       q, k, v, decay, s0, chunk_gates=chunk_gates, chunk_runs=runs, scale=0.125, seq_len=150,
-      return_final_state=with_states, cfg=cfg, num_tokens=192))
+      return_final_state=with_states, cfg=cfg, num_tokens=192, reverse=reverse))
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, v, decay, s0, chunk_gates, runs)
   assert "lightning_warp_specialized" in exported.mlir_module()
   assert exported.out_avals[0].shape == (2, rows, 3, dim_v)

@@ -91,17 +91,19 @@ _F32 = jnp.float32
 # within 2%, DeltaNet at B1 H16 T32K D128 4% more (PERFORMANCE.md, "Delta attention").
 
 
-def decay_factors(decay, heads: int, *, scale: float, last_rows: int = CHUNK_SIZE):
+def decay_factors(decay, heads: int, *, scale: float, last_rows: int = CHUNK_SIZE, reverse: bool = False):
   """Per-head factors: intra [H, C, C] and vectors [H, 5, C] (row, key, state; last key, last state), float32.
 
   With scale folded in: intra = scale * a^(i-j) on j <= i, row = scale * a^(i+1),
   key = a^(C-1-j), and the state factor a^C repeated along the last axis; then
   the key and state factors of a last chunk of `last_rows` real rows, which the
   final state needs (a^(L-1-j) on j < L, else 0, and a^L). Without decay a = 1.
+  `reverse`: the anti-causal sweep's (`chunk_common.chunk_decay_factors`):
+  intra on j >= i, row = scale * a^(C-1-i), key = a^(j+1).
   """
   c = CHUNK_SIZE
   lam2 = (jnp.zeros((heads,), _F32) if decay is None else decay.astype(_F32)) * chunk_common.LOG2_E
-  full, last = (jax.vmap(lambda l, end=end: chunk_common.chunk_decay_factors(l, end, chunk_size=c, reverse=False))(
+  full, last = (jax.vmap(lambda l, end=end: chunk_common.chunk_decay_factors(l, end, chunk_size=c, reverse=reverse))(
       lam2) for end in (c, last_rows))
   repeat = lambda x: jnp.broadcast_to(x[:, None], (heads, c))  # noqa: E731
   vectors = jnp.stack([scale * full.row, full.key, repeat(full.state), last.key, repeat(last.state)], axis=1)
@@ -342,7 +344,8 @@ def delta_update(state_t, values_t, keys, key_exponent, state_exponent, *, stagi
 
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, published,
             per_chunk, has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state,
-            register_scores, delta, delta_states, with_outputs, overlap_publish, channel_gated, sequences):
+            register_scores, delta, delta_states, with_outputs, overlap_publish, channel_gated, sequences,
+            reverse_chunks):
   refs = list(refs)
   # The delta rule: each chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, C]; with KDA's per-channel gates
   # (`channel_gated`: q and k come as Q_g and K_g) K_C [B, Tp, H, K], P [B, H, Tp, C] and the state's decay
@@ -401,8 +404,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   cols = pl.ds(col * be, be)
   wg = lax.axis_index("wg")
 
-  def chunk_rows(n):
-    start = (first_chunk + n) * c
+  def chunk_rows(n):  # the chunk of step n; reversed (`reverse_chunks`: the chunks in all), the last first
+    chunk = first_chunk + n if reverse_chunks is None else reverse_chunks - 1 - first_chunk - n
+    start = chunk * c
     return pl.ds(start if isinstance(start, int) else pl.multiple_of(start, c), c)
 
   def slot_of(n):
@@ -761,7 +765,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                    with_outputs: bool = True, scale: float,
                    seq_len: int,
                    return_final_state: bool = False, cfg: WarpSpecializedConfig, num_slices: int = 1,
-                   sequences=None, num_tokens: int | None = None, interpret: bool = False):
+                   sequences=None, num_tokens: int | None = None, interpret: bool = False, reverse: bool = False):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
 
   With `delta_inverse`, the delta rule's (`delta_attention.chunk`): the state
@@ -817,11 +821,22 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       its initial state, initial_state [1, H, S, V, K], to its final state,
       returned as [S, H, V, K] (an empty sequence's: its initial state).
     interpret: run in the Mosaic GPU interpreter (on any backend).
+    reverse: the anti-causal sweep, out_t = scale x_t G_t with G_t = a G_{t+1}
+      + k_t^T v_t (`pallas_triton`'s, in its convention: the state carried in
+      already decayed once): the chunks walked last to first (slice 0 the
+      last), with the reverse per-head factors; a per-head rate or none, no
+      segments, and a first chunk in sweep order that is whole, or no initial
+      state, or no decay (its factors are a whole chunk's). The final state is
+      the one before the first chunk.
 
   Returns:
     o: [B, Tp, H, V] in the input dtype; or a tuple of o (with_outputs), S_n^T and U^T (delta_states) and S_T^T
     (return_final_state), in that order.
   """
+  if reverse and (chunk_gates is not None or chunk_runs is not None or delta_inverse is not None
+                  or sequences is not None):
+    raise ValueError("the reverse sweep takes a per-head rate or none: no chunk gates, segments, delta rule or "
+                     "sequences")
   if delta_states and delta_inverse is None:
     raise ValueError("delta_states takes delta_inverse")
   if not with_outputs and (not delta_states or return_final_state):
@@ -862,8 +877,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     raise ValueError(f"the delta rule takes chunk_gates, one slice and delta_inverse [B, H, Tp, C] = {(b, h, tp, c)}; "
                      f"got {chunk_gates is not None}, {num_slices}, {delta_inverse.shape}")
   num_chunks = tp // c // num_slices
-  # The last chunk's own factors serve the final state alone (one slice).
-  last_rows = seq_len - (tp // c - 1) * c if num_slices == 1 else c
+  # The last chunk's own factors serve the final state alone (one slice; reversed, the last chunk walked is whole).
+  last_rows = seq_len - (tp // c - 1) * c if num_slices == 1 and not reverse else c
   per_chunk = chunk_gates is not None
   if per_chunk:
     cumdecay, runs = chunk_gates
@@ -873,7 +888,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     vectors = chunk_factors(cumdecay, runs)
     factor_smem = (plgpu.SMEM((num_stages,) + vectors.shape[-2:], _F32),) * 2
   else:
-    intra, vectors = decay_factors(decay, h, scale=scale, last_rows=last_rows)
+    intra, vectors = decay_factors(decay, h, scale=scale, last_rows=last_rows, reverse=reverse)
     factor_smem = (plgpu.SMEM(vectors.shape[1:], _F32),)
     if chunk_runs is not None:
       factor_smem += (plgpu.SMEM((num_stages, 1, c), _F32),) * 2
@@ -924,7 +939,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                              has_initial=initial_state is not None, has_final=return_final_state,
                              last_rows=last_rows, scale=scale, delta=is_delta, delta_states=delta_states,
                              with_outputs=with_outputs, channel_gated=channel_gated,
-                             sequences=sequences is not None, **registers)
+                             sequences=sequences is not None, reverse_chunks=tp // c if reverse else None,
+                             **registers)
   results = warpgroup_kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(h, b * num_states, dim_v // be),
       grid_names=("heads", "batch_slices", "value_blocks"), interpret=interpret,
@@ -932,8 +948,25 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   return results[0] if len(results) == 1 else tuple(results)
 
 
+def _slice_chunks(*, batch_heads: int, dim_v: int, num_chunks: int, opts: PallasOptions) -> int:
+  """`heuristics.slice_chunks` of a call's CTAs (padded dim_v: its value blocks)."""
+  return heuristics.slice_chunks(programs=batch_heads * (dim_v // BLOCK_E), num_chunks=num_chunks,
+                                 chunk_size=CHUNK_SIZE, num_sms=opts.num_sms,
+                                 slice_size=None if opts.config is None else opts.config.slice_size)
+
+
+def walks_reverse(q_shape, dim_v: int, opts: PallasOptions) -> bool:
+  """Whether `forward(..., reverse=True)` takes a call of q [B, T, H, D] and E = dim_v: where it splits the
+  sequence, its slices must cover the chunks of T exactly (reversed, slice 0 ends at T's last chunk, where the
+  Triton states pass's does; a row padded to whole slices would shift every slice)."""
+  b, t, h, dim_k = q_shape
+  num_chunks = -(-t // CHUNK_SIZE)
+  vp = WarpSpecializedConfig.padded_dims(dim_k, dim_v)[1]
+  return num_chunks % _slice_chunks(batch_heads=b * h, dim_v=vp, num_chunks=num_chunks, opts=opts) == 0
+
+
 def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=None, given_starts=None,
-            transposed_states=False):
+            transposed_states=False, reverse=False):
   """The forward pass on unpadded inputs: (o [B, T, H, E], the final state [B, H, D, E] float32 or None,
   the sequence split's `pallas_triton.SliceStarts` or None).
 
@@ -956,6 +989,8 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   call carries the transpose of another's state over the same operands (the
   dq sweep's, where no starts were handed over): its split runs that call's
   pass, transposed (`pallas_triton.slice_starts`), which XLA's CSE may merge.
+  reverse: the anti-causal sweep of the backward pass (`forward_padded`'s;
+  where `walks_reverse`), its final state the one before the first token.
   """
   b, t, h, dim_k = q.shape
   dim_v = v.shape[-1]
@@ -965,9 +1000,11 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   num_chunks = -(-t // c)
   if given_starts is not None and (given_starts.chunk_size != c or opts.return_final_state):
     raise ValueError(f"given_starts must be of {c}-token chunks, without a final state")
-  slice_chunks = given_starts.slice_chunks if given_starts is not None else heuristics.slice_chunks(
-      programs=b * h * (vp // BLOCK_E), num_chunks=num_chunks, chunk_size=c, num_sms=opts.num_sms,
-      slice_size=None if opts.config is None else opts.config.slice_size)
+  slice_chunks = (given_starts.slice_chunks if given_starts is not None
+                  else _slice_chunks(batch_heads=b * h, dim_v=vp, num_chunks=num_chunks, opts=opts))
+  if reverse and num_chunks % slice_chunks:
+    raise ValueError(f"a reverse sweep's slices must cover T's {num_chunks} chunks exactly, got {slice_chunks} a "
+                     "slice (`walks_reverse`)")
   num_slices = -(-num_chunks // slice_chunks)
   tp = num_slices * slice_chunks * c
   # T stays as it is where TMA can tile it (the kernel reads zeros past it, see `forward_padded`); else (a copy either
@@ -992,12 +1029,12 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
     # segments): the per-head kernels, which the dq sweep would run for the same states. Its counts carry each
     # chunk's total (`pallas_triton.segment_fields`); this kernel's are the counts alone.
     gates = dict(decay=None if per_token else decay, chunk_cumdecay=cumdecay,
-                 **pallas_triton.segment_fields(runs, chunk_size=c, num_chunks=num_chunks, reverse=False))
+                 **pallas_triton.segment_fields(runs, chunk_size=c, num_chunks=num_chunks, reverse=reverse))
     configs = heuristics.resolve(opts.config, dim_k=kp, dim_v=vp, itemsize=q.dtype.itemsize,
                                  compute_capability=opts.compute_capability, split_chunk_size=c)
     (initial_state, _), (final_state, _) = pallas_triton.slice_starts(
         pallas_triton.SweepOperands(**gates, y=k, z=v, initial_state=initial_state), cfg=configs.slice_states,
-        chunk_size=c, seq_len=t, reverse=False, slice_chunks=slice_chunks,
+        chunk_size=c, seq_len=t, reverse=reverse, slice_chunks=slice_chunks,
         with_final_state=opts.return_final_state, branch=heuristics.branch_per_chunk(dual=False),
         interpret=opts.interpret, transposed=transposed_states)
     starts = pallas_triton.SliceStarts(initial_state[..., :dim_k, :dim_v], chunk_size=c, slice_chunks=slice_chunks)
@@ -1009,7 +1046,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   result = forward_padded(q, k, v, decay if chunk_gates is None else None, initial_state, chunk_gates=chunk_gates,
                           chunk_runs=chunk_runs, scale=opts.scale, seq_len=t,
                           return_final_state=opts.return_final_state and num_slices == 1, cfg=cfg,
-                          num_slices=num_slices, num_tokens=tp, interpret=opts.interpret)
+                          num_slices=num_slices, num_tokens=tp, interpret=opts.interpret, reverse=reverse)
   o, kernel_final = result if opts.return_final_state and num_slices == 1 else (result, None)
   if kernel_final is not None:
     final_state = jnp.swapaxes(kernel_final, -1, -2)

@@ -242,19 +242,31 @@ def _backward(opts, residuals, cotangents):
 
   sweep = functools.partial(pallas_triton.sweep, opts=opts)
   dq = d_decay = d_initial = dk = dv = q_dq = k_dk = None
-  # The dq sweep is a forward over (do, v, k) (K = E): where the forward ran the warp-specialised kernel, so does
-  # dq (PERFORMANCE.md, "Warp-specialised forward (sm90)"), from the forward's slices transposed, where E = D (the
-  # forward's own choice) or auto's rule takes it for K = E.
-  dq_warp_specialized = (warp_specialized and not with_tangent and not token_grad
-                         and (v.shape[-1] == q.shape[-1] or heuristics.prefer_warp_specialized(
-                             dim_k=v.shape[-1], per_token=per_token or packing is not None))
-                         and heuristics.warp_specialized_unsupported(
-                             dim_k=v.shape[-1], dim_v=q.shape[-1], dtype=q.dtype,
-                             compute_capability=opts.compute_capability, interpret=opts.interpret) is None)
-  if needs.dq and dq_warp_specialized:
-    dq = pallas_mosaic_gpu.forward(do, v, k, decay, transpose(initial_state),
-                                   dataclasses.replace(opts, return_final_state=False, variant="warp_specialized"),
-                                   packing, given_starts=None if slice_starts is None else slice_starts.transposed(),
+
+  def warp_specialized_sweep(x, z, *, reverse=False):
+    """Whether a sweep over x [B, T, H, K] and z [B, T, H, V] runs the warp-specialised kernel: after its forward,
+    with no rate gradient, where auto would take it for this K as for the forward's
+    (`heuristics.prefer_warp_specialized`: at K <= 64 with a per-head rate only as the forward's own choice, K = D;
+    with per-token rates or packed rows at every K); reversed, with a per-head rate or none, no segments, and a
+    whole last chunk, no final-state cotangent or no decay (`pallas_mosaic_gpu.forward_padded`)."""
+    dim = x.shape[-1]
+    if (not warp_specialized or with_tangent or token_grad
+        or not (dim == q.shape[-1] or heuristics.prefer_warp_specialized(dim_k=dim,
+                                                                         per_token=per_token or packing is not None))
+        or heuristics.warp_specialized_unsupported(dim_k=dim, dim_v=z.shape[-1], dtype=q.dtype,
+                                                   compute_capability=opts.compute_capability,
+                                                   interpret=opts.interpret) is not None):
+      return False
+    return not reverse or (not per_token and packing is None
+                           and (d_final is None or decay is None or q.shape[1] % pallas_mosaic_gpu.CHUNK_SIZE == 0)
+                           and pallas_mosaic_gpu.walks_reverse(x.shape, z.shape[-1], opts))
+
+  ws_opts = dataclasses.replace(opts, return_final_state=False, variant="warp_specialized")
+  if needs.dq and warp_specialized_sweep(do, k):
+    # The dq sweep is a forward over (do, v, k): where the forward ran the warp-specialised kernel, so does dq
+    # (PERFORMANCE.md, "Warp-specialised forward (sm90)"), from the forward's slices transposed.
+    dq = pallas_mosaic_gpu.forward(do, v, k, decay, transpose(initial_state), ws_opts, packing,
+                                   given_starts=None if slice_starts is None else slice_starts.transposed(),
                                    transposed_states=True)[0]
   elif needs.dq or with_tangent or token_grad:
     # The dq sweep carries S^T; for the decay gradient it also carries
@@ -279,7 +291,15 @@ def _backward(opts, residuals, cotangents):
   fuse = needs.dk and heuristics.fuse_dk_dv(dim_k=config_lib.padded_dim(q.shape[-1]),
                                             dim_v=config_lib.padded_dim(v.shape[-1]))
   with_initial = needs.d_initial and initial_state is not None
-  if needs.dv or with_initial or fuse:
+  # Unfused (D > 64), the reverse sweeps are forwards walked last chunk first: the warp-specialised kernel's where
+  # it can (`warp_specialized_sweep`).
+  ws_reverse = not fuse and warp_specialized_sweep(k, do, reverse=True) and warp_specialized_sweep(v, q, reverse=True)
+  if ws_reverse and (needs.dv or with_initial):
+    dv, g0, dv_starts = pallas_mosaic_gpu.forward(
+        k, q, do, decay, d_final_scaled, dataclasses.replace(ws_opts, return_final_state=with_initial), reverse=True)
+    if with_initial:
+      d_initial = scale * g0
+  elif needs.dv or with_initial or fuse:
     res = sweep(SweepOperands(**gates, x=k, y=q, z=do, initial_state=d_final_scaled,
                               dual_with=v if fuse else None),
                 reverse=True, with_final_state=with_initial, out_dtype=v.dtype, dots_with_dual=fuse and token_grad)
@@ -287,7 +307,11 @@ def _backward(opts, residuals, cotangents):
     dv_starts = res.slice_starts
     if with_initial:
       d_initial = scale * initial_state_factor(decay, sequence_bounds(packing)) * res.final_state
-  if (needs.dk and not fuse) or (token_grad and k_dk is None):
+  if ws_reverse and needs.dk:
+    dk = pallas_mosaic_gpu.forward(v, do, q, decay, transpose(d_final_scaled), ws_opts,
+                                   given_starts=None if dv_starts is None else dv_starts.transposed(),
+                                   transposed_states=True, reverse=True)[0]
+  elif (needs.dk and not fuse) or (token_grad and k_dk is None):
     res = sweep(SweepOperands(**gates, x=v, y=do, z=q, initial_state=transpose(d_final_scaled),
                               dot_with=k if token_grad else None),
                 reverse=True, with_final_state=False, out_dtype=k.dtype,
