@@ -121,6 +121,8 @@ WS_PACKINGS = [
     Packing(((0, 30, 99, 0),), h=1, d=40, e=80, dtype=F16, decay=None, cu_seqlens=True),
     # No decay: a state that crossed a segment start would dominate the next segment's outputs.
     Packing(((100, 48, 130),), h=1, d=64, e=48, dtype=BF16, decay=None, initial_state=False),
+    # D > 64 without a rate gradient: the reverse dv and dk sweeps on this kernel, their segments on chunk edges.
+    Packing(((64, 1, 50, 35), (20, 44, 86)), h=1, d=96, e=128, dtype=BF16, decay=None),
 ]
 
 
@@ -150,13 +152,15 @@ def test_warp_specialized_split_packed_row_matches_sequences_alone(p, mode):
 @pytest.mark.parametrize("mode", WS_MODES)
 @pytest.mark.parametrize("rates,packed,slice_size,d,e,chunk_loops", [
     ("head", False, None, 64, 64, 1), ("token", True, None, 64, 48, 1), ("head", True, 64, 64, 48, 1),
-    ("token", False, 64, 64, 48, 1), ("head", False, None, 96, 48, 3), ("head", False, 64, 48, 128, 0)])
+    ("token", False, 64, 64, 48, 1), ("head", False, None, 96, 48, 3), ("head", False, 64, 48, 128, 0),
+    ("head", True, 64, 96, 128, 0)])
 def test_warp_specialized_dq_sweep_with_fixed_rates(rates, packed, slice_size, d, e, chunk_loops, mode):
   """With the rates fixed (no decay gradient), the dq sweep, a forward over (do, v, k), runs this kernel too (one
   Triton chunk loop left at D, E <= 64: the fused dk/dv sweep), split from the forward's slices where the forward
   was; but not over K = E <= 64 with a per-head rate where the forward's K = D was not (three chunk loops: dq, dv,
-  dk); over K = E = 128 beside D = 48 it does, and so do the reverse sweeps (no chunk loop left): q, k, v and
-  initial-state gradients against the oracle, per-head and per-token rates, packed rows, a partial last chunk."""
+  dk); over K = E = 128 beside D = 48 it does, and so do the reverse sweeps at D > 64, packed rows too (no chunk
+  loop left): q, k, v and initial-state gradients against the oracle, per-head and per-token rates, packed rows, a
+  partial last chunk."""
   rng = np.random.default_rng(23)
   b, t, h = 2, 200, 2
   q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, n)), BF16) for n in (d, d, e))
@@ -236,7 +240,8 @@ def test_warp_specialized_extreme_token_rates_in_a_split_sequence(mode):
     (128, 128, "head", False, 192), (64, 256, None, False, 192), (128, 64, "head", True, 192),
     (64, 128, None, True, 192), (64, 64, "token", True, 192), (128, 128, "packed", False, 192),
     (128, 128, "head-packed", True, 192), (128, 128, "head", True, 152), (64, 64, "token", False, 152),
-    (128, 128, "head-reverse", True, 152), (64, 128, "none-reverse", False, 192)])
+    (128, 128, "head-reverse", True, 152), (64, 128, "none-reverse", False, 192),
+    (128, 128, "head-packed-reverse", True, 152)])
 def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states, rows):
   """Mosaic GPU lowering (layout inference included) for an sm90 GPU, from any backend.
 

@@ -142,15 +142,15 @@ def scaled_causal_mask(scale: float) -> np.ndarray:
   return np.tril(np.full((CHUNK_SIZE, CHUNK_SIZE), scale, np.float32))
 
 
-def sweep_gates(decay, segment_starts, *, num_tokens: int):
-  """The warp-specialised kernels' gates (this op's forward; the delta rule's forward and backward sweeps):
-  (cumdecay [B, H, Tp] float32 or None, runs [B, Tp] int32 or None), as `chunk_common.token_chunk_gates` gives them
-  for a forward sweep over 64-token chunks, from per-token rates [B, T, H] or None and segment starts [B, T] or None
-  (T <= num_tokens)."""
+def sweep_gates(decay, segment_starts, *, num_tokens: int, reverse: bool = False):
+  """The warp-specialised kernels' gates (this op's forward and reverse sweeps; the delta rule's forward and
+  backward sweeps): (cumdecay [B, H, Tp] float32 or None, runs [B, Tp] int32 or None), as
+  `chunk_common.token_chunk_gates` gives them for a sweep over 64-token chunks (`reverse`: the anti-causal one's),
+  from per-token rates [B, T, H] or None and segment starts [B, T] or None (T <= num_tokens)."""
   if decay is None and segment_starts is None:
     return None, None
   cumdecay, runs = chunk_common.token_chunk_gates(decay, segment_starts, chunk_size=CHUNK_SIZE, num_tokens=num_tokens,
-                                                  reverse=False)
+                                                  reverse=reverse)
   return cumdecay, None if segment_starts is None else runs
 
 
@@ -226,14 +226,14 @@ def update_exponents(rows, *, cum_end, runs_end, has_segments):
 
 def sees_prior_state(runs):
   """Packed rows: 1 for a chunk's rows before its first segment start (they see the state before the chunk), else
-  0, float32, from the chunk's segment-start counts runs [C] (non-decreasing along the chunk); of the last count, 1
-  where the state carries over the chunk. Arithmetic masks: the warpgroup lowering broadcasts no scalar."""
+  0, float32, from the chunk's segment-start counts runs [C] (non-decreasing along the chunk in sweep order); of the
+  last count, 1 where the state carries over the chunk. Arithmetic masks: the warpgroup lowering broadcasts no scalar."""
   return 1.0 - jnp.minimum(runs, 1.0)
 
 
 def reaches_chunk_end(runs, runs_end):
-  """Packed rows: 1 for a chunk's rows in its last segment (their keys reach its end), else 0, float32, from its
-  segment-start counts runs [C] and the last of them (`sees_prior_state`'s)."""
+  """Packed rows: 1 for a chunk's rows in its last segment in sweep order (their keys reach its end), else 0,
+  float32, from its segment-start counts runs [C] and the last of them (`sees_prior_state`'s)."""
   return 1.0 - jnp.minimum(runs_end - runs, 1.0)
 
 
@@ -404,9 +404,14 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   cols = pl.ds(col * be, be)
   wg = lax.axis_index("wg")
 
-  def chunk_rows(n):  # the chunk of step n; reversed (`reverse_chunks`: the chunks in all), the last first
-    chunk = first_chunk + n if reverse_chunks is None else reverse_chunks - 1 - first_chunk - n
-    start = chunk * c
+  def chunk_of(n):  # the chunk of step n; reversed (`reverse_chunks`: the chunks in all), the last first
+    return first_chunk + n if reverse_chunks is None else reverse_chunks - 1 - first_chunk - n
+
+  # The row of a chunk's segment-start counts that holds its total: its last in sweep order.
+  total_row = c - 1 if reverse_chunks is None else 0
+
+  def chunk_rows(n):
+    start = chunk_of(n) * c
     return pl.ds(start if isinstance(start, int) else pl.multiple_of(start, c), c)
 
   def slot_of(n):
@@ -431,15 +436,15 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       if channel_gated:
         plgpu.copy_gmem_to_smem(keys_end_ref.at[batch, rows, head], keys_end_smem.at[slot], loaded.at[slot])
         plgpu.copy_gmem_to_smem(pairs_ref.at[batch, head, rows], pairs_smem.at[slot], loaded.at[slot])
-        plgpu.copy_gmem_to_smem(channel_decay_ref.at[batch, head, first_chunk + n], channel_decay_smem.at[slot],
+        plgpu.copy_gmem_to_smem(channel_decay_ref.at[batch, head, chunk_of(n)], channel_decay_smem.at[slot],
                                 loaded.at[slot])
       if per_chunk:
         for factors_smem in (vectors_smem, factors_by_column):
-          plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, first_chunk + n], factors_smem.at[slot],
+          plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, chunk_of(n)], factors_smem.at[slot],
                                   loaded.at[slot])
       elif head_segments:
         for runs_buffer in (runs_smem, runs_by_column):
-          plgpu.copy_gmem_to_smem(runs_ref.at[batch, first_chunk + n], runs_buffer.at[slot], loaded.at[slot])
+          plgpu.copy_gmem_to_smem(runs_ref.at[batch, chunk_of(n)], runs_buffer.at[slot], loaded.at[slot])
 
     fill_ring(load, released, num_chunks=num_chunks, num_stages=num_stages)
 
@@ -494,7 +499,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       # packed sequences").
       state_t, runs_end = carry if head_segments else (carry, None)
       if head_segments:
-        runs_next = runs_ref[batch, first_chunk + jnp.minimum(n + 1, num_chunks - 1), 0, c - 1]
+        runs_next = runs_ref[batch, chunk_of(jnp.minimum(n + 1, num_chunks - 1)), 0, total_row]
       slot = slot_of(n)
       plgpu.barrier_wait(loaded.at[slot])
       if not per_chunk:
@@ -581,7 +586,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
     else:
       if per_chunk:
         publish(0, state)
-      carry = (state, runs_ref[batch, first_chunk, 0, c - 1]) if head_segments else state
+      carry = (state, runs_ref[batch, chunk_of(0), 0, total_row]) if head_segments else state
       carry = lax.fori_loop(0, split, lambda n, s: body(n, s, head_factors), carry)
       if last_apart:
         last_factors = vectors_smem[_LAST_KEY], vectors_smem[_LAST_STATE]
@@ -601,7 +606,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   def store_published(n, pub):
     """S_n^T and U^T to HBM from the buffers the chain publishes them in (read before `state_read`: see
     `wait_smem_to_gmem(0, wait_read_only=True)` where they are released)."""
-    plgpu.copy_smem_to_gmem(state_smem.at[pub], states_out_ref.at[batch, head, first_chunk + n, cols])
+    plgpu.copy_smem_to_gmem(state_smem.at[pub], states_out_ref.at[batch, head, chunk_of(n), cols])
     plgpu.copy_smem_to_gmem(values_smem.at[pub], values_out_ref.at[batch, head, cols, chunk_rows(n)])
 
   def _published_out():
@@ -647,7 +652,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       if head_segments:
         # Pairs within a segment, in a chunk where one starts; rows past the chunk's first segment start do
         # not see S_n. A chunk where none starts reads no counts.
-        started = runs_smem[slot, 0, c - 1] > 0
+        started = runs_smem[slot, 0, total_row] > 0
 
         def weights():
           def within_segments():
@@ -785,7 +790,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       tokens in chunks of CHUNK_SIZE: (cumdecay [B, H, Tp] float32 or None,
       runs [B, Tp] int32 or None), with decay None.
     chunk_runs: None, or with a per-head rate (or none) the segment-start
-      counts of packed sequences, [B, Tp] int32 (`token_chunk_gates`' runs).
+      counts of packed sequences, [B, Tp] int32 (`token_chunk_gates`' runs, in the sweep's convention).
     delta_inverse: None, or the delta rule's T' = (I + A)^{-1} Diag(beta) of
       each chunk, [B, H, Tp, C] in the input dtype
       (`delta_attention.pallas_mosaic_gpu.inverse`; with chunk_gates and one slice).
@@ -824,19 +829,17 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     reverse: the anti-causal sweep, out_t = scale x_t G_t with G_t = a G_{t+1}
       + k_t^T v_t (`pallas_triton`'s, in its convention: the state carried in
       already decayed once): the chunks walked last to first (slice 0 the
-      last), with the reverse per-head factors; a per-head rate or none, no
-      segments, and a first chunk in sweep order that is whole, or no initial
-      state, or no decay (its factors are a whole chunk's). The final state is
-      the one before the first chunk.
+      last), with the reverse per-head factors; a per-head rate or none
+      (chunk_runs then the reverse sweep's counts), and a first chunk in sweep
+      order that is whole, or no initial state, or no decay (its factors are a
+      whole chunk's). The final state is the one before the first chunk.
 
   Returns:
     o: [B, Tp, H, V] in the input dtype; or a tuple of o (with_outputs), S_n^T and U^T (delta_states) and S_T^T
     (return_final_state), in that order.
   """
-  if reverse and (chunk_gates is not None or chunk_runs is not None or delta_inverse is not None
-                  or sequences is not None):
-    raise ValueError("the reverse sweep takes a per-head rate or none: no chunk gates, segments, delta rule or "
-                     "sequences")
+  if reverse and (chunk_gates is not None or delta_inverse is not None or sequences is not None):
+    raise ValueError("the reverse sweep takes a per-head rate or none: no chunk gates, delta rule or sequences")
   if delta_states and delta_inverse is None:
     raise ValueError("delta_states takes delta_inverse")
   if not with_outputs and (not delta_states or return_final_state):
@@ -1016,7 +1019,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   cumdecay = runs = chunk_gates = chunk_runs = None
   per_token = chunk_common.per_token(decay)
   if per_token or segment_starts is not None:
-    cumdecay, runs = sweep_gates(decay if per_token else None, segment_starts, num_tokens=tp)
+    cumdecay, runs = sweep_gates(decay if per_token else None, segment_starts, num_tokens=tp, reverse=reverse)
     if per_token:
       chunk_gates = (cumdecay, runs)
     else:

@@ -247,8 +247,9 @@ def _backward(opts, residuals, cotangents):
     """Whether a sweep over x [B, T, H, K] and z [B, T, H, V] runs the warp-specialised kernel: after its forward,
     with no rate gradient, where auto would take it for this K as for the forward's
     (`heuristics.prefer_warp_specialized`: at K <= 64 with a per-head rate only as the forward's own choice, K = D;
-    with per-token rates or packed rows at every K); reversed, with a per-head rate or none, no segments, and a
-    whole last chunk, no final-state cotangent or no decay (`pallas_mosaic_gpu.forward_padded`)."""
+    with per-token rates or packed rows at every K); reversed, with a per-head rate or none (segments or none: the
+    forward ran no sequence programs), and a whole last chunk, no final-state cotangent or no decay
+    (`pallas_mosaic_gpu.forward_padded`)."""
     dim = x.shape[-1]
     if (not warp_specialized or with_tangent or token_grad
         or not (dim == q.shape[-1] or heuristics.prefer_warp_specialized(dim_k=dim,
@@ -257,7 +258,7 @@ def _backward(opts, residuals, cotangents):
                                                    compute_capability=opts.compute_capability,
                                                    interpret=opts.interpret) is not None):
       return False
-    return not reverse or (not per_token and packing is None
+    return not reverse or (not per_token
                            and (d_final is None or decay is None or q.shape[1] % pallas_mosaic_gpu.CHUNK_SIZE == 0)
                            and pallas_mosaic_gpu.walks_reverse(x.shape, z.shape[-1], opts))
 
@@ -296,7 +297,8 @@ def _backward(opts, residuals, cotangents):
   ws_reverse = not fuse and warp_specialized_sweep(k, do, reverse=True) and warp_specialized_sweep(v, q, reverse=True)
   if ws_reverse and (needs.dv or with_initial):
     dv, g0, dv_starts = pallas_mosaic_gpu.forward(
-        k, q, do, decay, d_final_scaled, dataclasses.replace(ws_opts, return_final_state=with_initial), reverse=True)
+        k, q, do, decay, d_final_scaled, dataclasses.replace(ws_opts, return_final_state=with_initial), packing,
+        reverse=True)
     if with_initial:
       d_initial = scale * g0
   elif needs.dv or with_initial or fuse:
@@ -308,7 +310,7 @@ def _backward(opts, residuals, cotangents):
     if with_initial:
       d_initial = scale * initial_state_factor(decay, sequence_bounds(packing)) * res.final_state
   if ws_reverse and needs.dk:
-    dk = pallas_mosaic_gpu.forward(v, do, q, decay, transpose(d_final_scaled), ws_opts,
+    dk = pallas_mosaic_gpu.forward(v, do, q, decay, transpose(d_final_scaled), ws_opts, packing,
                                    given_starts=None if dv_starts is None else dv_starts.transposed(),
                                    transposed_states=True, reverse=True)[0]
   elif (needs.dk and not fuse) or (token_grad and k_dk is None):
