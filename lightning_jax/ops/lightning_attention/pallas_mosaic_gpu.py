@@ -4,8 +4,9 @@ Every Mosaic-GPU-specific import of the package lives in this file and in
 `delta_attention.pallas_mosaic_gpu` (the delta rule's backward sweeps, built
 from this file's pieces), beside the Triton kernels of `pallas_triton`. It
 computes the lightning op's forward pass, from an optional initial state
-and optionally returning the final one, and the backward's dq sweep (a forward
-over (do, v, k), `vjp`); the reverse sweeps stay with Triton.
+and optionally returning the final one, and with the rates fixed the backward's
+dq sweep (a forward over (do, v, k), `vjp`) and, at D > 64, its dv and dk
+sweeps (`forward(..., reverse=True)`: the chunks walked last to first).
 
 One CTA per (head, batch and slice of the sequence, block of 64 value columns)
 walks the chunks of 64 tokens of its slice in order (the whole sequence unless
