@@ -186,13 +186,16 @@ def test_warp_specialized_dq_sweep_with_fixed_rates(rates, packed, slice_size, d
 
 
 # D > 64, where dk and dv are reverse sweeps of their own: a per-head rate or none, whole and partial last chunks,
-# a final-state cotangent (where the first chunk walked is partial, with a rate, the Triton sweeps run them), a split.
+# a final-state cotangent (where the first chunk walked is partial, with a rate, the Triton sweeps run them), a split,
+# and splits whose last slice (the sequence's start, walked last) is short: 5 chunks in slices of 2, 8 in slices of 3.
 WS_REVERSE_CASES = [
     (Case(1, 256, 2, 96, 128, BF16), None),
     (Case(2, 200, 2, 128, 80, BF16, decay=None), None),
     (Case(1, 200, 2, 96, 96, BF16, initial_state=False, final_state=False), None),
     (Case(1, 320, 2, 128, 128, BF16), 64),
     (Case(1, 300, 1, 80, 128, F16, initial_state=False, final_state=False), 64),
+    (Case(1, 300, 2, 128, 96, BF16, final_state=False), 128),
+    (Case(2, 450, 1, 96, 128, BF16, decay=None), 192),
 ]
 
 
@@ -274,6 +277,20 @@ def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states, rows
       jax.eval_shape(fn, jax.ShapeDtypeStruct((2, 150, 3, dim_k), BF16), jax.ShapeDtypeStruct((2, 150, 3, dim_k), BF16),
                      jax.ShapeDtypeStruct((2, 150, 3, dim_v), BF16), decay, s0, chunk_gates, runs)
 
+
+
+@needs_ws_jax
+def test_warp_specialized_reverse_split_with_a_short_last_slice_lowers_for_cuda():
+  """Mosaic GPU lowering for an sm90 GPU of a reverse sweep over slices that T's chunks do not fill (3 chunks in two
+  slices of 2): the last slice's CTAs walk a traced count of chunks."""
+  q = jax.ShapeDtypeStruct((2, 256, 3, 128), BF16)
+  s0 = jax.ShapeDtypeStruct((2, 3, 2, 128, 128), F32)
+  cfg = heuristics.resolve_warp_specialized(None, dim_k=128, itemsize=2)
+  fn = jax.jit(lambda q, k, v, decay, s0: pallas_mosaic_gpu.forward_padded(
+      q, k, v, decay, s0, scale=0.125, seq_len=150, cfg=cfg, num_slices=2, num_tokens=256, reverse=True))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, q, q, jax.ShapeDtypeStruct((3,), F32), s0)
+  assert "lightning_warp_specialized" in exported.mlir_module()
+  assert exported.out_avals[0].shape == (2, 256, 3, 128)
 
 def test_warp_specialized_rejects_what_it_cannot_run():
   keys = jax.random.split(jax.random.PRNGKey(5), 3)

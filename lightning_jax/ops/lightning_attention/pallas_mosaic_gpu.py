@@ -402,6 +402,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   elif num_slices > 1:
     batch, sequence_slice = lax.div(batch, num_slices), lax.rem(batch, num_slices)
     first_chunk = sequence_slice * num_chunks
+    if reverse_chunks is not None and reverse_chunks < num_slices * num_chunks:
+      # Reversed, the slices start at T's last chunk (the Triton states pass's): the last one walks what is left.
+      num_chunks = jnp.minimum(num_chunks, reverse_chunks - first_chunk)
   cols = pl.ds(col * be, be)
   wg = lax.axis_index("wg")
 
@@ -833,7 +836,9 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       last), with the reverse per-head factors; a per-head rate or none
       (chunk_runs then the reverse sweep's counts), and a first chunk in sweep
       order that is whole, or no initial state, or no decay (its factors are a
-      whole chunk's). The final state is the one before the first chunk.
+      whole chunk's). Split, slice 0 ends at T's last chunk and the last slice
+      walks the chunks left (fewer where T's chunks do not fill the slices).
+      The final state is the one before the first chunk.
 
   Returns:
     o: [B, Tp, H, V] in the input dtype; or a tuple of o (with_outputs), S_n^T and U^T (delta_states) and S_T^T
@@ -943,30 +948,13 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                              has_initial=initial_state is not None, has_final=return_final_state,
                              last_rows=last_rows, scale=scale, delta=is_delta, delta_states=delta_states,
                              with_outputs=with_outputs, channel_gated=channel_gated,
-                             sequences=sequences is not None, reverse_chunks=tp // c if reverse else None,
+                             sequences=sequences is not None, reverse_chunks=-(-seq_len // c) if reverse else None,
                              **registers)
   results = warpgroup_kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(h, b * num_states, dim_v // be),
       grid_names=("heads", "batch_slices", "value_blocks"), interpret=interpret,
       kernel_name="delta_warp_specialized" if is_delta else "lightning_warp_specialized")(*inputs)
   return results[0] if len(results) == 1 else tuple(results)
-
-
-def _slice_chunks(*, batch_heads: int, dim_v: int, num_chunks: int, opts: PallasOptions) -> int:
-  """`heuristics.slice_chunks` of a call's CTAs (padded dim_v: its value blocks)."""
-  return heuristics.slice_chunks(programs=batch_heads * (dim_v // BLOCK_E), num_chunks=num_chunks,
-                                 chunk_size=CHUNK_SIZE, num_sms=opts.num_sms,
-                                 slice_size=None if opts.config is None else opts.config.slice_size)
-
-
-def walks_reverse(q_shape, dim_v: int, opts: PallasOptions) -> bool:
-  """Whether `forward(..., reverse=True)` takes a call of q [B, T, H, D] and E = dim_v: where it splits the
-  sequence, its slices must cover the chunks of T exactly (reversed, slice 0 ends at T's last chunk, where the
-  Triton states pass's does; a row padded to whole slices would shift every slice)."""
-  b, t, h, dim_k = q_shape
-  num_chunks = -(-t // CHUNK_SIZE)
-  vp = WarpSpecializedConfig.padded_dims(dim_k, dim_v)[1]
-  return num_chunks % _slice_chunks(batch_heads=b * h, dim_v=vp, num_chunks=num_chunks, opts=opts) == 0
 
 
 def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=None, given_starts=None,
@@ -993,8 +981,9 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   call carries the transpose of another's state over the same operands (the
   dq sweep's, where no starts were handed over): its split runs that call's
   pass, transposed (`pallas_triton.slice_starts`), which XLA's CSE may merge.
-  reverse: the anti-causal sweep of the backward pass (`forward_padded`'s;
-  where `walks_reverse`), its final state the one before the first token.
+  reverse: the anti-causal sweep of the backward pass (`forward_padded`'s),
+  its final state the one before the first token; its slices start at T's
+  last chunk, so the last one (the sequence's start) may be the short one.
   """
   b, t, h, dim_k = q.shape
   dim_v = v.shape[-1]
@@ -1004,11 +993,9 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   num_chunks = -(-t // c)
   if given_starts is not None and (given_starts.chunk_size != c or opts.return_final_state):
     raise ValueError(f"given_starts must be of {c}-token chunks, without a final state")
-  slice_chunks = (given_starts.slice_chunks if given_starts is not None
-                  else _slice_chunks(batch_heads=b * h, dim_v=vp, num_chunks=num_chunks, opts=opts))
-  if reverse and num_chunks % slice_chunks:
-    raise ValueError(f"a reverse sweep's slices must cover T's {num_chunks} chunks exactly, got {slice_chunks} a "
-                     "slice (`walks_reverse`)")
+  slice_chunks = given_starts.slice_chunks if given_starts is not None else heuristics.slice_chunks(
+      programs=b * h * (vp // BLOCK_E), num_chunks=num_chunks, chunk_size=c, num_sms=opts.num_sms,
+      slice_size=None if opts.config is None else opts.config.slice_size)
   num_slices = -(-num_chunks // slice_chunks)
   tp = num_slices * slice_chunks * c
   # T stays as it is where TMA can tile it (the kernel reads zeros past it, see `forward_padded`); else (a copy either

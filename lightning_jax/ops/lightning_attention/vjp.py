@@ -259,8 +259,7 @@ def _backward(opts, residuals, cotangents):
                                                    interpret=opts.interpret) is not None):
       return False
     return not reverse or (not per_token
-                           and (d_final is None or decay is None or q.shape[1] % pallas_mosaic_gpu.CHUNK_SIZE == 0)
-                           and pallas_mosaic_gpu.walks_reverse(x.shape, z.shape[-1], opts))
+                           and (d_final is None or decay is None or q.shape[1] % pallas_mosaic_gpu.CHUNK_SIZE == 0))
 
   ws_opts = dataclasses.replace(opts, return_final_state=False, variant="warp_specialized")
   if needs.dq and warp_specialized_sweep(do, k):
