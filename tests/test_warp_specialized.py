@@ -218,6 +218,44 @@ def test_warp_specialized_reverse_sweeps_match_oracle(case, slice_size, mode):
     assert "lightning_chunk_loop" not in names, names
 
 
+
+@pytest.mark.parametrize("mode", WS_MODES)
+@pytest.mark.parametrize("packed,slice_size", [(False, None), (True, 128)])
+def test_warp_specialized_reverse_sweeps_with_token_rates(packed, slice_size, mode):
+  """Per-token rates, fixed: at D > 64 the dv and dk sweeps run this kernel reversed (its per-chunk factors in the
+  reverse sweep's convention), from a partial chunk and a final-state cotangent, with segments and a split whose last
+  slice is short (5 chunks in slices of 2): outputs, final state and the q, k, v, initial-state gradients against the
+  oracle, rates from 1e-7 to 1e4."""
+  rng = np.random.default_rng(29)
+  b, t, h, d, e = 2, 300, 2, 128, 96
+  q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, n)), BF16) for n in (d, d, e))
+  decay = rng.uniform(0.01, 1.0, size=(b, t, h))
+  decay[:, 40], decay[:, 41], decay[:, 250] = 1e4, 1e-7, 30.0
+  decay = jnp.asarray(decay, F32)
+  segment_ids = jnp.asarray(np.cumsum(rng.random((b, t)) < 0.02, axis=1), jnp.int32) if packed else None
+  s0 = jnp.asarray(rng.normal(size=(b, h, d, e)), F32)
+  do = jnp.asarray(rng.normal(size=(b, t, h, e)), F32)
+  d_final = jnp.asarray(rng.normal(size=(b, h, d, e)), F32)
+
+  def loss(q, k, v, s0, **kw):
+    o, final = lj.lightning_attention(q, k, v, decay, initial_state=s0, return_final_state=True,
+                                      segment_ids=segment_ids, **kw)
+    return jnp.sum(do * o.astype(F32)) + jnp.sum(d_final * final), (o, final)
+
+  config = lj.LightningConfig(slice_size=slice_size,
+                              warp_specialized=INTERPRETED_STATE_CONFIG.warp_specialized if mode == "interpret"
+                              else None)
+  ours = jax.grad(functools.partial(loss, impl="pallas", variant="warp_specialized", interpret=mode == "interpret",
+                                    config=config), argnums=(0, 1, 2, 3), has_aux=True)
+  names = [str(eqn.params["name"]) for eqn in pallas_calls(jax.make_jaxpr(ours)(q, k, v, s0).jaxpr)]
+  assert "lightning_chunk_loop" not in names, names
+  grads, (o, final) = ours(q, k, v, s0)
+  want, (o_ref, final_ref) = jax.jit(jax.grad(functools.partial(loss, impl="reference"), argnums=(0, 1, 2, 3),
+                                              has_aux=True))(q, k, v, s0)
+  for name, x, x_ref in zip(("o", "final_state", "dq", "dk", "dv", "d_initial_state"), (o, final, *grads),
+                            (o_ref, final_ref, *want)):
+    assert rel_err(x, x_ref) < TOL[BF16], (name, rel_err(x, x_ref))
+
 @pytest.mark.parametrize("mode", WS_MODES)
 def test_warp_specialized_extreme_token_rates_in_a_split_sequence(mode):
   """Rates from 0 to 1e4 in one chunk, segments, and 5 slices from the Triton states pass: against the oracle."""
@@ -244,7 +282,7 @@ def test_warp_specialized_extreme_token_rates_in_a_split_sequence(mode):
     (64, 128, None, True, 192), (64, 64, "token", True, 192), (128, 128, "packed", False, 192),
     (128, 128, "head-packed", True, 192), (128, 128, "head", True, 152), (64, 64, "token", False, 152),
     (128, 128, "head-reverse", True, 152), (64, 128, "none-reverse", False, 192),
-    (128, 128, "head-packed-reverse", True, 152)])
+    (128, 128, "head-packed-reverse", True, 152), (128, 128, "packed-reverse", True, 152)])
 def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states, rows):
   """Mosaic GPU lowering (layout inference included) for an sm90 GPU, from any backend.
 

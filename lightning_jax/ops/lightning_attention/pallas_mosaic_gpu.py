@@ -137,10 +137,12 @@ def chunk_factors(cumdecay, runs):
   return jnp.concatenate([cum, run_counts], axis=3)
 
 
-def scaled_causal_mask(scale: float) -> np.ndarray:
-  """scale on the causal mask j <= i, [C, C] float32: the per-chunk factors' intra operand. A constant of the
-  program: XLA does not fold one built from iotas, so each call would launch a kernel to form it."""
-  return np.tril(np.full((CHUNK_SIZE, CHUNK_SIZE), scale, np.float32))
+def scaled_causal_mask(scale: float, *, reverse: bool = False) -> np.ndarray:
+  """scale on the causal mask j <= i (`reverse`: the anti-causal one, j >= i), [C, C] float32: the per-chunk
+  factors' intra operand. A constant of the program: XLA does not fold one built from iotas, so each call would
+  launch a kernel to form it."""
+  full = np.full((CHUNK_SIZE, CHUNK_SIZE), scale, np.float32)
+  return np.triu(full) if reverse else np.tril(full)
 
 
 def sweep_gates(decay, segment_starts, *, num_tokens: int, reverse: bool = False):
@@ -411,7 +413,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   def chunk_of(n):  # the chunk of step n; reversed (`reverse_chunks`: the chunks in all), the last first
     return first_chunk + n if reverse_chunks is None else reverse_chunks - 1 - first_chunk - n
 
-  # The row of a chunk's segment-start counts that holds its total: its last in sweep order.
+  # The row of a chunk's segment-start counts (and per-chunk cumulative rates) that holds its total: its last in
+  # sweep order.
   total_row = c - 1 if reverse_chunks is None else 0
 
   def chunk_rows(n):
@@ -487,8 +490,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
     def decay_exponents(slot, rows):
       """`update_exponents` of the chunk in the ring's slot. rows: its factor rows in shared memory."""
-      return update_exponents(rows, cum_end=vectors_smem[slot, CUM, c - 1],
-                              runs_end=vectors_smem[slot, RUNS, c - 1] if has_segments else None,
+      return update_exponents(rows, cum_end=vectors_smem[slot, CUM, total_row],
+                              runs_end=vectors_smem[slot, RUNS, total_row] if has_segments else None,
                               has_segments=has_segments)
 
     # Per-head factors are at hand: S_n goes out first thing in chunk n. Per-chunk
@@ -649,7 +652,7 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         # the rows and, from its second copy, along the columns of the scores
         # (one load cannot take both layouts).
         rows, columns = chunk_factor_rows(n), factors_by_column.at[slot]
-        cum_end = vectors_smem[slot, CUM, c - 1]
+        cum_end = vectors_smem[slot, CUM, total_row]
         chunk_row = scale * jnp.exp2(row_exponents(rows, has_segments=has_segments))
       # The scores' factors [C, C] (scale, causal mask, decay, segments), built while q k^T runs on the
       # tensor cores: they depend on the chunk's rates alone.
@@ -833,10 +836,11 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     reverse: the anti-causal sweep, out_t = scale x_t G_t with G_t = a G_{t+1}
       + k_t^T v_t (`pallas_triton`'s, in its convention: the state carried in
       already decayed once): the chunks walked last to first (slice 0 the
-      last), with the reverse per-head factors; a per-head rate or none
-      (chunk_runs then the reverse sweep's counts), and a first chunk in sweep
-      order that is whole, or no initial state, or no decay (its factors are a
-      whole chunk's). Split, slice 0 ends at T's last chunk and the last slice
+      last), with the reverse factors (chunk_gates and chunk_runs in the
+      reverse sweep's convention, `token_chunk_gates(reverse=True)`: each
+      chunk's totals at its first row); with a per-head rate, a first chunk in
+      sweep order that is whole, or no initial state (its factors are a whole
+      chunk's; per-token, padded rows have rate 0). Split, slice 0 ends at T's last chunk and the last slice
       walks the chunks left (fewer where T's chunks do not fill the slices).
       The final state is the one before the first chunk.
 
@@ -844,8 +848,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     o: [B, Tp, H, V] in the input dtype; or a tuple of o (with_outputs), S_n^T and U^T (delta_states) and S_T^T
     (return_final_state), in that order.
   """
-  if reverse and (chunk_gates is not None or delta_inverse is not None or sequences is not None):
-    raise ValueError("the reverse sweep takes a per-head rate or none: no chunk gates, delta rule or sequences")
+  if reverse and (delta_inverse is not None or sequences is not None):
+    raise ValueError("the reverse sweep takes no delta rule and no sequences")
   if delta_states and delta_inverse is None:
     raise ValueError("delta_states takes delta_inverse")
   if not with_outputs and (not delta_states or return_final_state):
@@ -893,7 +897,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     cumdecay, runs = chunk_gates
     if cumdecay is None:
       cumdecay = jnp.zeros((b, h, tp), _F32)
-    intra = scaled_causal_mask(scale)
+    intra = scaled_causal_mask(scale, reverse=reverse)
     vectors = chunk_factors(cumdecay, runs)
     factor_smem = (plgpu.SMEM((num_stages,) + vectors.shape[-2:], _F32),) * 2
   else:

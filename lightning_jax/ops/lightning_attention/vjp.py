@@ -247,9 +247,9 @@ def _backward(opts, residuals, cotangents):
     """Whether a sweep over x [B, T, H, K] and z [B, T, H, V] runs the warp-specialised kernel: after its forward,
     with no rate gradient, where auto would take it for this K as for the forward's
     (`heuristics.prefer_warp_specialized`: at K <= 64 with a per-head rate only as the forward's own choice, K = D;
-    with per-token rates or packed rows at every K); reversed, with a per-head rate or none (segments or none: the
-    forward ran no sequence programs), and a whole last chunk, no final-state cotangent or no decay
-    (`pallas_mosaic_gpu.forward_padded`)."""
+    with per-token rates or packed rows at every K); reversed (segments or none: the forward ran no sequence
+    programs), with per-token rates, or a per-head rate or none and a whole last chunk, no final-state cotangent or
+    no decay (`pallas_mosaic_gpu.forward_padded`)."""
     dim = x.shape[-1]
     if (not warp_specialized or with_tangent or token_grad
         or not (dim == q.shape[-1] or heuristics.prefer_warp_specialized(dim_k=dim,
@@ -258,8 +258,8 @@ def _backward(opts, residuals, cotangents):
                                                    compute_capability=opts.compute_capability,
                                                    interpret=opts.interpret) is not None):
       return False
-    return not reverse or (not per_token
-                           and (d_final is None or decay is None or q.shape[1] % pallas_mosaic_gpu.CHUNK_SIZE == 0))
+    return not reverse or (per_token or d_final is None or decay is None
+                           or q.shape[1] % pallas_mosaic_gpu.CHUNK_SIZE == 0)
 
   ws_opts = dataclasses.replace(opts, return_final_state=False, variant="warp_specialized")
   if needs.dq and warp_specialized_sweep(do, k):
@@ -299,7 +299,7 @@ def _backward(opts, residuals, cotangents):
         k, q, do, decay, d_final_scaled, dataclasses.replace(ws_opts, return_final_state=with_initial), packing,
         reverse=True)
     if with_initial:
-      d_initial = scale * g0
+      d_initial = scale * initial_state_factor(decay, None) * g0
   elif needs.dv or with_initial or fuse:
     res = sweep(SweepOperands(**gates, x=k, y=q, z=do, initial_state=d_final_scaled,
                               dual_with=v if fuse else None),
