@@ -840,9 +840,10 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       reverse sweep's convention, `token_chunk_gates(reverse=True)`: each
       chunk's totals at its first row); with a per-head rate, a first chunk in
       sweep order that is whole, or no initial state (its factors are a whole
-      chunk's; per-token, padded rows have rate 0). Split, slice 0 ends at T's last chunk and the last slice
-      walks the chunks left (fewer where T's chunks do not fill the slices).
-      The final state is the one before the first chunk.
+      chunk's; per-token, padded rows have rate 0). Split, slice 0 ends at T's
+      last chunk and the last slice walks the chunks left (fewer where T's
+      chunks do not fill the slices). The final state is the one before the
+      first chunk.
 
   Returns:
     o: [B, Tp, H, V] in the input dtype; or a tuple of o (with_outputs), S_n^T and U^T (delta_states) and S_T^T
