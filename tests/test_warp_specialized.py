@@ -153,13 +153,13 @@ def test_warp_specialized_split_packed_row_matches_sequences_alone(p, mode):
 @pytest.mark.parametrize("rates,packed,slice_size,d,e,chunk_loops", [
     ("head", False, None, 64, 64, 1), ("token", True, None, 64, 48, 1), ("head", True, 64, 64, 48, 1),
     ("token", False, 64, 64, 48, 1), ("head", False, None, 96, 48, 3), ("head", False, 64, 48, 128, 0),
-    ("head", True, 64, 96, 128, 0)])
+    ("head", True, 64, 96, 64, 0)])
 def test_warp_specialized_dq_sweep_with_fixed_rates(rates, packed, slice_size, d, e, chunk_loops, mode):
   """With the rates fixed (no decay gradient), the dq sweep, a forward over (do, v, k), runs this kernel too (one
   Triton chunk loop left at D, E <= 64: the fused dk/dv sweep), split from the forward's slices where the forward
   was; but not over K = E <= 64 with a per-head rate where the forward's K = D was not (three chunk loops: dq, dv,
-  dk); over K = E = 128 beside D = 48 it does, and so do the reverse sweeps at D > 64, packed rows too (no chunk
-  loop left): q, k, v and initial-state gradients against the oracle, per-head and per-token rates, packed rows, a
+  dk); over K = E = 128 beside D = 48 it does, and so do the reverse sweeps at D > 64, packed rows too (E = 64:
+  auto's rule takes K = 64 for packed rows; no chunk loop left): q, k, v and initial-state gradients against the oracle, per-head and per-token rates, packed rows, a
   partial last chunk."""
   rng = np.random.default_rng(23)
   b, t, h = 2, 200, 2
@@ -227,7 +227,7 @@ def test_warp_specialized_reverse_sweeps_with_token_rates(packed, slice_size, mo
   slice is short (5 chunks in slices of 2): outputs, final state and the q, k, v, initial-state gradients against the
   oracle, rates from 1e-7 to 1e4."""
   rng = np.random.default_rng(29)
-  b, t, h, d, e = 2, 300, 2, 128, 96
+  b, t, h, d, e = 2, 300, 1, 128, 64
   q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, n)), BF16) for n in (d, d, e))
   decay = rng.uniform(0.01, 1.0, size=(b, t, h))
   decay[:, 40], decay[:, 41], decay[:, 250] = 1e4, 1e-7, 30.0
@@ -282,7 +282,8 @@ def test_warp_specialized_extreme_token_rates_in_a_split_sequence(mode):
     (64, 128, None, True, 192), (64, 64, "token", True, 192), (128, 128, "packed", False, 192),
     (128, 128, "head-packed", True, 192), (128, 128, "head", True, 152), (64, 64, "token", False, 152),
     (128, 128, "head-reverse", True, 152), (64, 128, "none-reverse", False, 192),
-    (128, 128, "head-packed-reverse", True, 152), (128, 128, "packed-reverse", True, 152)])
+    (128, 128, "head-packed-reverse", True, 152), (128, 128, "packed-reverse", True, 152),
+    (64, 64, "token-reverse", False, 152)])
 def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states, rows):
   """Mosaic GPU lowering (layout inference included) for an sm90 GPU, from any backend.
 
