@@ -159,8 +159,8 @@ def test_warp_specialized_dq_sweep_with_fixed_rates(rates, packed, slice_size, d
   Triton chunk loop left at D, E <= 64: the fused dk/dv sweep), split from the forward's slices where the forward
   was; but not over K = E <= 64 with a per-head rate where the forward's K = D was not (three chunk loops: dq, dv,
   dk); over K = E = 128 beside D = 48 it does, and so do the reverse sweeps at D > 64, packed rows too (E = 64:
-  auto's rule takes K = 64 for packed rows; no chunk loop left): q, k, v and initial-state gradients against the oracle, per-head and per-token rates, packed rows, a
-  partial last chunk."""
+  auto's rule takes K = 64 for packed rows; no chunk loop left): q, k, v and initial-state gradients against the
+  oracle, per-head and per-token rates, packed rows, a partial last chunk."""
   rng = np.random.default_rng(23)
   b, t, h = 2, 200, 2
   q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, n)), BF16) for n in (d, d, e))
@@ -218,7 +218,6 @@ def test_warp_specialized_reverse_sweeps_match_oracle(case, slice_size, mode):
     assert "lightning_chunk_loop" not in names, names
 
 
-
 @pytest.mark.parametrize("mode", WS_MODES)
 @pytest.mark.parametrize("packed,slice_size", [(False, None), (True, 128)])
 def test_warp_specialized_reverse_sweeps_with_token_rates(packed, slice_size, mode):
@@ -255,6 +254,7 @@ def test_warp_specialized_reverse_sweeps_with_token_rates(packed, slice_size, mo
   for name, x, x_ref in zip(("o", "final_state", "dq", "dk", "dv", "d_initial_state"), (o, final, *grads),
                             (o_ref, final_ref, *want)):
     assert rel_err(x, x_ref) < TOL[BF16], (name, rel_err(x, x_ref))
+
 
 @pytest.mark.parametrize("mode", WS_MODES)
 def test_warp_specialized_extreme_token_rates_in_a_split_sequence(mode):
@@ -317,7 +317,6 @@ def test_warp_specialized_lowers_for_cuda(dim_k, dim_v, gates, with_states, rows
                      jax.ShapeDtypeStruct((2, 150, 3, dim_v), BF16), decay, s0, chunk_gates, runs)
 
 
-
 @needs_ws_jax
 def test_warp_specialized_reverse_split_with_a_short_last_slice_lowers_for_cuda():
   """Mosaic GPU lowering for an sm90 GPU of a reverse sweep over slices that T's chunks do not fill (3 chunks in two
@@ -330,6 +329,7 @@ def test_warp_specialized_reverse_split_with_a_short_last_slice_lowers_for_cuda(
   exported = jax.export.export(fn, platforms=["cuda"])(q, q, q, jax.ShapeDtypeStruct((3,), F32), s0)
   assert "lightning_warp_specialized" in exported.mlir_module()
   assert exported.out_avals[0].shape == (2, 256, 3, 128)
+
 
 def test_warp_specialized_rejects_what_it_cannot_run():
   keys = jax.random.split(jax.random.PRNGKey(5), 3)
@@ -1252,6 +1252,7 @@ def test_delta_split_reshapes_the_row_into_pieces(t):
     assert operand_pads and f"{b * pieces}x128x{h}x{d}" in text
   else:
     assert not operand_pads and f"{b * pieces}x{t // pieces}x{h}x{d}" in text, operand_pads
+
 
 def test_delta_warp_specialized_is_budgeted_and_refuses_what_it_cannot_run():
   # The inverse in the ring and U^T beside each published state: at D = 128, 3 stages with 2 published states

@@ -230,7 +230,8 @@ def update_exponents(rows, *, cum_end, runs_end, has_segments):
 def sees_prior_state(runs):
   """Packed rows: 1 for a chunk's rows before its first segment start (they see the state before the chunk), else
   0, float32, from the chunk's segment-start counts runs [C] (non-decreasing along the chunk in sweep order); of the
-  last count, 1 where the state carries over the chunk. Arithmetic masks: the warpgroup lowering broadcasts no scalar."""
+  last count, 1 where the state carries over the chunk. Arithmetic masks: the warpgroup lowering broadcasts no
+  scalar."""
   return 1.0 - jnp.minimum(runs, 1.0)
 
 
