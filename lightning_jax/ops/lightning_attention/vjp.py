@@ -2,8 +2,9 @@
 
 The forward pass is a Triton sweep (`pallas_triton`), or with
 `variant="warp_specialized"` the Mosaic GPU kernel of `pallas_mosaic_gpu`; the
-backward sweeps are Triton's, but for the dq sweep after a warp-specialised
-forward where the rates take no gradient, which runs that kernel too.
+backward sweeps are Triton's, but after a warp-specialised forward where the
+rates take no gradient: then the dq sweep runs that kernel too, and at D > 64
+so do the dv and dk sweeps, walked last chunk first.
 
 With q' = scale * q, a = exp(-lambda) and G_t = dL/dS_t (the state gradient,
 G_t = a G_{t+1} + q'_t^T do_t, G_{T-1} also receiving the final-state cotangent),
@@ -227,7 +228,7 @@ def _backward(opts, residuals, cotangents):
   gates = sweep_gates(decay, packing)
   per_token = chunk_common.per_token(decay)
   warp_specialized = opts.variant == "warp_specialized"
-  if warp_specialized:  # a forward kernel: the dq sweep may run it (below), the reverse sweeps are chunk_loop's
+  if warp_specialized:  # a forward kernel: the backward sweeps may run it (`warp_specialized_sweep`), else chunk_loop
     opts = dataclasses.replace(opts, variant="chunk_loop")
   do, d_final = cotangents if opts.return_final_state else (cotangents, None)
   if isinstance(d_final, SymbolicZero):
@@ -294,20 +295,19 @@ def _backward(opts, residuals, cotangents):
   # Unfused (D > 64), the reverse sweeps are forwards walked last chunk first: the warp-specialised kernel's where
   # it can (`warp_specialized_sweep`).
   ws_reverse = not fuse and warp_specialized_sweep(k, do, reverse=True) and warp_specialized_sweep(v, q, reverse=True)
+  g0 = None  # the state the dv sweep ends with
   if ws_reverse and (needs.dv or with_initial):
     dv, g0, dv_starts = pallas_mosaic_gpu.forward(
         k, q, do, decay, d_final_scaled, dataclasses.replace(ws_opts, return_final_state=with_initial), packing,
         reverse=True)
-    if with_initial:
-      d_initial = scale * initial_state_factor(decay, None) * g0
   elif needs.dv or with_initial or fuse:
     res = sweep(SweepOperands(**gates, x=k, y=q, z=do, initial_state=d_final_scaled,
                               dual_with=v if fuse else None),
                 reverse=True, with_final_state=with_initial, out_dtype=v.dtype, dots_with_dual=fuse and token_grad)
     dv, dk, k_dk = res.out, res.dual, res.row_dots  # row dots only with per-token rates: v . dv = k . dk
-    dv_starts = res.slice_starts
-    if with_initial:
-      d_initial = scale * initial_state_factor(decay, sequence_bounds(packing)) * res.final_state
+    dv_starts, g0 = res.slice_starts, res.final_state
+  if with_initial:
+    d_initial = scale * initial_state_factor(decay, sequence_bounds(packing)) * g0
   if ws_reverse and needs.dk:
     dk = pallas_mosaic_gpu.forward(v, do, q, decay, transpose(d_final_scaled), ws_opts, packing,
                                    given_starts=None if dv_starts is None else dv_starts.transposed(),
