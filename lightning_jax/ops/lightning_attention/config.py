@@ -246,13 +246,15 @@ class WarpSpecializedConfig:
     """(K, V) the kernel runs at: K = 64 or 128, V a multiple of `BLOCK_E`."""
     return (64 if dim_k <= 64 else 128), -(-dim_v // cls.BLOCK_E) * cls.BLOCK_E
 
-  def shared_memory_bytes(self, sweep: SweepShape, *, delta: bool = False, channel_gated: bool = False) -> int:
+  def shared_memory_bytes(self, sweep: SweepShape, *, delta: bool = False, channel_gated: bool = False,
+                         row_dots: bool = False) -> int:
     """The compiled kernel's: the load ring, the published states, the outputs (x2), the factors.
 
     With `delta` (the delta rule's mode): each chunk's inverse [C, C] in the
     ring and U^T [C, BLOCK_E] beside every published state, no staged operand;
     `channel_gated` (KDA's gates) also K_C [C, K], P [C, C] and the state's
-    decay [K] float32 in the ring.
+    decay [K] float32 in the ring. `row_dots`: the output's row dots' weights
+    [C, BLOCK_E] in the ring and two chunks' row dots [C] float32.
 
     The float32 initial/final state shares the published states' memory, and
     the [C, C] float32 factors the staged outputs' (read once before the first
@@ -265,14 +267,14 @@ class WarpSpecializedConfig:
     here, the larger).
     """
     c, be, dim_k, itemsize = self.CHUNK_SIZE, self.BLOCK_E, sweep.dim_k, sweep.itemsize
-    ring = self.num_stages * c * (2 * dim_k + be + (c if delta else 0)) * itemsize
+    ring = self.num_stages * c * (2 * dim_k + be * (1 + row_dots) + (c if delta else 0)) * itemsize
     if channel_gated:
       ring += self.num_stages * (c * (dim_k + c) * itemsize + 4 * dim_k)
     published = self.published_states * be * (dim_k + (c if delta else 0)) * itemsize
     outputs_or_factors = max(2 * c * be * itemsize, 4 * c * c)
     staged_operands = (c * c + c * be) * itemsize if dim_k <= 64 and not delta else 0
     factor_rows = max(5 * self.num_stages, 5 + 2 * self.num_stages)
-    return ring + published + outputs_or_factors + staged_operands + 4 * factor_rows * c
+    return ring + published + outputs_or_factors + staged_operands + 4 * (factor_rows + 2 * row_dots) * c
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -148,9 +148,10 @@ def default_slice_states(sweep: SweepShape, budget: int) -> ChunkStatesConfig:
   return default_chunk_states(sweep, budget)
 
 
-def _check_budget(name, cfg, sweep: SweepShape, *, budget, compute_capability, origin="config."):
-  """`cfg` if its shared memory fits `budget`, else a ValueError naming both and `cfg`'s origin."""
-  cost = cfg.shared_memory_bytes(sweep)
+def _check_budget(name, cfg, sweep: SweepShape, *, budget, compute_capability, origin="config.", **modes):
+  """`cfg` if its shared memory (in the kernel's `modes`, keyword arguments of its `shared_memory_bytes`) fits
+  `budget`, else a ValueError naming both and `cfg`'s origin."""
+  cost = cfg.shared_memory_bytes(sweep, **modes)
   if cost > budget:
     where = (f"compute capability {compute_capability[0]}.{compute_capability[1]}"
              if compute_capability else "an unknown device")
@@ -322,22 +323,25 @@ def warp_specialized_unsupported(*, dim_k: int, dim_v: int, dtype, compute_capab
 
 
 def resolve_warp_specialized(config: LightningConfig | None, *, dim_k: int, itemsize: int,
-                             delta: bool = False, channel_gated: bool = False) -> WarpSpecializedConfig:
+                             delta: bool = False, channel_gated: bool = False,
+                             row_dots: bool = False) -> WarpSpecializedConfig:
   """The `warp_specialized` config: the user's (checked against the budget) or the first of
   `WARP_SPECIALIZED_PREFERENCE` that fits.
 
   The kernel runs on sm90 alone (also when interpreted), so the budget is sm90's.
-  `delta`, `channel_gated`: the delta rule's modes (`WarpSpecializedConfig.shared_memory_bytes`).
+  `delta`, `channel_gated`: the delta rule's modes; `row_dots`: the output's row dots
+  (`WarpSpecializedConfig.shared_memory_bytes`).
   """
   cc = WarpSpecializedConfig.COMPUTE_CAPABILITY
   budget = config_lib.shared_memory_budget(cc)
   sweep = SweepShape(dim_k=dim_k, dim_v=WarpSpecializedConfig.BLOCK_E, itemsize=itemsize)
   cfg = config.warp_specialized if config is not None else None
+  modes = dict(delta=delta, channel_gated=channel_gated, row_dots=row_dots)
   if cfg is not None:
-    return _check_budget("warp_specialized", cfg, sweep, budget=budget, compute_capability=cc)
+    return _check_budget("warp_specialized", cfg, sweep, budget=budget, compute_capability=cc, **modes)
   for stages, published in WARP_SPECIALIZED_PREFERENCE:
     cfg = WarpSpecializedConfig(num_stages=stages, published_states=published)
-    if cfg.shared_memory_bytes(sweep, delta=delta, channel_gated=channel_gated) <= budget:
+    if cfg.shared_memory_bytes(sweep, **modes) <= budget:
       return cfg
   raise AssertionError("unreachable: one stage fits sm90 at every dim_k <= 128")
 

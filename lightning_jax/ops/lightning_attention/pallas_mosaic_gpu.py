@@ -4,9 +4,11 @@ Every Mosaic-GPU-specific import of the package lives in this file and in
 `delta_attention.pallas_mosaic_gpu` (the delta rule's backward sweeps, built
 from this file's pieces), beside the Triton kernels of `pallas_triton`. It
 computes the lightning op's forward pass, from an optional initial state
-and optionally returning the final one, and with the rates fixed the backward's
-dq sweep (a forward over (do, v, k), `vjp`) and, at D > 64, its dv and dk
-sweeps (`forward(..., reverse=True)`: the chunks walked last to first).
+and optionally returning the final one, and, unless a per-head rate takes a
+gradient, the backward's dq sweep (a forward over (do, v, k), `vjp`) and, at
+D > 64, its dv and dk sweeps (`forward(..., reverse=True)`: the chunks walked
+last to first); trained per-token rates take the float32 row dots of its
+output (`forward_padded(dot_with=...)`).
 
 One CTA per (head, batch and slice of the sequence, block of 64 value columns)
 walks the chunks of 64 tokens of its slice in order (the whole sequence unless
@@ -22,7 +24,8 @@ walks the chunks of 64 tokens of its slice in order (the whole sequence unless
           state and writes the final one when asked, both float32 and staged
           through the publishing buffer's shared memory, idle then;
   output  computes o = row * (q S_n) + (intra * q k^T) v for chunk n and
-          stores it by TMA.
+          stores it by TMA (with `dot_with`, its row dots beside it: the
+          memory warpgroup loads their weights with q, k and v).
 
 So the serial state chain, the output matmuls and the loads overlap, which a
 Triton program (one instruction stream) cannot do (benchmarks/PERFORMANCE.md,
@@ -349,7 +352,7 @@ def delta_update(state_t, values_t, keys, key_exponent, state_exponent, *, stagi
 def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_slices, num_stages, published,
             per_chunk, has_decay, has_segments, has_initial, has_final, last_rows, scale, register_state,
             register_scores, delta, delta_states, with_outputs, overlap_publish, channel_gated, sequences,
-            reverse_chunks):
+            reverse_chunks, row_dots):
   refs = list(refs)
   # The delta rule: each chunk's T' = (I + A)^{-1} Diag(beta) [B, H, Tp, C]; with KDA's per-channel gates
   # (`channel_gated`: q and k come as Q_g and K_g) K_C [B, Tp, H, K], P [B, H, Tp, C] and the state's decay
@@ -363,8 +366,12 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   initial_ref = refs.pop(0) if has_initial else None
   # `sequences`: each sequence's chunk bounds [2, S] int32 (its first chunk, one past its last).
   bounds_ref = refs.pop(0) if sequences else None
-  # The output, and (the delta rule's `delta_states`) S_n^T [B, H, N, V, K] and U^T [B, H, V, Tp].
+  # `row_dots`: the weights w [B, T', H, V] of the output's row dots.
+  dots_ref = refs.pop(0) if row_dots else None
+  # The output, its row dots [B, H, V / BLOCK_E, Tp] float32, and (the delta rule's `delta_states`) S_n^T
+  # [B, H, N, V, K] and U^T [B, H, V, Tp].
   out_ref = refs.pop(0) if with_outputs else None
+  row_dots_ref = refs.pop(0) if row_dots else None
   states_out_ref, values_out_ref = (refs.pop(0), refs.pop(0)) if delta_states else (None, None)
   final_ref = refs.pop(0) if has_final else None
   buffers, barriers = refs
@@ -382,7 +389,9 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
   # Per chunk: a second copy of each chunk's factors. Per head with segments: each chunk's segment-start
   # counts, twice (along the rows and along the columns of the scores).
   factors_by_column = buffers.pop(0) if per_chunk else None
-  runs_smem, runs_by_column = buffers if head_segments else (None, None)
+  runs_smem, runs_by_column = (buffers.pop(0), buffers.pop(0)) if head_segments else (None, None)
+  # The ring's tiles of the row dots' weights, and the row dots of the last two chunks' outputs.
+  dots_smem, row_dots_smem = buffers if row_dots else (None, None)
   # `loaded`: one barrier a slot, for every tile of the chunk (each copy arrives on it).
   loaded, released, state_ready, state_read, factors_loaded = barriers[:5]
   barriers = list(barriers[5:])
@@ -439,6 +448,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[slot], loaded.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, cols], v_smem.at[slot], loaded.at[slot])
+      if row_dots:
+        plgpu.copy_gmem_to_smem(dots_ref.at[batch, rows, head, cols], dots_smem.at[slot], loaded.at[slot])
       if delta:
         plgpu.copy_gmem_to_smem(inverse_ref.at[batch, head, rows], inverse_smem.at[slot], loaded.at[slot])
       if channel_gated:
@@ -705,13 +716,20 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       intra_out, inter = pl.run_scoped(products, plgpu.ACC((c, be), _F32), plgpu.ACC((c, be), _F32))
       if delta_states:  # the stores above have read the published buffers (and the output's of chunk n - 1 its own)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      # The row dots' weights leave the slot before it is released (in wgmma's layout, the output's).
+      weights = None if dots_smem is None else plgpu.layout_cast(dots_smem[slot], plgpu.Layout.WGMMA)
       plgpu.barrier_arrive(state_read.at[pub])
       plgpu.barrier_arrive(released.at[slot])
       out = intra_out + (inter if chunk_row is None else inter * chunk_row[:, None])
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store of chunk n - 2 has read its buffer
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the stores of chunk n - 2 have read their buffers
       out_smem[buf] = out.astype(out_smem.dtype)
+      if row_dots:  # from the float32 output, as the Triton sweeps' (`pallas_triton.SweepOperands.dot_with`)
+        row_dots_smem[buf] = jnp.sum(out * weights.astype(_F32), axis=1)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem.at[buf], out_ref.at[batch, chunk_rows(n), head, cols])
+      # One group a chunk: the wait above counts groups.
+      plgpu.copy_smem_to_gmem(out_smem.at[buf], out_ref.at[batch, chunk_rows(n), head, cols], commit_group=not row_dots)
+      if row_dots:
+        plgpu.copy_smem_to_gmem(row_dots_smem.at[buf], row_dots_ref.at[batch, head, col, chunk_rows(n)])
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -778,7 +796,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                    with_outputs: bool = True, scale: float,
                    seq_len: int,
                    return_final_state: bool = False, cfg: WarpSpecializedConfig, num_slices: int = 1,
-                   sequences=None, num_tokens: int | None = None, interpret: bool = False, reverse: bool = False):
+                   sequences=None, num_tokens: int | None = None, interpret: bool = False, reverse: bool = False,
+                   dot_with=None):
   """The forward pass on padded inputs (see `forward` for unpadded ones).
 
   With `delta_inverse`, the delta rule's (`delta_attention.chunk`): the state
@@ -845,10 +864,15 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
       last chunk and the last slice walks the chunks left (fewer where T's
       chunks do not fill the slices). The final state is the one before the
       first chunk.
+    dot_with: None, or weights w of v's shape (not the delta rule's): also
+      return the output's float32 row dots, sum_j o_tj w_tj per token, from
+      the output before its rounding, [B, H, V / BLOCK_E, Tp] float32 (one
+      row a block of BLOCK_E value columns; the per-token rates' gradient
+      takes them, `vjp`).
 
   Returns:
-    o: [B, Tp, H, V] in the input dtype; or a tuple of o (with_outputs), S_n^T and U^T (delta_states) and S_T^T
-    (return_final_state), in that order.
+    o: [B, Tp, H, V] in the input dtype; or a tuple of o (with_outputs), its row dots (dot_with), S_n^T and U^T
+    (delta_states) and S_T^T (return_final_state), in that order.
   """
   if reverse and (delta_inverse is not None or sequences is not None):
     raise ValueError("the reverse sweep takes no delta rule and no sequences")
@@ -856,6 +880,9 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     raise ValueError("delta_states takes delta_inverse")
   if not with_outputs and (not delta_states or return_final_state):
     raise ValueError("with_outputs=False takes delta_states, and no final state")
+  row_dots = dot_with is not None
+  if row_dots and (delta_inverse is not None or not with_outputs or dot_with.shape != v.shape):
+    raise ValueError(f"dot_with takes outputs, no delta rule, and v's shape {v.shape}; got {dot_with.shape}")
   q = k if q is None and not with_outputs else q  # not read
   num_stages, published = cfg.num_stages, cfg.published_states
   b, rows, h, dim_k = q.shape
@@ -923,15 +950,18 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   if channel_gated:
     delta_smem += (swizzled_smem((num_stages, c, dim_k), dtype), swizzled_smem((num_stages, c, c), dtype),
                    plgpu.SMEM((num_stages, 1, dim_k), _F32))
-  # Each chunk's copies, one arrival each on its slot's barrier: q (with outputs), k, v, the delta rule's inverse,
-  # and two copies of the chunk's factor rows (per-token rates or packed sequences).
-  copies_per_chunk = 2 + with_outputs + is_delta + 3 * channel_gated + 2 * (per_chunk or chunk_runs is not None)
+  # The row dots' weights in the ring, and two chunks' row dots (double-buffered as the outputs).
+  dots_smem = (swizzled_smem((num_stages, c, be), dtype), plgpu.SMEM((2, c), _F32)) if row_dots else ()
+  # Each chunk's copies, one arrival each on its slot's barrier: q (with outputs), k, v, the row dots' weights, the
+  # delta rule's inverse, and two copies of the chunk's factor rows (per-token rates or packed sequences).
+  copies_per_chunk = (2 + with_outputs + row_dots + is_delta + 3 * channel_gated
+                      + 2 * (per_chunk or chunk_runs is not None))
   scratch = (
       # The [C, C] float32 factors are read once, before the first output is staged in the same bytes.
       (swizzled_smem((num_stages, c, dim_k), dtype), swizzled_smem((num_stages, c, dim_k), dtype),
        swizzled_smem((num_stages, c, be), dtype), state_smem,
        plgpu.RefUnion(swizzled_smem((2, c, be), dtype), plgpu.SMEM((c, c), _F32)), factor_smem[0])
-      + delta_smem + staged + factor_smem[1:],
+      + delta_smem + staged + factor_smem[1:] + dots_smem,
       (plgpu.Barrier(num_arrivals=copies_per_chunk, num_barriers=num_stages),
        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
        plgpu.Barrier(num_barriers=published), plgpu.Barrier(num_barriers=published), plgpu.Barrier(num_barriers=2))
@@ -941,8 +971,9 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   bounds = () if sequences is None else (jnp.stack(sequences).astype(jnp.int32),)
   inputs = (intra, vectors, q, k, v) + ((delta_inverse,) if is_delta else ()) + (
       tuple(delta_channel_gates) if channel_gated else ()) + runs + (
-      () if initial_state is None else (initial_state,)) + bounds
+      () if initial_state is None else (initial_state,)) + bounds + ((dot_with,) if row_dots else ())
   out_type = (((manual_axes.struct((b, value_rows, h, dim_v), dtype, *inputs),) if with_outputs else ())
+              + ((manual_axes.struct((b, h, dim_v // be, tp), _F32, *inputs),) if row_dots else ())
               + ((manual_axes.struct((b, h, tp // c, dim_v, dim_k), dtype, *inputs),
                   manual_axes.struct((b, h, dim_v, tp), dtype, *inputs)) if delta_states else ())
               + ((manual_axes.struct((b if sequences is None else num_states, h, dim_v, dim_k), _F32, *inputs),)
@@ -955,7 +986,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
                              last_rows=last_rows, scale=scale, delta=is_delta, delta_states=delta_states,
                              with_outputs=with_outputs, channel_gated=channel_gated,
                              sequences=sequences is not None, reverse_chunks=-(-seq_len // c) if reverse else None,
-                             **registers)
+                             row_dots=row_dots, **registers)
   results = warpgroup_kernel(
       kernel, out_type=out_type, scratch_types=scratch, grid=(h, b * num_states, dim_v // be),
       grid_names=("heads", "batch_slices", "value_blocks"), interpret=interpret,
@@ -964,9 +995,10 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
 
 
 def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=None, given_starts=None,
-            transposed_states=False, reverse=False):
-  """The forward pass on unpadded inputs: (o [B, T, H, E], the final state [B, H, D, E] float32 or None,
-  the sequence split's `pallas_triton.SliceStarts` or None).
+            transposed_states=False, reverse=False, dot_with=None) -> pallas_triton.SweepResults:
+  """The forward pass on unpadded inputs: `pallas_triton.SweepResults` with out (o [B, T, H, E]), final_state
+  ([B, H, D, E] float32, with `opts.return_final_state`), row_dots (with dot_with) and the sequence split's
+  slice_starts (`pallas_triton.SliceStarts`, where it split).
 
   q, k: [B, T, H, D]; v: [B, T, H, E]; decay: [H] or (per-token) [B, T, H]
   float32 or None; initial_state: [B, H, D, E] float32 or None;
@@ -990,12 +1022,16 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   reverse: the anti-causal sweep of the backward pass (`forward_padded`'s),
   its final state the one before the first token; its slices start at T's
   last chunk, so the last one (the sequence's start) may be the short one.
+  dot_with: None, or weights w [B, T, H, E]: row_dots [B, H, T] float32,
+  sum_j o_tj w_tj from the float32 output (the per-token rates' gradient's,
+  as `pallas_triton.SweepOperands.dot_with`).
   """
   b, t, h, dim_k = q.shape
   dim_v = v.shape[-1]
   c = CHUNK_SIZE
   kp, vp = WarpSpecializedConfig.padded_dims(dim_k, dim_v)
-  cfg = heuristics.resolve_warp_specialized(opts.config, dim_k=kp, itemsize=q.dtype.itemsize)
+  cfg = heuristics.resolve_warp_specialized(opts.config, dim_k=kp, itemsize=q.dtype.itemsize,
+                                            row_dots=dot_with is not None)
   num_chunks = -(-t // c)
   if given_starts is not None and (given_starts.chunk_size != c or opts.return_final_state):
     raise ValueError(f"given_starts must be of {c}-token chunks, without a final state")
@@ -1009,6 +1045,7 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   pad_rows = functools.partial(chunk_common.pad_tokens_and_features,
                                num_tokens=WarpSpecializedConfig.walked_rows(t, tp))
   q, k, v = pad_rows(q, dim=kp), pad_rows(k, dim=kp), pad_rows(v, dim=vp)
+  dot_with = None if dot_with is None else pad_rows(dot_with, dim=vp)
   initial_state = chunk_common.pad_state(initial_state, kp, vp)
   cumdecay = runs = chunk_gates = chunk_runs = None
   per_token = chunk_common.per_token(decay)
@@ -1043,10 +1080,13 @@ def forward(q, k, v, decay, initial_state, opts: PallasOptions, segment_starts=N
   result = forward_padded(q, k, v, decay if chunk_gates is None else None, initial_state, chunk_gates=chunk_gates,
                           chunk_runs=chunk_runs, scale=opts.scale, seq_len=t,
                           return_final_state=opts.return_final_state and num_slices == 1, cfg=cfg,
-                          num_slices=num_slices, num_tokens=tp, interpret=opts.interpret, reverse=reverse)
-  o, kernel_final = result if opts.return_final_state and num_slices == 1 else (result, None)
-  if kernel_final is not None:
-    final_state = jnp.swapaxes(kernel_final, -1, -2)
+                          num_slices=num_slices, num_tokens=tp, interpret=opts.interpret, reverse=reverse,
+                          dot_with=dot_with)
+  o, *result = result if isinstance(result, tuple) else (result,)
+  row_dots = None if dot_with is None else result.pop(0).sum(axis=2)[:, :, :t]
+  if result:  # the kernel's final state (one slice)
+    final_state = jnp.swapaxes(result.pop(), -1, -2)
   if final_state is not None:
     final_state = final_state[:, :, :dim_k, :dim_v]
-  return o[:, :t, :, :dim_v], final_state, starts
+  return pallas_triton.SweepResults(out=o[:, :t, :, :dim_v], final_state=final_state, row_dots=row_dots,
+                                    slice_starts=starts)

@@ -2,9 +2,10 @@
 
 The forward pass is a Triton sweep (`pallas_triton`), or with
 `variant="warp_specialized"` the Mosaic GPU kernel of `pallas_mosaic_gpu`; the
-backward sweeps are Triton's, but after a warp-specialised forward where the
-rates take no gradient: then the dq sweep runs that kernel too, and at D > 64
-so do the dv and dk sweeps, walked last chunk first.
+backward sweeps are Triton's, but after a warp-specialised forward where no
+per-head rate takes a gradient: then the dq sweep runs that kernel too, and at
+D > 64 so do the dv and dk sweeps, walked last chunk first (per-token rates'
+gradient from the row dots of the dq and dv sweeps).
 
 With q' = scale * q, a = exp(-lambda) and G_t = dL/dS_t (the state gradient,
 G_t = a G_{t+1} + q'_t^T do_t, G_{T-1} also receiving the final-state cotangent),
@@ -105,12 +106,12 @@ def forward(q, k, v, decay, packing, initial_state, opts):
   if opts.variant == "warp_specialized":
     if sequence_bounds(packing) is not None:
       raise ValueError("sequence programs (per-sequence states) run the chunk loop, not the warp-specialised kernel")
-    o, final_state, starts = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts, packing)
+    res = pallas_mosaic_gpu.forward(q, k, v, decay, initial_state, opts, packing)
   else:
     res = pallas_triton.sweep(SweepOperands(**sweep_gates(decay, packing), x=q, y=k, z=v,
                                             initial_state=initial_state),
                               reverse=False, with_final_state=opts.return_final_state, out_dtype=q.dtype, opts=opts)
-    o, final_state, starts = res.out, res.final_state, res.slice_starts
+  o, final_state, starts = res.out, res.final_state, res.slice_starts
   return ((o, final_state) if opts.return_final_state else o), starts
 
 
@@ -246,13 +247,14 @@ def _backward(opts, residuals, cotangents):
 
   def warp_specialized_sweep(x, z, *, reverse=False):
     """Whether a sweep over x [B, T, H, K] and z [B, T, H, V] runs the warp-specialised kernel: after its forward,
-    with no rate gradient, where auto would take it for this K as for the forward's
+    with no per-head rate's gradient (per-token rates' come from its row dots), where auto would take it for this K
+    as for the forward's
     (`heuristics.prefer_warp_specialized`: at K <= 64 with a per-head rate only as the forward's own choice, K = D;
     with per-token rates or packed rows at every K); reversed (segments or none: the forward ran no sequence
     programs), with per-token rates, or a per-head rate or none and a whole last chunk, no final-state cotangent or
     no decay (`pallas_mosaic_gpu.forward_padded`)."""
     dim = x.shape[-1]
-    if (not warp_specialized or with_tangent or token_grad
+    if (not warp_specialized or with_tangent
         or not (dim == q.shape[-1] or heuristics.prefer_warp_specialized(dim_k=dim,
                                                                          per_token=per_token or packing is not None))
         or heuristics.warp_specialized_unsupported(dim_k=dim, dim_v=z.shape[-1], dtype=q.dtype,
@@ -263,12 +265,14 @@ def _backward(opts, residuals, cotangents):
                            or q.shape[1] % pallas_mosaic_gpu.CHUNK_SIZE == 0)
 
   ws_opts = dataclasses.replace(opts, return_final_state=False, variant="warp_specialized")
-  if needs.dq and warp_specialized_sweep(do, k):
+  if (needs.dq or token_grad) and warp_specialized_sweep(do, k):
     # The dq sweep is a forward over (do, v, k): where the forward ran the warp-specialised kernel, so does dq
-    # (PERFORMANCE.md, "Warp-specialised forward (sm90)"), from the forward's slices transposed.
-    dq = pallas_mosaic_gpu.forward(do, v, k, decay, transpose(initial_state), ws_opts, packing,
-                                   given_starts=None if slice_starts is None else slice_starts.transposed(),
-                                   transposed_states=True)[0]
+    # (PERFORMANCE.md, "Warp-specialised forward (sm90)"), from the forward's slices transposed; per-token rates'
+    # gradient takes its row dots q . dq.
+    res = pallas_mosaic_gpu.forward(do, v, k, decay, transpose(initial_state), ws_opts, packing,
+                                    given_starts=None if slice_starts is None else slice_starts.transposed(),
+                                    transposed_states=True, dot_with=q if token_grad else None)
+    dq, q_dq = res.out, res.row_dots
   elif needs.dq or with_tangent or token_grad:
     # The dq sweep carries S^T; for the decay gradient it also carries
     # U^T = -dS^T/dlambda and reduces q_t . (scale do_t U_t^T) per token, or
@@ -293,13 +297,14 @@ def _backward(opts, residuals, cotangents):
                                             dim_v=config_lib.padded_dim(v.shape[-1]))
   with_initial = needs.d_initial and initial_state is not None
   # Unfused (D > 64), the reverse sweeps are forwards walked last chunk first: the warp-specialised kernel's where
-  # it can (`warp_specialized_sweep`).
+  # it can (`warp_specialized_sweep`); the dv sweep's row dots v . dv give k . dk.
   ws_reverse = not fuse and warp_specialized_sweep(k, do, reverse=True) and warp_specialized_sweep(v, q, reverse=True)
   g0 = None  # the state the dv sweep ends with
-  if ws_reverse and (needs.dv or with_initial):
-    dv, g0, dv_starts = pallas_mosaic_gpu.forward(
+  if ws_reverse and (needs.dv or with_initial or token_grad):
+    res = pallas_mosaic_gpu.forward(
         k, q, do, decay, d_final_scaled, dataclasses.replace(ws_opts, return_final_state=with_initial), packing,
-        reverse=True)
+        reverse=True, dot_with=v if token_grad else None)
+    dv, g0, dv_starts, k_dk = res.out, res.final_state, res.slice_starts, res.row_dots
   elif needs.dv or with_initial or fuse:
     res = sweep(SweepOperands(**gates, x=k, y=q, z=do, initial_state=d_final_scaled,
                               dual_with=v if fuse else None),
@@ -311,7 +316,7 @@ def _backward(opts, residuals, cotangents):
   if ws_reverse and needs.dk:
     dk = pallas_mosaic_gpu.forward(v, do, q, decay, transpose(d_final_scaled), ws_opts, packing,
                                    given_starts=None if dv_starts is None else dv_starts.transposed(),
-                                   transposed_states=True, reverse=True)[0]
+                                   transposed_states=True, reverse=True).out
   elif (needs.dk and not fuse) or (token_grad and k_dk is None):
     res = sweep(SweepOperands(**gates, x=v, y=do, z=q, initial_state=transpose(d_final_scaled),
                               dot_with=k if token_grad else None),
