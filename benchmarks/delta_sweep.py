@@ -142,8 +142,8 @@ def main(argv=None):
     dp = lightning_config.padded_dim(d)
     for form in args.forms.split(","):
       sets = [_inputs(jax.random.PRNGKey(s), b, t, h, d, form) for s in range(2)]
-      base = pt.default_config(per_channel_gate=form == "kda", dtype=jnp.bfloat16, dim_k=d, compute_capability=cc, batch_heads=b * h,
-                               num_sms=num_sms)
+      base = pt.default_config(per_channel_gate=form == "kda", dtype=jnp.bfloat16, dim_k=d, compute_capability=cc,
+                               batch_heads=b * h, num_sms=num_sms)
       jobs, states = [], {}  # states: per backward chunk size, one array per input set
       for name, fields in _parse_configs(args.configs):
         try:

@@ -249,9 +249,9 @@ def markdown(data: dict) -> str:
     wrapper_cell = "-" if wrapper is None else _number(wrapper, "time_ms", "{:.3f}") + (
         f" ({r['wrapper_ratio']:.2f}x)" if "wrapper_ratio" in r else "")
     lines.append([_op_label(r), r["case"], r["mode"], _shape_label(one), _shape_label(many),
-                  _number(one, "time_ms", "{:.3f}"), _number(many, "time_ms", "{:.3f}"), _number(one, "tokens_per_s", "{:.3g}"),
-                  _number(many, "tokens_per_s", "{:.3g}"), _number(r, "scaling", "{:.2f}x"),
-                  _number(r, "efficiency", "{:.0%}"), wrapper_cell])
+                  _number(one, "time_ms", "{:.3f}"), _number(many, "time_ms", "{:.3f}"),
+                  _number(one, "tokens_per_s", "{:.3g}"), _number(many, "tokens_per_s", "{:.3g}"),
+                  _number(r, "scaling", "{:.2f}x"), _number(r, "efficiency", "{:.0%}"), wrapper_cell])
   failures = [f"- {_op_label(r)} {r['case']} {r['mode']} {name}: {r[name]['status']}: {r[name]['reason']}"
               for r in data["results"] for name in ("one_device", "wrapper_one_device", "n_devices")
               if name in r and r[name].get("status") != "ok"]

@@ -37,7 +37,8 @@ def ptxas_report(ir_text: str, *, num_warps: int, num_stages: int, capability: i
     path = os.path.join(tmp, "kernel.ptx")
     with open(path, "w") as f:
       f.write(ptx)
-    out = subprocess.run([ptxas, "-v", "--gpu-name", f"sm_{capability}a", path, "-o", os.path.join(tmp, "kernel.cubin")],
+    cubin = os.path.join(tmp, "kernel.cubin")
+    out = subprocess.run([ptxas, "-v", "--gpu-name", f"sm_{capability}a", path, "-o", cubin],
                          capture_output=True, text=True, check=True)
   return "; ".join(line.split(":", 1)[-1].strip() for line in out.stderr.splitlines()
                    if "Used" in line or "spill" in line)

@@ -283,7 +283,8 @@ def main(argv=None):
   metadata = dict(
       date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
       command="python -m benchmarks.shared_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-      jax=jax.__version__, triton=triton.__version__, python=platform.python_version(), seconds=round(time.time() - start),
+      jax=jax.__version__, triton=triton.__version__, python=platform.python_version(),
+      seconds=round(time.time() - start),
       budgets={str(cc[0] * 10 + cc[1]): b for cc, b in lightning_config.SHARED_MEMORY_BUDGET.items()},
       **(dict(tokens=DELTA_TOKENS) if args.op == "delta" else {}),
       note=("Triton's shared-memory allocation per kernel (forward and backward, with segment starts and states) "

@@ -98,7 +98,8 @@ COMPAT = [
     "tests/test_ops.py::test_reference_by_hand",
     # packed rows and per-token decay: every Pallas variant, xla, the oracle
     "tests/test_packed.py::test_pallas_packed_matches_sequences_alone[interpret-seg[[64, 1, 50, 35], [20, 44, 86]]",
-    "tests/test_packed.py::test_pallas_packed_matches_sequences_alone[interpret-cu[[0, 30, 99, 0]]H1D40E8-bfloat16-decay_None-s0_1-chunk_loop]",
+    "tests/test_packed.py::test_pallas_packed_matches_sequences_alone[interpret-cu[[0, 30, 99, 0]]H1D40E8-bfloat16-"
+    "decay_None-s0_1-chunk_loop]",
     "tests/test_packed.py::test_xla_packed_matches_sequences_alone[cu[[1, 0, 63, 64, 0, 17, 1]]",
     "tests/test_packed.py::test_reference_packed_matches_sequences_alone[seg[[100, 48]]",
     "tests/test_packed.py::test_bad_packing_input_is_rejected",
@@ -192,15 +193,18 @@ COMPAT = [
 GPU_QUICK = [
     # lightning_attention's Triton kernels: chunk_loop and parallel, gradients (decay's too), packed per-token rows
     # (segment ids through the sequence split, cu_seqlens through chunk_loop), the split
-    "tests/test_ops.py::test_pallas_matches_oracle[gpu-B2T65H3D128E16-bfloat16-decay_random-s0_1-scale_0.3-final_1-chunk_loop]",
-    "tests/test_ops.py::test_pallas_matches_oracle[gpu-B2T65H3D128E16-bfloat16-decay_random-s0_1-scale_0.3-final_1-parallel]",
+    "tests/test_ops.py::test_pallas_matches_oracle[gpu-B2T65H3D128E16-bfloat16-decay_random-s0_1-scale_0.3-final_1-"
+    "chunk_loop]",
+    "tests/test_ops.py::test_pallas_matches_oracle[gpu-B2T65H3D128E16-bfloat16-decay_random-s0_1-scale_0.3-final_1-"
+    "parallel]",
     "tests/test_ops.py::test_gradient_subsets[gpu-q+k+v-chunk_loop]",
     "tests/test_ops.py::test_gradient_subsets[gpu-decay-parallel]",
     "tests/test_packed.py::test_pallas_packed_matches_sequences_alone[gpu-seg[[64, 1, 50, 35], [20, 44, 86]]H2D24E40-"
     "float32-decay_token-s0_1-split]",
     "tests/test_packed.py::test_pallas_packed_matches_sequences_alone[gpu-cu[[1, 0, 63, 64, 0, 17, 1]]H2D16E24-float32-"
     "decay_token-s0_1-chunk_loop]",
-    "tests/test_sequence_split.py::test_split_chunk_loop_matches_oracle[gpu-B1T130H2D128E128-bfloat16-decay_random-s0_1-"
+    "tests/test_sequence_split.py::test_split_chunk_loop_matches_oracle[gpu-B1T130H2D128E128-bfloat16-decay_random-"
+    "s0_1-"
     "scale_None-final_1-64]",
     # the warp-specialised forward (sm90): per-head rates, packed per-token rows, the split on it (and on a packed row
     # with a per-head rate: the states pass's segment counts built beside the kernel's)
@@ -210,17 +214,20 @@ GPU_QUICK = [
     "[20, 44, 86]]H2D64E48-bfloat16-decay_token-s0_1-gpu]",
     "tests/test_warp_specialized.py::test_warp_specialized_split_packed_row_matches_sequences_alone[seg[[100, 48, 130]]"
     "H2D64E48-bfloat16-decay_head-s0_1-gpu]",
-    "tests/test_sequence_split.py::test_split_warp_specialized_matches_oracle[B1T300H2D64E64-bfloat16-decay_random-s0_1-"
+    "tests/test_sequence_split.py::test_split_warp_specialized_matches_oracle[B1T300H2D64E64-bfloat16-decay_random-"
+    "s0_1-"
     "scale_None-final_1-128-gpu]",
     # delta_attention's Triton kernels: KDA packed forward and gradients, Gated DeltaNet's gradients, cu_seqlens with
     # per-sequence states
-    "tests/test_delta_ops.py::test_pallas_matches_oracle[gpu-B2T130H2D16E24-decay_channel-moderate-beta_uniform-seg1-s0_1]",
+    "tests/test_delta_ops.py::test_pallas_matches_oracle[gpu-B2T130H2D16E24-decay_channel-moderate-beta_uniform-seg1-"
+    "s0_1]",
     "tests/test_delta_ops.py::test_pallas_gradients[gpu-B2T40H2D8E16-decay_channel-moderate-beta_uniform-seg1-s0_1]",
     "tests/test_delta_ops.py::test_pallas_gradients[gpu-B2T75H2D20E9-decay_token-moderate-beta_uniform-seg0-s0_0]",
     "tests/test_delta_ops.py::test_cu_seqlens_states_pallas_matches_oracle[gpu-token-bfloat16-both]",
     # and on sm90: the inverse, the forward, the backward (Gated DeltaNet packed; DeltaNet in float16), KDA's forward
     # (packed, 2 pieces) and backward, the split
-    "tests/test_warp_specialized.py::test_delta_inverse_matches_float64[B2T100H2D64E7-decay_token-extreme-beta_edges-seg0-"
+    "tests/test_warp_specialized.py::test_delta_inverse_matches_float64[B2T100H2D64E7-decay_token-extreme-beta_edges-"
+    "seg0-"
     "s0_1-bfloat16-gpu]",
     "tests/test_warp_specialized.py::test_delta_warp_specialized_matches_oracle[B2T300H3D128E100-decay_token-moderate-"
     "beta_uniform-seg1-s0_1-gpu]",

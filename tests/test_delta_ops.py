@@ -349,7 +349,8 @@ def test_numerical_gradients():
 
   # float32 central differences: eps and tolerances sized to its rounding. Jitted: one program for the many
   # evaluations (eager, every op compiled on its own).
-  jax.test_util.check_grads(jax.jit(f), (q, k, v, beta, decay, s0), order=1, modes=("rev",), eps=3e-3, atol=2e-2, rtol=2e-2)
+  jax.test_util.check_grads(jax.jit(f), (q, k, v, beta, decay, s0), order=1, modes=("rev",), eps=3e-3, atol=2e-2,
+                            rtol=2e-2)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

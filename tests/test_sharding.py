@@ -149,7 +149,8 @@ def test_sequence_parallel_runs_the_local_ops_kernels_and_two_states_passes():
     return jax.vjp(attn, q, k, v)[1]((do, d_final))
 
   def split(q, k, v, do):
-    attn = lambda q, k, v: lj.sharded_lightning_attention(q, k, v, decay, mesh=mesh, sequence_axis="sp", **kwargs)  # noqa: E731
+    attn = lambda q, k, v: lj.sharded_lightning_attention(  # noqa: E731
+        q, k, v, decay, mesh=mesh, sequence_axis="sp", **kwargs)
     return jax.vjp(attn, q, k, v)[1](do)
 
   want = _pallas_calls(local, *(x[:, :t_local] for x in (q, k, v, do)), d_final)

@@ -1020,8 +1020,8 @@ def _tile_gradients_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, tri_ref, state
   tile = lambda ref: as_tile(ref[...].astype(_F32))  # noqa: E731
   t = as_tile(lax.broadcasted_iota(jnp.int32, (c, c), 0))
   s = as_tile(lax.broadcasted_iota(jnp.int32, (c, c), 1))
-  by_row = lambda x, width: as_tile(lax.broadcast_in_dim(plgpu.layout_cast(x, wgmma.reduce(1)), (c, width),  # noqa: E731
-                                                         (0,)))
+  by_row = lambda x, width: as_tile(  # noqa: E731
+      lax.broadcast_in_dim(plgpu.layout_cast(x, wgmma.reduce(1)), (c, width), (0,)))
   by_column = lambda x: as_tile(lax.broadcast_in_dim(plgpu.layout_cast(x, wgmma.reduce(0)), (c, c), (1,)))  # noqa: E731
   row_sum = lambda x: jnp.sum(x, axis=1)  # noqa: E731
   plgpu.barrier_wait(values_loaded.at[0])
@@ -1170,7 +1170,8 @@ def tile_gradients(q, k, v, beta, gates, tri, states, d_next, u, du, do, *, scal
   inputs = (q, k, v, do, rows, tri, states, d_next, u, du)
   out_type = (manual_axes.struct((b, key_rows, h, dim_k), dtype, *inputs),
               manual_axes.struct((b, key_rows, h, dim_k), dtype, *inputs),
-              manual_axes.struct((b, key_rows, h, dim_v), dtype, *inputs), manual_axes.struct((b, h, tp), _F32, *inputs))
+              manual_axes.struct((b, key_rows, h, dim_v), dtype, *inputs),
+              manual_axes.struct((b, h, tp), _F32, *inputs))
   if gate_row is not None:
     out_type += (manual_axes.struct((b, h, tp), _F32, *inputs),)
   kernel = functools.partial(_tile_gradients_kernel, scale=scale, gate_row=gate_row, runs_row=runs_row,

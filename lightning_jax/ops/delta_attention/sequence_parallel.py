@@ -78,7 +78,8 @@ def end_cotangents(transitions, start_cotangents, continues, d_final):
     d_start = jnp.einsum("bhij,bhie->bhje", m_p, d_end, precision=_HI) + own_p
     return jnp.where(continues_p[:, None, None, None], d_start, 0.0), d_end
 
-  _, ends = jax.lax.scan(step, d_end, (transitions, start_cotangents, continues.T), reverse=True, unroll=True)  # as above
+  # As above.
+  _, ends = jax.lax.scan(step, d_end, (transitions, start_cotangents, continues.T), reverse=True, unroll=True)
   return ends
 
 
