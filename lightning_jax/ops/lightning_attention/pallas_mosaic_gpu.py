@@ -717,14 +717,14 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       if delta_states:  # the stores above have read the published buffers (and the output's of chunk n - 1 its own)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       # The row dots' weights leave the slot before it is released (in wgmma's layout, the output's).
-      weights = None if dots_smem is None else plgpu.layout_cast(dots_smem[slot], plgpu.Layout.WGMMA)
+      dot_weights = plgpu.layout_cast(dots_smem[slot], plgpu.Layout.WGMMA) if row_dots else None
       plgpu.barrier_arrive(state_read.at[pub])
       plgpu.barrier_arrive(released.at[slot])
       out = intra_out + (inter if chunk_row is None else inter * chunk_row[:, None])
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the stores of chunk n - 2 have read their buffers
       out_smem[buf] = out.astype(out_smem.dtype)
       if row_dots:  # from the float32 output, as the Triton sweeps' (`pallas_triton.SweepOperands.dot_with`)
-        row_dots_smem[buf] = jnp.sum(out * weights.astype(_F32), axis=1)
+        row_dots_smem[buf] = jnp.sum(out * dot_weights.astype(_F32), axis=1)
       plgpu.commit_smem()
       # One group a chunk: the wait above counts groups.
       plgpu.copy_smem_to_gmem(out_smem.at[buf], out_ref.at[batch, chunk_rows(n), head, cols], commit_group=not row_dots)
