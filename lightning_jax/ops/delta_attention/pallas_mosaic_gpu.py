@@ -136,12 +136,14 @@ def num_stages(*, dim_k: int, itemsize: int, max_stages: int = 3, channel_gated:
                                                           channel_gated=channel_gated), max_stages)
 
 
-def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, has_segments, has_final, scale,
+def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, gated, has_segments, has_final, scale,
             in_registers, per_chunk, channel_gated, sequences):
   refs = list(refs)
-  # The gates: the scaled causal mask and each chunk's factor rows (`chunk_factors`); or KDA's (`channel_gated`: q
-  # and k come as Q_g, scaled, and K_C) K_g [B, Tp, H, K], P [B, H, Tp, C] and the state's decay [B, H, N, 1, K].
-  intra_ref, vectors_ref = (None, None) if channel_gated else (refs.pop(0), refs.pop(0))
+  # The gates: the scaled causal mask and (`gated`: a scalar gate or packed rows) each chunk's factor rows
+  # (`chunk_factors`); or KDA's (`channel_gated`: q and k come as Q_g, scaled, and K_C) K_g [B, Tp, H, K], P [B, H,
+  # Tp, C] and the state's decay [B, H, N, 1, K].
+  intra_ref = None if channel_gated else refs.pop(0)
+  vectors_ref = refs.pop(0) if gated else None
   keys_ref, given_pairs_ref, channel_decay_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if channel_gated else (
       None, None, None)
   d_final_ref = refs.pop(0) if has_final else None
@@ -155,8 +157,8 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
     keys_smem, given_pairs_smem, channel_decay_smem, w_smem, (g_smem, g_f32_smem), du_smem, *staged = buffers
     rows_smem = columns_smem = intra_smem = pairs_smem = None
   else:
-    (rows_smem, columns_smem, intra_smem, pairs_smem, w_smem, (g_smem, g_f32_smem), du_smem,
-     *staged) = buffers
+    rows_smem, columns_smem = (buffers.pop(0), buffers.pop(0)) if gated else (None, None)
+    intra_smem, pairs_smem, w_smem, (g_smem, g_f32_smem), du_smem, *staged = buffers
   # Interpreted: the left operands dO^T Diag(row) (the chain's) and T' Diag(2^-c) (the pairs') staged, as Diag(row) dO
   # [C, 64] and [C, C] (G^T and dU^T are read where they are published).
   queries_smem = staged[0] if staged else None
@@ -201,7 +203,7 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
         plgpu.copy_gmem_to_smem(given_pairs_ref.at[batch, head, rows], given_pairs_smem.at[slot], loaded.at[slot])
         plgpu.copy_gmem_to_smem(channel_decay_ref.at[batch, head, chunk_of(i)], channel_decay_smem.at[slot],
                                 loaded.at[slot])
-      else:
+      elif gated:
         for factors_smem in (rows_smem, columns_smem):
           plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, chunk_of(i)], factors_smem.at[slot], loaded.at[slot])
 
@@ -225,6 +227,8 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
       if channel_gated:  # Q_g (scaled) and K_C carry the gates, the state decays per key channel
         row = key_factor = None
         decay = lax.broadcast_in_dim(channel_decay_smem[slot, 0], grad_t.shape, (1,))
+      elif not gated:  # no factors but the scale
+        row, key_factor, decay = scale, None, None
       else:
         rows = rows_smem.at[slot]
         cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
@@ -268,16 +272,18 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
       # -dO^T Diag(row): negated with the state term below.
       if in_registers:
         do_rows = do_t[...].astype(_F32)
-        queries_t = (-do_rows if row is None else do_rows * by_column(-row)).astype(do_smem.dtype)
+        queries_t = (-do_rows if row is None else do_rows * (by_column(-row) if gated else -row)).astype(
+            do_smem.dtype)
       else:  # staged untransposed, read transposed by wgmma
         do_rows = do_smem[slot].astype(_F32)
-        queries_smem[...] = (-do_rows if row is None else do_rows * -row[:, None]).astype(queries_smem.dtype)
+        queries_smem[...] = (-do_rows if row is None else do_rows * (-row[:, None] if gated else -row)).astype(
+            queries_smem.dtype)
         plgpu.commit_smem()
         queries_t = queries_smem.transpose((1, 0))
       # -(G^T before the chunk) = -a G^T - dO^T Q_g + dU^T W, one accumulator.
       plgpu.barrier_wait(w_ready.at[pub])
       negated = lightning_mosaic.update(
-          grad_t * -decay, (queries_t, q_smem.at[slot]),
+          -grad_t if decay is None else grad_t * -decay, (queries_t, q_smem.at[slot]),
           (du_t if in_registers else du_smem.at[buf], w_smem.at[pub]), in_registers=in_registers)
       plgpu.barrier_arrive(pairs_read.at[pub])
       plgpu.barrier_arrive(released.at[slot])
@@ -309,12 +315,12 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
       if channel_gated:  # W = T' K_g (P comes in the ring)
         inverse_scaled, keys = inverse_smem.at[slot], keys_smem.at[slot]
       else:
-        rows = rows_smem.at[slot]
-        cum_end = rows_smem[slot, lightning_mosaic.CUM, c - 1]
-
         def weighted_scores(acc):
           plgpu.wgmma(acc, q_smem.at[slot], k_smem.at[slot].transpose((1, 0)))
-          weights = lightning_mosaic.pair_weights(intra, rows, columns_smem.at[slot], cum_end=cum_end,
+          if not gated:
+            return acc[...] * intra
+          weights = lightning_mosaic.pair_weights(intra, rows_smem.at[slot], columns_smem.at[slot],
+                                                  cum_end=rows_smem[slot, lightning_mosaic.CUM, c - 1],
                                                   has_segments=has_segments)
           return acc[...] * weights
 
@@ -324,14 +330,17 @@ def _kernel(q_ref, k_ref, inverse_ref, do_ref, *refs, num_chunks, num_stages, ha
         pairs_smem[pub] = pairs
         plgpu.commit_smem()
         plgpu.barrier_arrive(pairs_ready.at[pub])
-        # W = T' K_g = (T' Diag(2^-c_s)) K, the columns of T' scaled as K_g's rows (zero past a segment start).
-        by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
-        key_rows = jnp.exp2(lightning_mosaic.row_exponents(columns_smem.at[slot], has_segments=has_segments))
-        inverse_scaled = (inverse_smem[slot].astype(_F32) * by_column(key_rows)).astype(inverse_smem.dtype)
-        if not in_registers:
-          inverse_scaled_smem[...] = inverse_scaled
-          plgpu.commit_smem()
-          inverse_scaled = inverse_scaled_smem
+        # W = T' K_g = (T' Diag(2^-c_s)) K, the columns of T' scaled as K_g's rows (zero past a segment start);
+        # without gates T' K, T' read from the ring.
+        inverse_scaled = inverse_smem.at[slot]
+        if gated:
+          by_column = lambda x: lax.broadcast_in_dim(x, (c, c), (1,))  # noqa: E731
+          key_rows = jnp.exp2(lightning_mosaic.row_exponents(columns_smem.at[slot], has_segments=has_segments))
+          inverse_scaled = (inverse_smem[slot].astype(_F32) * by_column(key_rows)).astype(inverse_smem.dtype)
+          if not in_registers:
+            inverse_scaled_smem[...] = inverse_scaled
+            plgpu.commit_smem()
+            inverse_scaled = inverse_scaled_smem
         keys = k_smem.at[slot]
 
       def wy_keys(acc):
@@ -368,10 +377,13 @@ def _check_operands(keys, dim_v: int, inverse, num_tokens=None) -> int:
 
 def _checked_factors(keys, dim_v: int, inverse, chunk_gates, num_tokens=None):
   """The chunks' factor rows (`lightning_mosaic.chunk_factors`) for the operands, which it checks
-  (`_check_operands`)."""
+  (`_check_operands`); None without gates (DeltaNet unpacked: the kernels then load no factor rows and form no
+  exp2)."""
   tp = _check_operands(keys, dim_v, inverse, num_tokens)
   b, _, h, _ = keys.shape
   cumdecay, runs = chunk_gates
+  if cumdecay is None and runs is None:
+    return None
   if cumdecay is None:
     cumdecay = jnp.zeros((b, h, tp), _F32)
   return lightning_mosaic.chunk_factors(cumdecay, runs)
@@ -445,7 +457,7 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
     gate_inputs = (keys, pairs, channel_decay.astype(_F32))
   else:
     vectors = _checked_factors(q, dim_v, inverse, chunk_gates, num_tokens)
-    gate_inputs = (lightning_mosaic.scaled_causal_mask(scale), vectors)
+    gate_inputs = (lightning_mosaic.scaled_causal_mask(scale),) + (() if vectors is None else (vectors,))
   dtype = q.dtype
   stages = num_stages(dim_k=dim_k, itemsize=dtype.itemsize, channel_gated=channel_gated)
   in_registers = not interpret  # the interpreter's wgmma reads shared memory alone
@@ -453,17 +465,18 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
   ring = lambda width: smem((stages, c, width), dtype)  # noqa: E731
   if channel_gated:  # K_g, P and the state's decay in the ring; W published
     gate_smem = (ring(dim_k), ring(c), plgpu.SMEM((stages, 1, dim_k), _F32))
-  else:  # the factor rows twice in the ring, the scaled causal mask; P and W published
-    factor_rows = vectors.shape[-2]
-    gate_smem = (plgpu.SMEM((stages, factor_rows, c), _F32), plgpu.SMEM((stages, factor_rows, c), _F32),
-                 plgpu.SMEM((c, c), _F32), smem((_PUBLISHED_PAIRS, c, c), dtype))
-  staged = () if in_registers else (smem((c, be), dtype),) + (() if channel_gated else (smem((c, c), dtype),))
+  else:  # the factor rows twice in the ring (with gates), the scaled causal mask; P and W published
+    gate_smem = (() if vectors is None else (plgpu.SMEM((stages,) + vectors.shape[-2:], _F32),) * 2) + (
+        plgpu.SMEM((c, c), _F32), smem((_PUBLISHED_PAIRS, c, c), dtype))
+  gated = not channel_gated and vectors is not None
+  staged = () if in_registers else (smem((c, be), dtype),) + (() if not gated else (smem((c, c), dtype),))
   scratch = (
       (ring(dim_k), ring(dim_k), ring(c), ring(be), *gate_smem, smem((_PUBLISHED_PAIRS, c, dim_k), dtype),
        plgpu.RefUnion(smem((2, be, dim_k), dtype), plgpu.SMEM((be, dim_k), _F32)), smem((2, be, c), dtype))
       + staged,
       # q, k, T', dO and the factor rows twice (KDA: K_g, P and the decay), one arrival each.
-      (plgpu.Barrier(num_arrivals=7 if channel_gated else 6, num_barriers=stages), plgpu.Barrier(num_barriers=1),
+      (plgpu.Barrier(num_arrivals=4 + 3 * channel_gated + 2 * gated, num_barriers=stages),
+       plgpu.Barrier(num_barriers=1),
        plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS),
        plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS), plgpu.Barrier(num_barriers=_PUBLISHED_PAIRS))
       + ((plgpu.Barrier(num_barriers=1),) if d_final is not None else ()),
@@ -483,7 +496,7 @@ def state_cotangents(q, k, inverse, do, chunk_gates, d_final, *, scale: float, i
               manual_axes.struct((b, h, dim_v, tp), dtype, *inputs))
   out_type = (() if initial_only else out_type) + (
       manual_axes.struct((num_states, h, dim_v, dim_k), _F32, *inputs),)
-  kernel = functools.partial(_kernel, num_chunks=n, num_stages=stages,
+  kernel = functools.partial(_kernel, num_chunks=n, num_stages=stages, gated=gated,
                              has_segments=not channel_gated and chunk_gates[1] is not None,
                              has_final=d_final is not None, scale=scale, in_registers=in_registers,
                              per_chunk=not initial_only, channel_gated=channel_gated,
@@ -512,9 +525,13 @@ def piece_maps_shared_memory_bytes(*, num_stages: int, dim_k: int, itemsize: int
   return ring + chains + _RESERVED
 
 
-def _maps_kernel(identity_ref, vectors_ref, k_ref, v_ref, inverse_ref, maps_ref, buffers, barriers, *, num_chunks,
-                 num_stages, identity_blocks, value_blocks, has_segments, in_registers):
-  k_smem, v_smem, inverse_smem, rows_smem, state_smem, *staged = buffers
+def _maps_kernel(identity_ref, *refs, num_chunks, num_stages, identity_blocks, value_blocks, gated, has_segments,
+                 in_registers):
+  # `gated`: each chunk's factor rows [B, H, N, F, C] come first (a scalar gate or packed rows).
+  vectors_ref, k_ref, v_ref, inverse_ref, maps_ref, buffers, barriers = (None,) * (not gated) + refs
+  k_smem, v_smem, inverse_smem, *buffers = buffers
+  rows_smem = buffers.pop(0) if gated else None
+  state_smem, *staged = buffers
   loaded, released, identity_loaded = barriers
   c, be = CHUNK_SIZE, BLOCK_E
   head, batch, col = lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("blocks")
@@ -533,7 +550,8 @@ def _maps_kernel(identity_ref, vectors_ref, k_ref, v_ref, inverse_ref, maps_ref,
       plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, head], k_smem.at[slot], loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, head, value_cols], v_smem.at[slot], loaded.at[slot])
       plgpu.copy_gmem_to_smem(inverse_ref.at[batch, head, rows], inverse_smem.at[slot], loaded.at[slot])
-      plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, n], rows_smem.at[slot], loaded.at[slot])
+      if gated:
+        plgpu.copy_gmem_to_smem(vectors_ref.at[batch, head, n], rows_smem.at[slot], loaded.at[slot])
 
     lightning_mosaic.fill_ring(load, released, num_chunks=num_chunks, num_stages=num_stages)
 
@@ -557,14 +575,16 @@ def _maps_kernel(identity_ref, vectors_ref, k_ref, v_ref, inverse_ref, maps_ref,
       def body(n, state_t):
         slot = lax.rem(n, num_stages)
         plgpu.barrier_wait(loaded.at[slot])
-        rows = rows_smem.at[slot]
+        rows = rows_smem.at[slot] if gated else None
         values_t = lightning_mosaic.delta_pseudo_values(
             state_t.astype(k_smem.dtype), k_smem.at[slot], inverse_smem.at[slot],
             None if carries_identity else v_smem.at[slot], rows, has_segments=has_segments, staging=staging)
-        exponents = lightning_mosaic.update_exponents(
-            rows, cum_end=rows_smem[slot, lightning_mosaic.CUM, c - 1],
-            runs_end=rows_smem[slot, lightning_mosaic.RUNS, c - 1] if has_segments else None,
-            has_segments=has_segments)
+        exponents = (None, None)
+        if gated:
+          exponents = lightning_mosaic.update_exponents(
+              rows, cum_end=rows_smem[slot, lightning_mosaic.CUM, c - 1],
+              runs_end=rows_smem[slot, lightning_mosaic.RUNS, c - 1] if has_segments else None,
+              has_segments=has_segments)
         state_t = lightning_mosaic.delta_update(state_t, values_t, k_smem.at[slot], *exponents, staging=staging)
         plgpu.barrier_arrive(released.at[slot])
         return state_t
@@ -600,22 +620,24 @@ def piece_maps(k, v, inverse, chunk_gates, *, interpret: bool = False, num_token
   identity = jnp.eye(dim_k, dtype=_F32).reshape(identity_blocks, be, dim_k)  # I^T's rows, 64 a block
   dtype = k.dtype
   in_registers = not interpret  # the interpreter's wgmma reads shared memory alone
-  factor_rows = vectors.shape[-2]
+  gated = vectors is not None
+  factor_rows = vectors.shape[-2] if gated else 0
   smem = lightning_mosaic.swizzled_smem
   stages = _deepest_ring(lambda stages: piece_maps_shared_memory_bytes(
       num_stages=stages, dim_k=dim_k, itemsize=dtype.itemsize, factor_rows=factor_rows, staged=not in_registers),
       _MAP_STAGES)
   scratch = (
-      (smem((stages, c, dim_k), dtype), smem((stages, c, be), dtype), smem((stages, c, c), dtype),
-       plgpu.SMEM((stages, factor_rows, c), _F32), plgpu.SMEM((2, be, dim_k), _F32))
+      (smem((stages, c, dim_k), dtype), smem((stages, c, be), dtype), smem((stages, c, c), dtype))
+      + ((plgpu.SMEM((stages, factor_rows, c), _F32),) if gated else ()) + (plgpu.SMEM((2, be, dim_k), _F32),)
       + (() if in_registers else (smem((2, be, dim_k), dtype), smem((2, be, c), dtype))),
-      # k, v, T' and the factor rows, one arrival each; both chains release a slot.
-      (plgpu.Barrier(num_arrivals=4, num_barriers=stages), plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      # k, v, T' and the factor rows (with gates), one arrival each; both chains release a slot.
+      (plgpu.Barrier(num_arrivals=3 + gated, num_barriers=stages), plgpu.Barrier(num_arrivals=2, num_barriers=stages),
        plgpu.Barrier(num_barriers=1)),
   )
-  inputs = (identity, vectors, k, v, inverse)
+  inputs = (identity,) + ((vectors,) if gated else ()) + (k, v, inverse)
   kernel = functools.partial(_maps_kernel, num_chunks=tp // c, num_stages=stages, identity_blocks=identity_blocks,
-                             value_blocks=value_blocks, has_segments=runs is not None, in_registers=in_registers)
+                             value_blocks=value_blocks, gated=gated, has_segments=runs is not None,
+                             in_registers=in_registers)
   return lightning_mosaic.warpgroup_kernel(
       kernel, out_type=manual_axes.struct((b, h, dim_k + dim_v, dim_k), _F32, *inputs), scratch_types=scratch,
       grid=(h, b, max(identity_blocks, value_blocks)), grid_names=("heads", "batch", "blocks"), interpret=interpret,

@@ -328,20 +328,20 @@ def delta_pseudo_values(state_in, keys, inverse, values, rows, *, has_segments, 
 def delta_update(state_t, values_t, keys, key_exponent, state_exponent, *, staging=None, during=None,
                  channel_decay=None):
   """The chain step's second half: S^T <- 2^state_exponent S^T + (2^key_exponent * U^T) k, float32 [BLOCK_E, K].
-  values_t: `delta_pseudo_values`'; the exponents `update_exponents`'; keys, staging as there; during as
-  `update`'s. channel_decay: None, or (KDA) the state's decay per key channel [K] float32, the keys K_C coming
-  gated: S^T <- S^T Diag(channel_decay 2^state_exponent) + (2^key_exponent * U^T) K_C, the exponents packed rows'
-  segment masks (`update_exponents` of zero rates), or None."""
-  dtype = keys.dtype
+  values_t: `delta_pseudo_values`'; the exponents `update_exponents`', or None (no gates: DeltaNet unpacked, or
+  KDA's below); keys, staging as there; during as `update`'s. channel_decay: None, or (KDA) the state's decay per
+  key channel [K] float32, the keys K_C coming gated: S^T <- S^T Diag(channel_decay 2^state_exponent) +
+  (2^key_exponent * U^T) K_C, the exponents packed rows' segment masks (`update_exponents` of zero rates)."""
+  scaled, decayed = values_t, state_t
+  if key_exponent is not None:
+    scaled = values_t * lax.broadcast_in_dim(jnp.exp2(key_exponent), values_t.shape, (1,))
   if channel_decay is not None:
-    scaled = values_t
-    if key_exponent is not None:
-      scaled = values_t * lax.broadcast_in_dim(jnp.exp2(key_exponent), values_t.shape, (1,))
+    if state_exponent is not None:
       channel_decay = channel_decay * jnp.exp2(state_exponent)
-    scaled, decayed = scaled.astype(dtype), state_t * lax.broadcast_in_dim(channel_decay, state_t.shape, (1,))
-  else:
-    scaled = (values_t * lax.broadcast_in_dim(jnp.exp2(key_exponent), values_t.shape, (1,))).astype(dtype)
+    decayed = state_t * lax.broadcast_in_dim(channel_decay, state_t.shape, (1,))
+  elif state_exponent is not None:
     decayed = state_t * jnp.exp2(state_exponent)
+  scaled = scaled.astype(keys.dtype)
   if staging is not None:
     staging[1][...] = scaled
     plgpu.commit_smem()
@@ -560,14 +560,14 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       """Chunk n of the delta rule: S_n and the chunk's U^T go out together, before the update."""
       slot = slot_of(n)
       plgpu.barrier_wait(loaded.at[slot])
-      rows = chunk_factor_rows(n)
+      # Without per-chunk factors (no gates: DeltaNet or KDA, unpacked) K_g is K, or KDA's K_g as it comes; packed
+      # KDA rows still lose the state past a segment start (its factor rows' counts, of zero rates).
+      rows = chunk_factor_rows(n) if per_chunk else None
       buf = claim(n)
       state_in = state_t.astype(state_smem.dtype)
       state_smem[buf] = state_in
-      # KDA's K_g comes gated: packed, the rows still lose the state past a segment start (the factor rows' counts).
-      values_t = delta_pseudo_values(state_in, k_smem.at[slot], inverse_smem.at[slot], v_smem.at[slot],
-                                     None if channel_gated and not has_segments else rows, has_segments=has_segments,
-                                     staging=staging)
+      values_t = delta_pseudo_values(state_in, k_smem.at[slot], inverse_smem.at[slot], v_smem.at[slot], rows,
+                                     has_segments=has_segments, staging=staging)
 
       def publish_values():
         values_smem[buf] = values_t.astype(values_smem.dtype)
@@ -576,13 +576,13 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
       if not overlap_publish:
         publish_values()
       during = publish_values if overlap_publish else None
-      if channel_gated:  # packed, the exponents are the segments' alone (the factor rows' rates are zeros)
-        exponents = decay_exponents(slot, rows) if has_segments else (None, None)
+      # KDA packed: the exponents are the segments' alone (its factor rows' rates are zeros).
+      exponents = decay_exponents(slot, rows) if per_chunk else (None, None)
+      if channel_gated:
         state_t = delta_update(state_t, values_t, keys_end_smem.at[slot], *exponents, staging=staging, during=during,
                                channel_decay=channel_decay_smem[slot, 0])
       else:
-        state_t = delta_update(state_t, values_t, k_smem.at[slot], *decay_exponents(slot, rows), staging=staging,
-                               during=during)
+        state_t = delta_update(state_t, values_t, k_smem.at[slot], *exponents, staging=staging, during=during)
       plgpu.barrier_arrive(released.at[slot])
       return state_t
 
@@ -630,6 +630,8 @@ def _kernel(intra_ref, vectors_ref, q_ref, k_ref, v_ref, *refs, num_chunks, num_
 
   def _published_out():
     plgpu.barrier_wait(factors_loaded.at[0])
+    if not per_chunk:  # observed, though the stores need no factors
+      plgpu.barrier_wait(factors_loaded.at[1])
 
     @pl.loop(0, num_chunks)
     def _chunk(n):
@@ -815,7 +817,8 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
     chunk_gates: None, or per-token rates and packed sequences as
       `chunk_common.token_chunk_gates` gives them for a forward sweep over Tp
       tokens in chunks of CHUNK_SIZE: (cumdecay [B, H, Tp] float32 or None,
-      runs [B, Tp] int32 or None), with decay None.
+      runs [B, Tp] int32 or None), with decay None. The delta rule's (None,
+      None) (no gates) runs the per-head factors of no decay.
     chunk_runs: None, or with a per-head rate (or none) the segment-start
       counts of packed sequences, [B, Tp] int32 (`token_chunk_gates`' runs, in the sweep's convention).
     delta_inverse: None, or the delta rule's T' = (I + A)^{-1} Diag(beta) of
@@ -915,13 +918,16 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   channel_gated = delta_channel_gates is not None
   if channel_gated and (not is_delta or chunk_gates is None or chunk_gates[0] is not None):
     raise ValueError("delta_channel_gates takes delta_inverse and chunk_gates (None, runs or None)")
-  if is_delta and (chunk_gates is None or num_slices != 1 or delta_inverse.shape != (b, h, tp, c)):
-    raise ValueError(f"the delta rule takes chunk_gates, one slice and delta_inverse [B, H, Tp, C] = {(b, h, tp, c)}; "
-                     f"got {chunk_gates is not None}, {num_slices}, {delta_inverse.shape}")
+  if is_delta and (chunk_gates is None or decay is not None or num_slices != 1 or delta_inverse.shape != (b, h, tp, c)):
+    raise ValueError(f"the delta rule takes chunk_gates, no decay, one slice and delta_inverse [B, H, Tp, C] = "
+                     f"{(b, h, tp, c)}; got {chunk_gates is not None}, {decay is not None}, {num_slices}, "
+                     f"{delta_inverse.shape}")
   num_chunks = tp // c // num_slices
   # The last chunk's own factors serve the final state alone (one slice; reversed, the last chunk walked is whole).
   last_rows = seq_len - (tp // c - 1) * c if num_slices == 1 and not reverse else c
-  per_chunk = chunk_gates is not None
+  # The delta rule without gates (chunk_gates (None, None): DeltaNet, or KDA, whose terms carry its gates, on
+  # unpacked rows) takes the per-head factors of no decay: no factor rows a chunk, no exp2 on the chain.
+  per_chunk = chunk_gates is not None and any(gate is not None for gate in chunk_gates)
   if per_chunk:
     cumdecay, runs = chunk_gates
     if cumdecay is None:
@@ -939,7 +945,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   state_smem = swizzled_smem((published, be, dim_k), dtype)
   if with_states:  # the same bytes as the published states (see `WarpSpecializedConfig`)
     state_smem = plgpu.RefUnion(state_smem, swizzled_smem((be, dim_k), _F32))
-  registers = _register_operands(dim_k, per_chunk, interpret, is_delta)
+  registers = _register_operands(dim_k, per_chunk or is_delta, interpret, is_delta)
   staged_state = ((swizzled_smem((be, c), dtype), swizzled_smem((be, dim_k), dtype)) if is_delta
                   else (swizzled_smem((c, be), dtype),))
   staged = ((() if registers["register_scores"] else (swizzled_smem((c, c), dtype),))
