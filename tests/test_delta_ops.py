@@ -498,6 +498,12 @@ def test_sequence_pieces_where_measured():
   assert [call(32, True, False), call(16, True, False), call(32, True, True), call(16, True, True),
           call(2, True, True)] == [2, 4, 1, 1, 1]
   assert [call(32, False, kda) for kda in (False, True)] == [1, 1]
+  # Without gates (DeltaNet unpacked) the warp-specialised map pass needs 4 pieces: none at 64 programs, 4 at 32
+  # (8 at 8 programs: 128 chunks make 8 pieces of the least 16 chunks).
+  ungated = lambda h: sequence_split.call_pieces(  # noqa: E731
+      (1, 8192, h, 128), 128, lj.DeltaConfig(warp_specialized=True, block_e=64), num_sms=132, per_channel_gate=False,
+      ungated=True)
+  assert [ungated(32), ungated(16), ungated(4)] == [1, 4, 8]
   assert [call(16, False, kda) for kda in (False, True)] == [4, 4]
   # Where the kernels walk rows off whole chunks: the power of two where it cuts T into pieces of a multiple of 8
   # tokens (a reshape), else the most pieces that do, down to half the SMs' count; else the power of two, padded.

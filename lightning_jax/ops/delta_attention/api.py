@@ -207,7 +207,8 @@ def delta_attention(q, k, v, beta, decay=None, *, scale=None, initial_state=None
                          "decay, the sm90 forward); pass None or False")
       if config.sequence_pieces is None:
         config = dataclasses.replace(config, sequence_pieces=sequence_split.call_pieces(
-            q.shape, v.shape[-1], config, per_channel_gate=per_channel_gate, num_sms=heuristics.num_sms(device)))
+            q.shape, v.shape[-1], config, per_channel_gate=per_channel_gate, num_sms=heuristics.num_sms(device),
+            ungated=decay is None and starts is None))
       opts = vjp.PallasOptions(scale=scale, with_final_state=return_final_state, config=config, interpret=interpret)
       o, final_state = vjp.delta_attention_pallas(q, k, v, beta, decay, starts, initial_state, opts)
     else:

@@ -53,13 +53,16 @@ MIN_PIECE_CHUNKS = 16
 # DeltaNet, bf16, fwd+bwd), with the map pass a forward of D more value columns in twice the programs (the Triton
 # sweeps' today), 4 pieces took 23% less time at B1 H16 T64K D128 (32 programs) and 8 pieces 39% less at B2 H8 T32K
 # D64 (16), where 2 pieces at B1 H32 D128 (64) took 20% more; with the warp-specialised chain alone, 2 pieces there
-# took 5% less, and 16 pieces 19-20% less than 8 at B1 H8 T128K D64 (8 programs).
-MIN_PIECES, MIN_PIECES_WARP_SPECIALIZED = 4, 2
+# took 5% less, and 16 pieces 19-20% less than 8 at B1 H8 T128K D64 (8 programs). DeltaNet's unpacked chain, with
+# no gates, is a tenth faster than a gated one (PERFORMANCE.md, "Delta attention"), so its 2 pieces no longer pay: at
+# B1 H32 T64K D128 its forward took 1.466 ms in 2 pieces against 1.375 unsplit, fwd+bwd 6.505 against 6.464 (H200),
+# where Gated DeltaNet's 2 pieces still took 4% less forward (1.693 against 1.767).
+MIN_PIECES, MIN_PIECES_WARP_SPECIALIZED, MIN_PIECES_UNGATED = 4, 2, 4
 MAX_PIECES, MAX_PIECES_WARP_SPECIALIZED = 8, 16
 
 
 def num_pieces(*, programs: int, num_tokens: int, num_sms: int, warp_specialized_map: bool,
-               unpadded_rows: bool = False) -> int:
+               unpadded_rows: bool = False, ungated: bool = False) -> int:
   """Pieces per row (1: no split) for a call whose sweeps run `programs` programs unsplit over rows of `num_tokens`.
 
   programs: B * H * value blocks of the sweeps' width (the warp-specialised
@@ -69,7 +72,9 @@ def num_pieces(*, programs: int, num_tokens: int, num_sms: int, warp_specialized
   that is MIN_PIECES. Where the map pass is warp-specialised
   (`warp_specialized.piece_maps`: a scalar gate or none on the
   warp-specialised sweeps), MIN_PIECES_WARP_SPECIALIZED and
-  MAX_PIECES_WARP_SPECIALIZED instead (`call_pieces` says where).
+  MAX_PIECES_WARP_SPECIALIZED instead (`call_pieces` says where), and
+  MIN_PIECES_UNGATED there for rows without gates (`ungated`: DeltaNet
+  unpacked, whose chain is the fastest).
 
   With `unpadded_rows` (`piece_length`), where that power of two does not cut
   the row with no copy (T / P tokens a whole number of TMA's rows), the most
@@ -80,8 +85,8 @@ def num_pieces(*, programs: int, num_tokens: int, num_sms: int, warp_specialized
   4000 (10 pieces: 0.384 ms forward against 0.361; 6: 0.513, level with 16
   padded).
   """
-  most, least = ((MAX_PIECES_WARP_SPECIALIZED, MIN_PIECES_WARP_SPECIALIZED) if warp_specialized_map
-                 else (MAX_PIECES, MIN_PIECES))
+  most, least = ((MAX_PIECES_WARP_SPECIALIZED, MIN_PIECES_UNGATED if ungated else MIN_PIECES_WARP_SPECIALIZED)
+                 if warp_specialized_map else (MAX_PIECES, MIN_PIECES))
   num_chunks = -(-num_tokens // PIECE_ALIGN)
 
   def fits(pieces):
@@ -116,10 +121,11 @@ def walks_unpadded_pieces(config, *, per_channel_gate: bool, dim_v: int) -> bool
           and WarpSpecializedConfig.padded_dims(dim_v, dim_v)[1] <= pallas_triton.MOSAIC_GRADIENTS_MAX_E)
 
 
-def call_pieces(q_shape, dim_v: int, config, *, per_channel_gate: bool, num_sms: int) -> int:
+def call_pieces(q_shape, dim_v: int, config, *, per_channel_gate: bool, num_sms: int, ungated: bool = False) -> int:
   """`num_pieces` for a call of `delta_attention`'s Pallas path: q [B, T, H, D], E = dim_v, its resolved
   `DeltaConfig` (the sweeps' programs by its block_e, at most the warp-specialised CTAs' 64 columns; the map pass
-  warp-specialised where the sweeps are; pieces off whole chunks where `walks_unpadded_pieces`).
+  warp-specialised where the sweeps are; pieces off whole chunks where `walks_unpadded_pieces`); ungated: no decay
+  and no segments (DeltaNet unpacked).
 
   KDA's per-key-channel gates on the warp-specialised sweeps: no split. Its
   map pass is the Triton sweep's, whose chain walks 64 tokens in about 8
@@ -134,7 +140,7 @@ def call_pieces(q_shape, dim_v: int, config, *, per_channel_gate: bool, num_sms:
   b, t, h, _ = q_shape
   value_blocks = -(-dim_v // min(config.block_e, WarpSpecializedConfig.BLOCK_E))
   return num_pieces(programs=b * h * value_blocks, num_tokens=t, num_sms=num_sms,
-                    warp_specialized_map=bool(config.warp_specialized),
+                    warp_specialized_map=bool(config.warp_specialized), ungated=ungated,
                     unpadded_rows=walks_unpadded_pieces(config, per_channel_gate=per_channel_gate, dim_v=dim_v))
 
 
