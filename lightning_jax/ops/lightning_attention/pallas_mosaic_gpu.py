@@ -288,7 +288,7 @@ def delta_pseudo_values(state_in, keys, inverse, values, rows, *, has_segments, 
   and values [C, BLOCK_E] the chunk's tiles in shared memory (values None:
   zeros, the identity columns of the sequence split's map pass); rows: its
   factor rows (`chunk_factors`), or None where the keys come gated (K_g itself,
-  KDA's). staging: None (the left operands of wgmma in registers, compiled),
+  KDA's) or there are no gates (K_g = K). staging: None (the left operands of wgmma in registers, compiled),
   or shared memory for them, (S^T [BLOCK_E, K], [BLOCK_E, C]), as the
   interpreter needs.
   """
