@@ -288,9 +288,9 @@ def delta_pseudo_values(state_in, keys, inverse, values, rows, *, has_segments, 
   and values [C, BLOCK_E] the chunk's tiles in shared memory (values None:
   zeros, the identity columns of the sequence split's map pass); rows: its
   factor rows (`chunk_factors`), or None where the keys come gated (K_g itself,
-  KDA's) or there are no gates (K_g = K). staging: None (the left operands of wgmma in registers, compiled),
-  or shared memory for them, (S^T [BLOCK_E, K], [BLOCK_E, C]), as the
-  interpreter needs.
+  KDA's) or there are no gates (K_g = K). staging: None (the left operands of
+  wgmma in registers, compiled), or shared memory for them, (S^T [BLOCK_E, K],
+  [BLOCK_E, C]), as the interpreter needs.
   """
   c, be = CHUNK_SIZE, BLOCK_E
   dtype = state_in.dtype
@@ -750,7 +750,8 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool
   has no initialised accumulator, so there staging tiles (allocated only for
   staged operands) hold the same operands, and the update is added after the
   product. The delta rule's chain keeps its left operands in registers at
-  every K (the state, -(K_g S)^T, key * U^T): all come from its accumulators.
+  every K (the state, -(K_g S)^T, key * U^T): all come from its accumulators;
+  so do its scores, gated or not (as measured with per-chunk factors).
   At K = 128 it also publishes U^T for the output warpgroup while its update's
   products run (`overlap_publish`; they read key * U^T from registers): on an
   H200 (DeltaNet, forward kernel, `jax.profiler`) 0.209 -> 0.189 ms at B2 H32
@@ -760,7 +761,7 @@ def _register_operands(dim_k: int, per_chunk: bool, interpret: bool, delta: bool
   """
   compiled = not interpret
   return dict(register_state=compiled and (dim_k > 64 or delta),
-              register_scores=compiled and (per_chunk or dim_k > 64),
+              register_scores=compiled and (per_chunk or delta or dim_k > 64),
               overlap_publish=compiled and delta and dim_k > 64)
 
 
@@ -945,7 +946,7 @@ def forward_padded(q, k, v, decay, initial_state=None, *, chunk_gates=None, chun
   state_smem = swizzled_smem((published, be, dim_k), dtype)
   if with_states:  # the same bytes as the published states (see `WarpSpecializedConfig`)
     state_smem = plgpu.RefUnion(state_smem, swizzled_smem((be, dim_k), _F32))
-  registers = _register_operands(dim_k, per_chunk or is_delta, interpret, is_delta)
+  registers = _register_operands(dim_k, per_chunk, interpret, is_delta)
   staged_state = ((swizzled_smem((be, c), dtype), swizzled_smem((be, dim_k), dtype)) if is_delta
                   else (swizzled_smem((c, be), dtype),))
   staged = ((() if registers["register_scores"] else (swizzled_smem((c, c), dtype),))
