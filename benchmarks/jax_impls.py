@@ -71,27 +71,28 @@ def device_info() -> dict:
                         **worker.package_versions(["jaxlib", "numpy"])})
 
 
-def copy_bandwidth(num_bytes: int, sample_seconds: float) -> dict:
+def copy_bandwidth(num_bytes: int, sample_seconds: float, warmup_seconds: float = 0.0) -> dict:
   """Device-to-device streaming bandwidth: y = x + 1 over `num_bytes` of float32 (read + write).
 
   The input is random, not zeros: a device may move zeros faster than data.
-  Samples last `sample_seconds`, as the cases' do, so that the floors and the
-  times carry the same share of the host's dispatch and sync latency.
+  Samples last `sample_seconds` after `warmup_seconds` of back-to-back calls,
+  as the cases' do, so that the floors and the times carry the same share of
+  the host's dispatch and sync latency and are taken at the same clocks.
   """
   x = jax.random.uniform(jax.random.PRNGKey(0), (num_bytes // 4,), jnp.float32)
   add_one = jax.jit(lambda a: a + 1).lower(x).compile()
   stats = timing.measure(lambda i: add_one(x), jax.block_until_ready, warmup=3, min_iters=10, max_iters=50,
-                         max_seconds=1.0, min_sample_seconds=sample_seconds)
+                         max_seconds=1.0, min_sample_seconds=sample_seconds, warmup_seconds=warmup_seconds)
   moved = 2 * x.nbytes
   return dict(bytes_moved=moved, time_ms=stats["time_ms"], bandwidth_gbps=moved / stats["time_ms"] / 1e6)
 
 
-def probe(path: str, sample_seconds: float):
+def probe(path: str, sample_seconds: float, warmup_seconds: float = 0.0):
   """Writes device_info() and the copy bandwidth (1 GiB on a GPU, 16 MiB elsewhere) to `path`."""
   info = device_info()
   limit = info["bytes_limit"]
   num_bytes = min(1 << 30, limit // 8) if info["platform"] == "gpu" and limit else 16 << 20
-  info["copy_bandwidth"] = copy_bandwidth(num_bytes, sample_seconds)
+  info["copy_bandwidth"] = copy_bandwidth(num_bytes, sample_seconds, warmup_seconds)
   with open(path, "w") as f:
     json.dump(info, f)
 
@@ -304,7 +305,8 @@ def measure_mode(case: JaxCase, mode: str) -> dict:
   call = _calls(case, mode)
   s = case.settings
   stats = timing.measure(call, jax.block_until_ready, n_sets=len(case.inputs), warmup=s["warmup"],
-                         max_iters=s["iters"], max_seconds=s["case_seconds"], min_sample_seconds=s["sample_seconds"])
+                         max_iters=s["iters"], max_seconds=s["case_seconds"], min_sample_seconds=s["sample_seconds"],
+                         warmup_seconds=s["warmup_seconds"])
   peak = _peak_bytes()
   del call
   memory.update(device_peak_bytes_in_use=peak,
@@ -340,7 +342,7 @@ class JaxBackend(worker.Backend):
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   if argv[:1] == ["--probe"]:
-    probe(argv[1], float(argv[2]))
+    probe(argv[1], *map(float, argv[2:4]))
     return
   worker.main(lambda: JaxBackend(lightning_or_baseline, lightning_unavailable), argv)
 

@@ -1,7 +1,7 @@
 """Per-kernel device time of the CLI's cases, from a `jax.profiler` trace (PERFORMANCE.md's per-kernel numbers).
 
     python -m benchmarks.kernel_times --ops deltanet,gated_deltanet --impls lj-delta-pallas,jla-delta-mosaic \
-        --shapes 2x8192x32x128 --modes fwd,fwdbwd [--calls 3] [--top 12] [--launches] [--timed]
+        --shapes 2x8192x32x128 --modes fwd,fwdbwd [--calls 3] [--top 12] [--launches] [--back-to-back] [--timed]
 
 Each case is built as `benchmarks.run` builds it (the same functions, inputs
 and gates: `jax_impls`, `peers.jla`), compiled and run once; then `--calls`
@@ -59,19 +59,24 @@ def kernel_times(trace: dict, calls: int) -> dict:
 
 
 def launches(trace: dict, calls: int) -> dict:
-  """{device process name: [(kernel, ms), ...]}: the last of `calls` calls' kernels in launch order (GPU processes
-  only), each launch apart: kernels of one name (XLA names a kernel compiled once and launched twice alike, as the
-  dv and dk sweeps of the backward) stay apart."""
+  """{device process name: [(kernel, ms, idle ms), ...]}: the last of `calls` calls' kernels in launch order (GPU
+  processes only), each launch apart: kernels of one name (XLA names a kernel compiled once and launched twice
+  alike, as the dv and dk sweeps of the backward) stay apart. Idle: the device's time between the previous kernel's
+  end (the previous call's last, for the first) and this one's start."""
   found = {}
   for process, events in _device_events(trace).items():
     events = sorted(events, key=lambda e: e["ts"])
-    found[process] = [(e["name"], e["dur"] / 1e3) for e in events[len(events) - len(events) // calls:]]
+    first = len(events) - len(events) // calls
+    found[process] = [(e["name"], e["dur"] / 1e3,
+                       (e["ts"] - events[i - 1]["ts"] - events[i - 1]["dur"]) / 1e3 if i else 0.0)
+                      for i, e in enumerate(events) if i >= first]
   return found
 
 
-def trace_calls(fn, args, calls: int, folder: pathlib.Path | None = None) -> dict:
-  """The Perfetto trace (`jax.profiler`) of `calls` calls of fn(*args), each waited for; written under `folder`
-  (None: a temporary one)."""
+def trace_calls(fn, args, calls: int, folder: pathlib.Path | None = None, *, back_to_back: bool = False) -> dict:
+  """The Perfetto trace (`jax.profiler`) of `calls` calls of fn(*args), each waited for (back_to_back: enqueued
+  back to back, as the CLI's samples are, and the last waited for); written under `folder` (None: a temporary
+  one)."""
   import jax  # noqa: PLC0415
 
   with contextlib.ExitStack() as stack:
@@ -79,7 +84,10 @@ def trace_calls(fn, args, calls: int, folder: pathlib.Path | None = None) -> dic
       folder = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))
     with jax.profiler.trace(str(folder), create_perfetto_trace=True):
       for _ in range(calls):
-        jax.block_until_ready(fn(*args))
+        out = fn(*args)
+        if not back_to_back:
+          jax.block_until_ready(out)
+      jax.block_until_ready(out)
     (path,) = folder.glob("**/perfetto_trace.json.gz")
     with gzip.open(path) as f:
       return json.load(f)
@@ -106,9 +114,11 @@ def unavailable(job: dict) -> str | None:
   return reason if reason is not None else jax_impls.lightning_unavailable(job)
 
 
-def case_kernel_times(job: dict, mode: str, calls: int, *, by_launch: bool = False, timed: bool = False):
+def case_kernel_times(job: dict, mode: str, calls: int, *, by_launch: bool = False, timed: bool = False,
+                      back_to_back: bool = False):
   """(`kernel_times` (by_launch: `launches`) of one job's mode ("fwd" or "fwdbwd"), on the CLI's function and first
-  input set; with timed, `timing.measure`'s result of the function timed as the CLI times it, else None)."""
+  input set (back_to_back: `trace_calls`'); with timed, `timing.measure`'s result of the function timed as the CLI
+  times it, else None)."""
   import jax  # noqa: PLC0415
 
   from benchmarks import jax_impls  # noqa: PLC0415
@@ -121,13 +131,14 @@ def case_kernel_times(job: dict, mode: str, calls: int, *, by_launch: bool = Fal
   sets = [(*x[:3], *extras) if mode == "fwd" else (*x, *extras) for x in jax_impls.make_inputs(job, n_sets)]
   fn = jax.jit(fns[mode])
   jax.block_until_ready(fn(*sets[0]))  # compiled and warm before the trace
-  trace = trace_calls(fn, sets[0], calls)
+  trace = trace_calls(fn, sets[0], calls, back_to_back=back_to_back)
   found = launches(trace, calls) if by_launch else kernel_times(trace, calls)
   if not timed:
     return found, None
   return found, timing.measure(lambda i: fn(*sets[i]), jax.block_until_ready, n_sets=n_sets,
                                warmup=settings["warmup"], max_iters=settings["iters"],
-                               max_seconds=settings["case_seconds"], min_sample_seconds=settings["sample_seconds"])
+                               max_seconds=settings["case_seconds"], min_sample_seconds=settings["sample_seconds"],
+                               warmup_seconds=settings["warmup_seconds"])
 
 
 def parse_args(argv=None):
@@ -142,7 +153,10 @@ def parse_args(argv=None):
   p.add_argument("--calls", type=int, default=3, help="calls traced per case")
   p.add_argument("--top", type=int, default=12, help="kernels listed per case")
   p.add_argument("--launches", action="store_true",
-                 help="list the last call's kernel launches in order, each apart, instead of sums by name")
+                 help="list the last call's kernel launches in order, each apart and with the device's idle time "
+                      "before it, instead of sums by name")
+  p.add_argument("--back-to-back", action="store_true",
+                 help="enqueue the traced calls back to back (as the CLI's samples), not each waited for")
   p.add_argument("--timed", action="store_true",
                  help="also time each case as the CLI does (input sets rotated, 20 ms samples), in this process")
   args = p.parse_args(argv)
@@ -168,15 +182,18 @@ def main(argv=None):
       if reason is not None:
         print(f"== {label}: skipped ({reason})", flush=True)
         continue
-      found, stats = case_kernel_times(job, mode, args.calls, by_launch=args.launches, timed=args.timed)
+      found, stats = case_kernel_times(job, mode, args.calls, by_launch=args.launches, timed=args.timed,
+                                       back_to_back=args.back_to_back)
       if not found:
         print(f"== {label}: no GPU events (XLA ran on the host)", flush=True)
       for process, kernels in found.items():
         rows = kernels if args.launches else list(kernels.items())[:args.top]
-        total = sum(ms for _, ms in kernels) if args.launches else sum(kernels.values())
-        print(f"== {label}, {process}: {total:.3f} ms of kernels per call", flush=True)
-        for i, (name, ms) in enumerate(rows):
-          print(f"   {f'{i:3d}.' if args.launches else ''}{ms:8.3f} ms  {name[:100]}", flush=True)
+        total = sum(row[1] for row in kernels) if args.launches else sum(kernels.values())
+        idle = f", {sum(row[2] for row in kernels):.3f} ms idle between them" if args.launches else ""
+        print(f"== {label}, {process}: {total:.3f} ms of kernels per call{idle}", flush=True)
+        for i, (name, ms, *gap) in enumerate(rows):
+          after = f" (after {gap[0]:.3f} ms idle)" if gap else ""
+          print(f"   {f'{i:3d}.' if args.launches else ''}{ms:8.3f} ms{after}  {name[:100]}", flush=True)
       if stats is not None:
         print(f"   {stats['time_ms']:8.3f} ms  a call timed as the CLI times it ({stats['n_sets']} input sets rotated)",
               flush=True)

@@ -96,8 +96,10 @@ def parse_args(argv) -> argparse.Namespace:
     p.error(str(err))
   # On the CPU the smoke run takes the chunked jnp path explicitly; "auto" picks the kernels on a GPU.
   args.impl = "xla" if args.smoke and jax.default_backend() == "cpu" else "auto"
-  args.settings = dict(profile["settings"], iters=args.iters, sample_seconds=(
-      timing.GPU_SAMPLE_SECONDS if jax.default_backend() == "gpu" else 1e-3))
+  on_gpu = jax.default_backend() == "gpu"
+  args.settings = dict(profile["settings"], iters=args.iters,
+                       sample_seconds=timing.GPU_SAMPLE_SECONDS if on_gpu else 1e-3,
+                       warmup_seconds=timing.GPU_WARMUP_SECONDS if on_gpu else 0.0)
   return args
 
 

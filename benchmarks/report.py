@@ -271,6 +271,12 @@ def _floor_note(data: dict) -> str:
           + ", ".join(f"{bw} GB/s" for bw in runs) + ")")
 
 
+def _warmup_seconds_note(settings: dict) -> str:
+  """The back-to-back warm-up before a case's samples, where the run had one (runs before the setting had none)."""
+  seconds = settings.get("warmup_seconds") or 0
+  return f" and {seconds:g} s of back-to-back calls (the GPU at its power cap's steady clocks)" if seconds else ""
+
+
 def _probes_note(bw: dict) -> str:
   probes = bw.get("bandwidth_gbps_probes")
   if not probes:
@@ -293,8 +299,8 @@ def _metadata_section(data: dict) -> str:
       f"- Versions: {versions}",
       f"- Copy bandwidth (y = x + 1 in float32, {fmt_bytes(bw.get('bytes_moved', 0))} read + written): "
       f"{bw.get('bandwidth_gbps', float('nan')):.0f} GB/s{_probes_note(bw)}{_floor_note(data)}",
-      f"- Timing: up to {settings.get('warmup')} warm-up calls, then the median of up to "
-      f"{settings.get('iters')} device-synchronised samples in {settings.get('case_seconds')} s (at least 3; "
+      f"- Timing: up to {settings.get('warmup')} warm-up calls{_warmup_seconds_note(settings)}, then the median of "
+      f"up to {settings.get('iters')} device-synchronised samples in {settings.get('case_seconds')} s (at least 3; "
       # Runs before the setting existed used 1 ms.
       f"each of at least {1e3 * settings.get('sample_seconds', 1e-3):g} ms of back-to-back calls; "
       f"compilation and autotuning excluded; input sets rotated over {fmt_bytes(settings.get('rotate_bytes', 0))}). "

@@ -59,7 +59,7 @@ RETRY_MIN_SECONDS = 10.0  # the least time left worth a second pass over the cas
 LOG_TAIL_CHARS = 1500
 VERSIONED_PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "numpy", "torch", "triton",
                       "fla-core", "lightning-attn", "jax-linear-attention")
-SETTINGS = ("warmup", "iters", "case_seconds", "sample_seconds", "compile_threads", "rotate_bytes")
+SETTINGS = ("warmup", "warmup_seconds", "iters", "case_seconds", "sample_seconds", "compile_threads", "rotate_bytes")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "initial and final state (default: segment ids, no states)")
   p.add_argument("--dtype", choices=sorted(cases.DTYPE_ITEMSIZE))
   p.add_argument("--warmup", type=int, help="warm-up calls per case (after compilation)")
+  p.add_argument("--warmup-seconds", type=float,
+                 help="seconds of back-to-back calls per case before its samples, discarded (the GPU at its power "
+                      "cap's steady clocks)")
   p.add_argument("--iters", type=int, help="most timed samples per case")
   p.add_argument("--case-seconds", type=float, help="most seconds of timed samples per case (at least 3 samples)")
   p.add_argument("--sample-seconds", type=float,
@@ -240,11 +243,12 @@ def run_group(group: str, jobs: list[dict], settings: dict, deadline: float, wor
   return [results[j["id"], m] for j in jobs for m in j["modes"]], info
 
 
-def run_probe(workdir: pathlib.Path, kill_at: float, sample_seconds: float, name: str = "probe") -> dict:
-  """Device information and copy bandwidth from `benchmarks.jax_impls --probe`, timed like the cases."""
+def run_probe(workdir: pathlib.Path, kill_at: float, settings: dict, name: str = "probe") -> dict:
+  """Device information and copy bandwidth from `benchmarks.jax_impls --probe`, timed like the cases (their
+  `settings`' sample length and warm-up seconds)."""
   path = workdir / f"{name}.json"
-  _, rc, log = run_worker("benchmarks.jax_impls", ["--probe", str(path), str(sample_seconds)], workdir, name,
-                          kill_at)
+  timing_args = [str(settings["sample_seconds"]), str(settings["warmup_seconds"])]
+  _, rc, log = run_worker("benchmarks.jax_impls", ["--probe", str(path), *timing_args], workdir, name, kill_at)
   if rc == 0 and path.exists():
     return json.loads(path.read_text())
   return {"error": f"probe failed (code {rc}): {log}"}
@@ -327,8 +331,7 @@ def run_repeats(jobs: list[dict], settings: dict, probe: dict, end: float, workd
   passes, infos, probes = [], {}, [probe]
   for i in range(repeats):
     if i:
-      probes.append(run_probe(workdir, min(end, time.time() + PROBE_SECONDS), settings["sample_seconds"],
-                              f"pass{i}-probe"))
+      probes.append(run_probe(workdir, min(end, time.time() + PROBE_SECONDS), settings, f"pass{i}-probe"))
     now = time.time()
     pass_end = now + max(0.0, end - now) / (repeats - i)
     results, more = run_groups(jobs, settings, probe, pass_end, workdir, start, f"pass{i}-", i % 2 == 1, env)
@@ -439,7 +442,7 @@ def main(argv=None) -> dict:
   start = time.time()
   with tempfile.TemporaryDirectory(prefix="lightning-jax-bench-") as tmp:
     workdir = pathlib.Path(tmp)
-    probe = run_probe(workdir, start + min(PROBE_SECONDS, args.max_seconds), plan.settings["sample_seconds"])
+    probe = run_probe(workdir, start + min(PROBE_SECONDS, args.max_seconds), plan.settings)
     stem = args.name or cases.device_slug(probe.get("device_kind", "unknown"))
     earlier, commands = previous_run(args.out_dir / f"{stem}.json") if args.resume else ([], [])
     jobs = still_to_run(plan.jobs, earlier)

@@ -469,8 +469,12 @@ def test_sample_seconds_of_the_profiles():
   assert run.make_plan(run.parse_args(["--sample-seconds", "0.05"])).settings["sample_seconds"] == 0.05
   assert run.make_plan(run.parse_args([])).settings["sample_seconds"] == cases.GPU_SAMPLE_SECONDS
   assert run.make_plan(run.parse_args(["--smoke"])).settings["sample_seconds"] == 0.001
-  # The GPU profiles sample as long as the autotuner does.
+  # The GPU profiles sample as long as the autotuner does, after as long a warm-up as the timing module's.
   assert cases.GPU_SAMPLE_SECONDS == timing.GPU_SAMPLE_SECONDS == 0.02
+  assert cases.GPU_WARMUP_SECONDS == timing.GPU_WARMUP_SECONDS == 0.5
+  assert run.make_plan(run.parse_args([])).settings["warmup_seconds"] == cases.GPU_WARMUP_SECONDS
+  assert run.make_plan(run.parse_args(["--smoke"])).settings["warmup_seconds"] == 0.0
+  assert run.make_plan(run.parse_args(["--warmup-seconds", "2"])).settings["warmup_seconds"] == 2.0
 
 
 class _Backend(worker.Backend):
@@ -540,6 +544,7 @@ def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch,
   jobs = cases.make_jobs(["fla-chunk", "lj-xla"], [cases.Shape(1, 8, 1, 16, 16)], [True], ["fwd"], "bf16")
   times = {"fla": [3.0, 1.0, 2.0], "lj-xla": [5.0, 7.0, 6.0]}  # per pass; lj-xla's second pass fails
   calls, envs = [], []
+  timing_settings = {"sample_seconds": 0.02, "warmup_seconds": 0.5}
 
   def fake_run_group(group, step_jobs, settings, deadline, workdir, start, label, env=None):
     calls.append(label)
@@ -549,8 +554,8 @@ def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch,
     return [worker.result(j, "fwd", status, time_ms=times[group][i], compile_s=10.0 - i, memory={"pass": i})
             for j in step_jobs], {}
 
-  def fake_run_probe(workdir, kill_at, sample_seconds, name="probe"):
-    assert sample_seconds == 0.02  # the probe's samples last as long as the cases'
+  def fake_run_probe(workdir, kill_at, settings, name="probe"):
+    assert settings == timing_settings  # the probe's samples last as long as the cases', after as long a warm-up
     calls.append(name)
     if name != "pass1-probe":
       return {"error": "probe failed"}
@@ -559,7 +564,7 @@ def test_repeats_alternate_the_group_order_and_keep_the_median_pass(monkeypatch,
   monkeypatch.setattr(run, "run_group", fake_run_group)
   monkeypatch.setattr(run, "run_probe", fake_run_probe)
   first = {"platform": "cpu", "copy_bandwidth": {"bandwidth_gbps": 3000.0, "bytes_moved": 4, "time_ms": 1.0}}
-  results, _, probes = run.run_repeats(jobs, {"sample_seconds": 0.02}, first, time.time() + 3600, tmp_path,
+  results, _, probes = run.run_repeats(jobs, timing_settings, first, time.time() + 3600, tmp_path,
                                        time.time(), 3)
   assert calls == ["pass0-fla-t0", "pass0-lj-xla-t0", "pass1-probe", "pass1-lj-xla-t0", "pass1-fla-t0",
                    "pass2-probe", "pass2-fla-t0", "pass2-lj-xla-t0"]
@@ -703,7 +708,8 @@ def test_kernel_times_per_device_from_a_perfetto_trace():
 
 
 def test_kernel_launches_of_the_last_call_in_order():
-  """`--launches`: the last call's kernels in launch order, two launches of one name apart, per GPU process."""
+  """`--launches`: the last call's kernels in launch order, two launches of one name apart, per GPU process, each with
+  the device's idle time before it (the first: since the previous call's last kernel)."""
   from benchmarks import kernel_times  # noqa: PLC0415
 
   meta = lambda pid, name: {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}  # noqa: E731
@@ -712,4 +718,7 @@ def test_kernel_launches_of_the_last_call_in_order():
   second = [event(2, "states", 7000.0, 1000.0), event(2, "loop", 8000.0, 3100.0), event(2, "loop", 11200.0, 2400.0)]
   trace = {"traceEvents": [meta(1, "/host:CPU"), meta(2, "/device:GPU:0"), event(1, "PjitFunction", 0.0, 9e3),
                            *second[::-1], *first]}
-  assert kernel_times.launches(trace, calls=2) == {"/device:GPU:0": [("states", 1.0), ("loop", 3.1), ("loop", 2.4)]}
+  found = kernel_times.launches(trace, calls=2)
+  assert list(found) == ["/device:GPU:0"]
+  assert [(name, ms) for name, ms, _ in found["/device:GPU:0"]] == [("states", 1.0), ("loop", 3.1), ("loop", 2.4)]
+  assert [idle for *_, idle in found["/device:GPU:0"]] == pytest.approx([0.5, 0.0, 0.1])

@@ -43,6 +43,23 @@ def test_samples_span_sample_seconds_of_back_to_back_calls(monkeypatch):
   assert stats["time_ms"] == pytest.approx(3.0) and stats["sample_ms_min"] == pytest.approx(21.0)
 
 
+def test_warmup_seconds_of_samples_are_discarded(monkeypatch):
+  """`warmup_seconds` of back-to-back samples run before the timed ones (the GPU at its power cap's steady clocks)
+  and none of them is in the result: calls slow down after 50 ms of load, as an H200's clocks drop at its cap."""
+  now = [0.0]
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+  def call(i):  # 1 ms per call for the first 50 ms, then 1.2 ms
+    now[0] += 0.001 if now[0] < 0.05 else 0.0012
+  kwargs = dict(warmup=1, min_iters=5, max_iters=5, max_seconds=10.0, min_sample_seconds=0.01)
+  cold = timing.measure(call, lambda _: None, **kwargs)
+  assert cold["warmup_samples"] == 0 and cold["time_ms_min"] == pytest.approx(1.0)  # samples before the drop
+  now[0] = 0.0
+  warm = timing.measure(call, lambda _: None, warmup_seconds=0.1, **kwargs)
+  assert warm["warmup_samples"] >= 7 and warm["time_ms_min"] == pytest.approx(1.2)  # every sample after it
+  assert warm["calls_per_sample"] == cold["calls_per_sample"]
+
+
 def test_samples_are_sized_past_sync_latency_and_a_slow_first_call(monkeypatch):
   # 0.1 ms per call and 1 ms per sync: one call reads 1.1 ms, so sizing from it
   # alone gives 19-call samples of 2.9 ms. The first call also took 5 s (as a

@@ -130,7 +130,7 @@ class TorchBackend(worker.Backend):
       s = ctx.settings
       stats = self.timing.measure(call, lambda _: self.torch.cuda.synchronize(), n_sets=len(ctx.inputs),
                              warmup=s["warmup"], max_iters=s["iters"], max_seconds=s["case_seconds"],
-                             min_sample_seconds=s["sample_seconds"])
+                             min_sample_seconds=s["sample_seconds"], warmup_seconds=s["warmup_seconds"])
     except Exception as exc:
       message = f"{type(exc).__name__}: {exc}"
       if any(fragment in message for fragment in self.refusals):

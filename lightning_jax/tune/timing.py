@@ -17,6 +17,12 @@ implementation is timed the same way:
   overhead for short kernels; long kernels use one call per sample. It is
   sized from timed batches of calls, not from one call, whose launch and sync
   latency would overstate a short kernel's time and cut its samples short;
+* `warmup_seconds` of such samples, discarded, come first: under sustained load
+  an H200 reaches its 700 W power cap within about 0.1 s and then runs the
+  memory-bound kernels at 1350-1500 MHz instead of 1980 (up to 19% longer
+  kernels), so the first samples after an idle spell (a compilation) ran faster
+  than the rest and moved the median; warmed up, every sample is taken in the
+  steady state that a training loop sees (PERFORMANCE.md, "Timing method");
 * samples are taken until `max_iters` samples or `max_seconds`, but at least
   `min_iters`; the result is their median (with min, p10, p90).
 """
@@ -31,6 +37,8 @@ import time
 # calls, the host's dispatch and sync latency adds under 1% (benchmarks/
 # PERFORMANCE.md, "Timing method"). The benchmark CLI's GPU profiles use the same.
 GPU_SAMPLE_SECONDS = 0.02
+# Back-to-back calls before the samples on a GPU: the power cap's clocks are steady after about 0.3 s of load.
+GPU_WARMUP_SECONDS = 0.5
 
 
 def _sample(call, sync, start: int, count: int, n_sets: int) -> float:
@@ -70,8 +78,9 @@ def _calls_per_sample(call, sync, n_sets: int, one_call: float, min_sample_secon
 
 
 def measure(call, sync, *, n_sets: int = 1, warmup: int = 2, min_iters: int = 3, max_iters: int = 20,
-            max_seconds: float = 0.5, min_sample_seconds: float = 1e-3) -> dict:
-  """Times `call`; returns milliseconds (median, min, p10, p90), the sample counts and lengths."""
+            max_seconds: float = 0.5, min_sample_seconds: float = 1e-3, warmup_seconds: float = 0.0) -> dict:
+  """Times `call`; returns milliseconds (median, min, p10, p90), the sample counts and lengths, and the samples
+  discarded in `warmup_seconds`."""
   one_call = spent = 0.0
   for i in range(max(1, warmup)):  # the last warm-up call starts the sample sizing
     if i and spent > max_seconds:
@@ -79,13 +88,17 @@ def measure(call, sync, *, n_sets: int = 1, warmup: int = 2, min_iters: int = 3,
     one_call = _sample(call, sync, i, 1, n_sets)
     spent += one_call
   per_sample = _calls_per_sample(call, sync, n_sets, one_call, min_sample_seconds)
+  discarded, start = 0, time.perf_counter()
+  while time.perf_counter() - start < warmup_seconds:
+    _sample(call, sync, discarded * per_sample, per_sample, n_sets)
+    discarded += 1
   samples, start = [], time.perf_counter()
   while len(samples) < max(1, min_iters) or (len(samples) < max_iters and time.perf_counter() - start < max_seconds):
     samples.append(_sample(call, sync, len(samples) * per_sample, per_sample, n_sets))
   ordered = sorted(samples)
   return dict(time_ms=1e3 * statistics.median(ordered), time_ms_min=1e3 * ordered[0],
               time_ms_p10=1e3 * _quantile(ordered, 0.1), time_ms_p90=1e3 * _quantile(ordered, 0.9),
-              samples=len(samples), calls_per_sample=per_sample, n_sets=n_sets,
+              samples=len(samples), calls_per_sample=per_sample, n_sets=n_sets, warmup_samples=discarded,
               sample_ms_min=1e3 * per_sample * ordered[0])
 
 
